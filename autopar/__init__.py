@@ -1,0 +1,35 @@
+"""autopar: a compiler that auto-parallelizes PyTorch models.
+
+The data flow: :func:`capture` (torch.export) -> analysis -> plan -> passes -> per-rank code ->
+runtime. This module is a thin face over it; import costs stay in the submodules.
+"""
+
+from autopar.frontend import CapturedGraph, capture
+from autopar.errors import (
+    AutoparError,
+    ClusterSpecError,
+    InfeasiblePlanError,
+    InvalidInputError,
+    PlanMismatchError,
+    ShardingError,
+    UnsupportedOpError,
+    UnsupportedOpWarning,
+    UntraceableModelError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "capture",
+    "CapturedGraph",
+    "AutoparError",
+    "ClusterSpecError",
+    "InfeasiblePlanError",
+    "InvalidInputError",
+    "PlanMismatchError",
+    "ShardingError",
+    "UnsupportedOpError",
+    "UnsupportedOpWarning",
+    "UntraceableModelError",
+    "__version__",
+]

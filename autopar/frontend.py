@@ -1,0 +1,690 @@
+"""Capture: an ``nn.Module`` (plus its loss) into an annotated ATen-level fx graph.
+
+``capture(model, example_inputs, loss_fn, example_targets=...)`` traces ``loss_fn(model(*inputs),
+*targets)`` (or the model alone) with ``torch.export`` in non-strict mode, with the batch and
+sequence dimensions of the inputs marked dynamic, so shapes come out as expressions in ``b`` and
+``s``. Models built on the meta device are traced without allocating weights (GPT-3 175B captures
+in seconds). When export cannot take the model, capture retries with static shapes, and then
+falls back to ``torch.fx.symbolic_trace`` with node-by-node lowering (see ``_fx_fallback``).
+
+The result, :class:`CapturedGraph`, owns a lifted graph module: parameters, buffers and constants
+are placeholders, each node carries a :class:`autopar.ir.NodeInfo`, and the graph is split into
+:class:`autopar.ir.Layer` s (repeated blocks detected by structure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import logging
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import sympy
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from autopar.errors import InvalidInputError, UntraceableModelError
+from autopar.ir import (
+    BATCH,
+    SEQ,
+    META_KEY,
+    Layer,
+    LayerKind,
+    NodeInfo,
+    NodeKind,
+    TensorSpec,
+    info,
+    iter_tensor_specs,
+    op_name,
+    spec_from_value,
+)
+
+__all__ = ["capture", "CapturedGraph", "CaptureMethod", "ParamInfo"]
+
+log = logging.getLogger(__name__)
+
+#: Attribute name of the user's model inside the traced wrapper; stripped from every FQN.
+_MODEL_ATTR = "model"
+
+
+class CaptureMethod(enum.Enum):
+    EXPORT = "torch.export (dynamic batch/seq)"
+    EXPORT_STATIC = "torch.export (static shapes)"
+    FX = "torch.fx.symbolic_trace (static shapes)"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """A parameter or buffer of the captured model, by the placeholder that carries it."""
+
+    placeholder: str
+    fqn: str
+    #: Other names of the same tensor in the model (tied weights), besides ``fqn``.
+    aliases: tuple[str, ...]
+    spec: TensorSpec
+    requires_grad: bool
+
+
+@dataclass
+class CapturedGraph:
+    """A traced model: lifted ATen graph + what autopar knows about it."""
+
+    gm: torch.fx.GraphModule
+    method: CaptureMethod
+    #: Placeholders in call order: parameters, buffers, constants, inputs, targets.
+    params: dict[str, ParamInfo]
+    buffers: dict[str, ParamInfo]
+    constants: dict[str, torch.Tensor]
+    input_names: list[str]
+    target_names: list[str]
+    #: Symbol -> size used in the example inputs (e.g. {b: 2, s: 16}).
+    example_sizes: dict[sympy.Symbol, int]
+    layers: list[Layer]
+    has_loss: bool
+    #: The user's model (not copied; capture never mutates it).
+    model: nn.Module | None = None
+    exported: ExportedProgram | None = None
+    warnings: list[str] = field(default_factory=list)
+    #: Export's own shape symbols -> b / s (for nodes created after capture from fake values).
+    symbol_rename: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)
+    #: The analysis (autopar.passes.analyze.ModelProfile), filled on first use.
+    profile: Any = None
+
+    # -- lookups --------------------------------------------------------------------------
+    def node(self, name: str) -> torch.fx.Node:
+        return self._nodes_by_name()[name]
+
+    def _nodes_by_name(self) -> dict[str, torch.fx.Node]:
+        cache = getattr(self, "_node_cache", None)
+        if cache is None or len(cache) != len(self.gm.graph.nodes):
+            cache = {n.name: n for n in self.gm.graph.nodes}
+            object.__setattr__(self, "_node_cache", cache)
+        return cache
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    @property
+    def num_params(self) -> int:
+        """Number of distinct parameter elements (tied weights counted once)."""
+        return sum(int(p.spec.numel) for p in self.params.values())
+
+    @property
+    def symbols(self) -> dict[str, sympy.Symbol]:
+        return {sym.name: sym for sym in self.example_sizes}
+
+    def example_size_kwargs(self) -> dict[str, int]:
+        return {sym.name: size for sym, size in self.example_sizes.items()}
+
+    # -- running the captured program ------------------------------------------------------
+    def placeholder_values(self, model: nn.Module | None = None) -> list[torch.Tensor]:
+        """Parameters, buffers and constants in placeholder order, read from ``model``."""
+        model = model if model is not None else self.model
+        if model is None:
+            raise InvalidInputError("the captured graph holds no model to read weights from",
+                                    fix="pass the model explicitly")
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        values = [tensors[p.fqn] for p in self.params.values()]
+        values += [tensors[b.fqn] for b in self.buffers.values()]
+        values += list(self.constants.values())
+        return values
+
+    def run(self, *inputs: Any, model: nn.Module | None = None) -> Any:
+        """Run the captured graph (single device): the reference for every parallel check."""
+        out = self.gm(*self.placeholder_values(model), *inputs)
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+
+class _TracedStep(nn.Module):
+    """``loss_fn(model(*inputs), *targets)`` as one module, so export traces both together."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int,
+                 input_kwargs: Sequence[str] = ()) -> None:
+        super().__init__()
+        setattr(self, _MODEL_ATTR, model)
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+        self.input_kwargs = tuple(input_kwargs)
+
+    def forward(self, *args: Any) -> Any:
+        inputs, targets = args[: self.num_inputs], args[self.num_inputs:]
+        positional = inputs[: len(inputs) - len(self.input_kwargs)]
+        keyword = dict(zip(self.input_kwargs, inputs[len(positional):]))
+        outputs = getattr(self, _MODEL_ATTR)(*positional, **keyword)
+        if self.loss_fn is None:
+            return outputs
+        return self.loss_fn(outputs, *targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Mapping[str, Any] | torch.Tensor,
+    loss_fn: Callable | None = None,
+    *,
+    example_targets: Sequence[Any] | torch.Tensor = (),
+    batch_dims: Mapping[int, int] | None = None,
+    seq_dims: Mapping[int, int] | None = None,
+    dynamic: bool = True,
+) -> CapturedGraph:
+    """Trace ``model`` (and ``loss_fn``) into a :class:`CapturedGraph`.
+
+    Args:
+        model: an ordinary single-device module; it may live on the meta device.
+        example_inputs: positional inputs (a tuple, or a dict of keyword inputs).
+        loss_fn: ``loss_fn(outputs, *targets) -> scalar``; traced with the model.
+        example_targets: the targets passed to ``loss_fn``.
+        batch_dims / seq_dims: which dim of input i is the batch / sequence dim. By default
+            dim 0 of every tensor is the batch and dim 1 of every rank >= 2 integer tensor (token
+            ids, labels, masks) or rank >= 3 float tensor is the sequence.
+        dynamic: mark batch and sequence symbolic (the default); False traces static shapes.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError("capture takes an nn.Module", expected="torch.nn.Module",
+                                found=type(model).__name__)
+    inputs, kwarg_names = _as_tuple(example_inputs, "example_inputs")
+    targets, _ = _as_tuple(example_targets, "example_targets")
+    if targets and loss_fn is None:
+        raise InvalidInputError("example_targets were given without a loss_fn",
+                                fix="pass loss_fn=..., or drop example_targets")
+    args = inputs + targets
+    if not any(isinstance(a, torch.Tensor) for a in args):
+        raise InvalidInputError("no tensor among the example inputs",
+                                expected="at least one torch.Tensor input",
+                                found=str([type(a).__name__ for a in args]))
+    # Trace from contiguous copies: a strided view (tokens[:, :-1]) makes export guard on its
+    # stride and specialize the sequence length.
+    device = "meta" if _model_on_meta(model) else None
+    args = tuple(a.to(device).contiguous() if device and isinstance(a, torch.Tensor)
+                 else a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+
+    step = _TracedStep(model, loss_fn, len(inputs), kwarg_names)
+    dims = _default_dims(args, batch_dims, seq_dims)
+    errors: list[str] = []
+    captured = None
+    with _quiet_export(), _no_kv_cache(model):
+        if dynamic and dims:
+            try:
+                ep, sizes = _export_dynamic(step, args, dims)
+                captured = _from_export(ep, CaptureMethod.EXPORT, sizes)
+            except Exception as exc:  # noqa: BLE001 - every export failure leads to a retry
+                errors.append(f"torch.export with dynamic batch/seq: {_short(exc)}")
+        if captured is None:
+            try:
+                ep = torch.export.export(step, args, strict=False)
+                captured = _from_export(ep, CaptureMethod.EXPORT_STATIC, {})
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"torch.export with static shapes: {_short(exc)}")
+                _raise_if_data_dependent(exc, errors)
+    if captured is None:
+        try:
+            from autopar._fx_fallback import capture_with_fx
+
+            captured = capture_with_fx(step, args)
+        except UntraceableModelError as exc:
+            errors.append(f"torch.fx.symbolic_trace: {exc}")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"torch.fx.symbolic_trace: {_short(exc)}")
+    if captured is None:
+        raise UntraceableModelError(
+            f"could not capture {type(model).__name__}",
+            expected="a model torch.export or torch.fx can trace",
+            found="\n    " + "\n    ".join(errors),
+            fix="make control flow independent of tensor values (torch.cond, torch.where), "
+                "register fake kernels for custom ops, or pass example inputs of the right form")
+    if captured.method is not CaptureMethod.EXPORT:
+        msg = (f"{type(model).__name__} was captured with {captured.method.value}: batch and "
+               f"sequence sizes are fixed to the example inputs'. Causes: " + "; ".join(errors))
+        warnings.warn(msg, stacklevel=2)
+        captured.warnings.append(msg)
+
+    captured.model = model
+    captured.has_loss = loss_fn is not None
+    n_in = len(inputs)
+    user = captured.input_names
+    captured.input_names, captured.target_names = user[:n_in], user[n_in:]
+    for name in captured.target_names:
+        info(captured.node(name)).kind = NodeKind.TARGET
+    from autopar.passes.normalize import normalize_graph
+
+    normalize_graph(captured)
+    _annotate_module_paths(captured, model)
+    _propagate_requires_grad(captured.gm)
+    captured.layers = _find_layers(captured, model)
+    return captured
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+def _as_tuple(value: Any, what: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    if value is None:
+        return (), ()
+    if isinstance(value, torch.Tensor):
+        return (value,), ()
+    if isinstance(value, Mapping):
+        return tuple(value.values()), tuple(value.keys())
+    if isinstance(value, (tuple, list)):
+        return tuple(value), ()
+    raise InvalidInputError(f"{what} has an unexpected type",
+                            expected="a tensor, a tuple/list of inputs, or a dict of keyword inputs",
+                            found=type(value).__name__)
+
+
+def _model_on_meta(model: nn.Module) -> bool:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def _default_dims(args: Sequence[Any], batch_dims: Mapping[int, int] | None,
+                  seq_dims: Mapping[int, int] | None) -> dict[int, dict[int, str]]:
+    """Which dims of which tensor args are 'batch' and 'seq'."""
+    tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    if not tensors:
+        return {}
+    dims: dict[int, dict[int, str]] = {i: {} for i in tensors}
+    if batch_dims is None:
+        batch_dims = {i: 0 for i, t in tensors.items() if t.dim() >= 1}
+    if seq_dims is None:
+        seq_dims = {i: 1 for i, t in tensors.items()
+                    if (t.dim() >= 2 and not t.is_floating_point()) or t.dim() >= 3}
+    batch_sizes = {tensors[i].shape[d] for i, d in batch_dims.items()}
+    seq_sizes = {tensors[i].shape[d] for i, d in seq_dims.items()}
+    if len(batch_sizes) > 1 or len(seq_sizes) > 1:
+        raise InvalidInputError("example inputs disagree on the batch or sequence size",
+                                expected="one batch size and one sequence length across inputs",
+                                found=f"batch sizes {sorted(batch_sizes)}, sequence lengths "
+                                      f"{sorted(seq_sizes)}",
+                                fix="give inputs of the same batch and sequence length, or pass "
+                                    "batch_dims= / seq_dims=")
+    for i, d in batch_dims.items():
+        if tensors[i].shape[d] >= 2:
+            dims[i][d] = "batch"
+    for i, d in seq_dims.items():
+        if tensors[i].shape[d] >= 2 and d not in dims[i]:
+            dims[i][d] = "seq"
+    return {i: d for i, d in dims.items() if d}
+
+
+def _export_dynamic(step: nn.Module, args: tuple, dims: dict[int, dict[int, str]]
+                    ) -> tuple[ExportedProgram, dict[str, int]]:
+    """Export with the batch and seq dims symbolic. A model that bounds a dim (positions <= 512)
+    makes export suggest ``seq = Dim('seq', max=512)``: take the bounds and export again."""
+    bounds: dict[str, dict[str, int]] = {"batch": {}, "seq": {}}
+    sizes = {kind: args[i].shape[d] for i, ds in dims.items() for d, kind in ds.items()}
+    for _ in range(3):
+        named = {kind: Dim(kind, **bounds[kind]) for kind in bounds}
+        spec: list[Any] = []
+        for i, a in enumerate(args):
+            ds = dims.get(i, {}) if isinstance(a, torch.Tensor) else {}
+            spec.append({d: named[kind] for d, kind in ds.items()} or None)
+        try:
+            ep = torch.export.export(step, args, dynamic_shapes=(tuple(spec),), strict=False)
+            return ep, sizes
+        except Exception as exc:  # noqa: BLE001
+            fixes = _suggested_bounds(str(exc))
+            if not fixes or all(bounds.get(k) == v for k, v in fixes.items()):
+                raise
+            for kind, bound in fixes.items():
+                if kind not in bounds:
+                    raise
+                bounds[kind] = bound
+    raise UntraceableModelError("export kept asking for new shape bounds", found=str(bounds))
+
+
+_DIM_FIX = re.compile(r"(\w+) = Dim\('(\w+)'((?:, (?:min|max)=\d+)*)\)")
+
+
+def _suggested_bounds(message: str) -> dict[str, dict[str, int]]:
+    """Parse export's 'Suggested fixes' into {dim name: {min:, max:}}."""
+    if "Suggested fixes" not in message:
+        return {}
+    out = {}
+    for name, _, rest in _DIM_FIX.findall(message.split("Suggested fixes", 1)[1]):
+        out[name] = {k: int(v) for k, v in re.findall(r"(min|max)=(\d+)", rest)}
+    return out
+
+
+def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, int]) -> CapturedGraph:
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_name = {n.name: n for n in placeholders}
+
+    # Name export's shape symbols b and s, from the dims we marked.
+    rename: dict[sympy.Symbol, sympy.Expr] = {}
+    user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    example_sizes: dict[sympy.Symbol, int] = {}
+    for symbol, (kind, size) in _symbols_from_inputs(user_inputs, by_name, sizes).items():
+        target = BATCH if kind == "batch" else SEQ
+        rename[symbol] = target
+        example_sizes[target] = size
+
+    params: dict[str, ParamInfo] = {}
+    buffers: dict[str, ParamInfo] = {}
+    constants: dict[str, torch.Tensor] = {}
+    input_names: list[str] = []
+    for spec in sig.input_specs:
+        node = by_name[spec.arg.name]
+        value = spec_from_value(node.meta.get("val"), rename)
+        if spec.kind == InputKind.PARAMETER:
+            fqn = _strip(spec.target)
+            params[node.name] = ParamInfo(node.name, fqn, (), value, True)
+            node.meta[META_KEY] = NodeInfo(NodeKind.PARAMETER, value, fqn=fqn, reads=(fqn,))
+        elif spec.kind == InputKind.BUFFER:
+            fqn = _strip(spec.target)
+            buffers[node.name] = ParamInfo(node.name, fqn, (), value, False)
+            node.meta[META_KEY] = NodeInfo(NodeKind.BUFFER, value, fqn=fqn, reads=(fqn,))
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constants[node.name] = ep.constants[spec.target]
+            node.meta[META_KEY] = NodeInfo(NodeKind.CONSTANT, value, fqn=_strip(spec.target))
+        elif spec.kind == InputKind.USER_INPUT:
+            input_names.append(node.name)
+            node.meta[META_KEY] = NodeInfo(NodeKind.INPUT, value)
+        else:
+            raise UntraceableModelError(f"unsupported export input kind {spec.kind}")
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        kind = NodeKind.OUTPUT if node.op == "output" else NodeKind.OP
+        node.meta[META_KEY] = NodeInfo(kind, spec_from_value(node.meta.get("val"), rename))
+
+    return CapturedGraph(gm=gm, method=method, params=params, buffers=buffers,
+                         constants=constants, input_names=input_names, target_names=[],
+                         example_sizes=example_sizes, layers=[], has_loss=False, exported=ep,
+                         symbol_rename=rename)
+
+
+def _symbols_from_inputs(user_inputs, by_name, sizes: dict[str, int]
+                         ) -> dict[sympy.Symbol, tuple[str, int]]:
+    """Map export's free symbols (s23...) to 'batch'/'seq' by matching the example sizes."""
+    found: dict[sympy.Symbol, tuple[str, int]] = {}
+    size_to_kind = {size: kind for kind, size in sizes.items()}
+    for spec in user_inputs:
+        val = by_name[spec.arg.name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim in val.shape:
+            if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
+                hint = dim.node.hint
+                kind = size_to_kind.get(hint)
+                if kind is not None and dim.node.expr not in found:
+                    found[dim.node.expr] = (kind, hint)
+    return found
+
+
+def _strip(fqn: str) -> str:
+    prefix = _MODEL_ATTR + "."
+    return fqn[len(prefix):] if fqn.startswith(prefix) else fqn
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0][:400] if text else type(exc).__name__
+
+
+def _raise_if_data_dependent(exc: BaseException, errors: list[str]) -> None:
+    """Data-dependent control flow fails every tracer the same way: say so at once."""
+    name = type(exc).__name__
+    if "DataDependent" in name or "data-dependent" in str(exc):
+        where = _user_frame(str(exc))
+        raise UntraceableModelError(
+            "the model has control flow that depends on tensor values" + (f" ({where})" if where else ""),
+            expected="control flow that depends only on shapes and Python values",
+            found=_short(exc),
+            fix="rewrite the branch with torch.where / torch.cond, or move it out of forward()",
+        ) from exc
+
+
+def _user_frame(text: str) -> str:
+    match = re.search(r'File "([^"]+)", line (\d+)', text)
+    return f"{match.group(1)}:{match.group(2)}" if match else ""
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    """torch.export logs graphs and symbolic-shape notes at WARNING; keep the user's log clean."""
+    names = ["torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+             "torch._dynamo", "torch.fx.experimental.recording"]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module):
+    """Hugging Face models build a KV cache by default; training graphs need none."""
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if config is not None and old:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if config is not None and old:
+            config.use_cache = old
+
+
+# ---------------------------------------------------------------------------------------------
+# Annotation: module paths, requires_grad, layers
+# ---------------------------------------------------------------------------------------------
+
+def _annotate_module_paths(captured: CapturedGraph, model: nn.Module) -> None:
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    by_fqn = dict(model.named_parameters(remove_duplicate=False))
+    _merge_tied_placeholders(captured, by_fqn)
+    for key, p in list(captured.params.items()):
+        tensor = by_fqn.get(p.fqn)
+        names = aliases.get(id(tensor), [p.fqn]) if tensor is not None else [p.fqn]
+        others = tuple(n for n in names if n != p.fqn)
+        captured.params[key] = ParamInfo(p.placeholder, p.fqn, others, p.spec,
+                                         bool(tensor.requires_grad) if tensor is not None else True)
+        info(captured.node(key)).requires_grad = captured.params[key].requires_grad
+
+    for node in captured.gm.graph.nodes:
+        meta = info(node)
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            path, _ = list(stack.values())[-1]
+            meta.module_path = "" if path == _MODEL_ATTR or path.startswith("_") else _strip(path)
+        elif meta.fqn:
+            meta.module_path = meta.fqn.rpartition(".")[0]
+        if node.op == "call_function":
+            meta.reads = tuple(sorted({info(a).fqn for a in node.all_input_nodes
+                                       if info(a).kind in (NodeKind.PARAMETER, NodeKind.BUFFER)}))
+
+
+def _merge_tied_placeholders(captured: CapturedGraph, by_fqn: dict[str, torch.Tensor]) -> None:
+    """Export may lift one tied tensor under several names; keep one placeholder per tensor."""
+    primary: dict[int, torch.fx.Node] = {}
+    for key in list(captured.params):
+        tensor = by_fqn.get(captured.params[key].fqn)
+        node = captured.node(key)
+        if tensor is None:
+            continue
+        keep = primary.get(id(tensor))
+        if keep is None:
+            primary[id(tensor)] = node
+            continue
+        if not node.users or keep.users:  # keep the used (or the first) placeholder
+            drop, kept = node, keep
+        else:
+            drop, kept = keep, node
+            primary[id(tensor)] = node
+        drop.replace_all_uses_with(kept)
+        captured.gm.graph.erase_node(drop)
+        del captured.params[drop.name]
+    captured.gm.recompile()
+
+
+_NON_DIFFERENTIABLE = {"sym_size", "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin",
+                       "logical_and", "logical_or", "logical_not", "__and__", "__or__",
+                       "bitwise_and", "bitwise_or", "arange", "zeros", "ones", "full",
+                       "empty", "new_ones", "new_zeros", "new_full", "new_empty", "ones_like",
+                       "zeros_like", "full_like", "empty_like", "rand", "randn", "randint",
+                       "detach", "detach_", "_assert_tensor_metadata", "lift_fresh_copy"}
+
+
+def _propagate_requires_grad(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        meta = info(node)
+        if node.op == "placeholder":
+            continue
+        name = op_name(node)
+        spec = meta.value
+        floating = any(s.is_float for s in iter_tensor_specs(spec))
+        if node.op == "output" or name == "getitem":
+            meta.requires_grad = any(info(a).requires_grad for a in node.all_input_nodes)
+            if name == "getitem":
+                meta.requires_grad = meta.requires_grad and floating
+            continue
+        meta.requires_grad = (floating and name not in _NON_DIFFERENTIABLE
+                              and any(info(a).requires_grad for a in node.all_input_nodes))
+
+
+def _block_lists(model: nn.Module) -> list[str]:
+    """Module paths of the model's repeated-block containers (ModuleLists of like modules)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1 and any(True for _ in next(iter(module)).parameters()):
+                found.append(name)
+    # keep outermost containers only
+    outer = [n for n in found if not any(n != o and n.startswith(o + ".") for o in found)]
+    return outer
+
+
+def _find_layers(captured: CapturedGraph, model: nn.Module) -> list[Layer]:
+    """Split the graph into PRE / BLOCK* / POST layers (or top-level modules if no blocks)."""
+    lists = _block_lists(model)
+    block_re = [re.compile(re.escape(p) + r"\.(\d+)(\.|$)") if p else re.compile(r"^(\d+)(\.|$)")
+                for p in lists]
+
+    def block_of(path: str) -> str | None:
+        for prefix, rx in zip(lists, block_re):
+            m = rx.match(path) if not prefix else rx.match(path)
+            if m:
+                return (prefix + "." if prefix else "") + m.group(1)
+        return None
+
+    nodes = list(captured.gm.graph.nodes)
+    op_nodes = [n for n in nodes if n.op not in ("placeholder", "output")]
+    raw: dict[torch.fx.Node, str | None] = {}
+    for n in op_nodes:
+        path = info(n).module_path
+        raw[n] = block_of(path) if lists else (path.split(".")[0] if path else None)
+
+    names: dict[torch.fx.Node, str] = {}
+    if lists:
+        blocks_seen = [raw[n] for n in op_nodes if raw[n] is not None]
+        if not blocks_seen:
+            lists = []
+        else:
+            first = next(i for i, n in enumerate(op_nodes) if raw[n] is not None)
+            last = max(i for i, n in enumerate(op_nodes) if raw[n] is not None)
+            current = None
+            for i, n in enumerate(op_nodes):
+                if raw[n] is not None:
+                    current = raw[n]
+                    names[n] = current
+                elif i < first:
+                    names[n] = "pre"
+                elif i > last:
+                    names[n] = "post"
+                else:  # a root-level op between blocks: belongs to the block before it
+                    names[n] = current
+    if not lists:  # no repeated blocks: one layer per top-level module, in execution order
+        current = "pre"
+        for n in op_nodes:
+            current = raw[n] or current  # root-level ops (the loss) join the layer before them
+            names[n] = current
+
+    order: list[str] = []
+    for n in op_nodes:
+        if names[n] not in order:
+            order.append(names[n])
+    members: dict[str, list[torch.fx.Node]] = {name: [] for name in order}
+    for n in op_nodes:
+        members[names[n]].append(n)
+        info(n).layer = names[n]
+
+    # placeholders: parameters and buffers belong to the layer of their first user
+    owner: dict[str, str] = {}
+    for n in nodes:
+        if n.op != "placeholder":
+            continue
+        users = [u for u in n.users if u in names]
+        layer = names[users[0]] if users else (order[0] if order else "pre")
+        info(n).layer = layer
+        if info(n).kind is NodeKind.PARAMETER:
+            owner[n.name] = layer
+    for n in nodes:
+        if n.op == "output":
+            info(n).layer = order[-1] if order else "post"
+
+    layers = []
+    block_names = {name for name in order if name not in ("pre", "post")} if lists else set()
+    for index, name in enumerate(order):
+        kind = (LayerKind.BLOCK if name in block_names else LayerKind.PRE if name == "pre"
+                else LayerKind.POST if name == "post" else LayerKind.MODULE)
+        node_list = members[name]
+        params = tuple(captured.params[p].fqn for p, layer in owner.items() if layer == name)
+        modules: list[str] = []  # the modules whose weights the layer reads, in order
+        for n in node_list:
+            path = info(n).module_path
+            if info(n).reads and path and path not in modules:
+                modules.append(path)
+        layers.append(Layer(name=name, index=index, kind=kind,
+                            signature=_signature(node_list, name if kind is LayerKind.BLOCK else None),
+                            nodes=tuple(n.name for n in node_list), params=params,
+                            modules=tuple(modules[:8])))
+    return layers
+
+
+def _signature(nodes: list[torch.fx.Node], prefix: str | None) -> str:
+    """A structural hash: ops, argument wiring inside the layer, shapes, parameter roles."""
+    local = {n: i for i, n in enumerate(nodes)}
+    h = hashlib.sha1()
+
+    def ref(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            if a in local:
+                return f"%{local[a]}"
+            meta = info(a)
+            if meta.kind is NodeKind.PARAMETER and meta.fqn and prefix and meta.fqn.startswith(prefix + "."):
+                return f"param:{meta.fqn[len(prefix) + 1:]}:{meta.value}"
+            return f"ext:{meta.kind.value}:{meta.value}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(ref(x) for x in a) + "]"
+        return repr(a)
+
+    for n in nodes:
+        h.update(f"{n.target}|{ref(n.args)}|{ref(sorted(n.kwargs.items()))}|{info(n).value}\n".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,1 @@
+"""Planner: cost model, plan search, stage partition ILP."""

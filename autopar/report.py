@@ -1,0 +1,100 @@
+"""Summaries of a captured model's analysis, shared by ``autopar inspect`` and the API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.ir import LayerKind, evaluate
+
+__all__ = ["ModelReport", "inspect_model", "profile_report"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelReport:
+    model: str
+    batch: int
+    seq: int
+    dtype: str
+    params: int
+    forward_flops: int
+    activation_bytes: int
+    layers: list[dict[str, Any]]
+    capture_method: str
+    capture_s: float
+    analyze_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "batch": self.batch, "seq": self.seq, "dtype": self.dtype,
+            "params": self.params, "forward_flops": self.forward_flops,
+            "activation_bytes": self.activation_bytes, "layers": self.layers,
+            "capture": {"method": self.capture_method, "capture_s": round(self.capture_s, 3),
+                        "analyze_s": round(self.analyze_s, 3)},
+        }
+
+
+def profile_report(profile, batch: int, seq: int) -> tuple[list[dict[str, Any]], int, int]:
+    """Per-layer numbers at a concrete (batch, seq): rows, total FLOPs, total activations."""
+    rows = []
+    for layer in profile.layers:
+        rows.append({
+            "name": layer.name,
+            "kind": layer.kind.value,
+            "signature": layer.signature,
+            "params": layer.params,
+            "forward_flops": int(evaluate(layer.flops, b=batch, s=seq)),
+            "activation_bytes": int(evaluate(layer.saved_bytes, b=batch, s=seq)),
+            "boundary_bytes": int(evaluate(layer.boundary_bytes, b=batch, s=seq)),
+            "modules": list(layer.modules),
+        })
+    return rows, sum(r["forward_flops"] for r in rows), sum(r["activation_bytes"] for r in rows)
+
+
+def inspect_model(name: str, *, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
+                  **overrides: Any) -> ModelReport:
+    """Build a zoo model on the meta device, capture it with its loss, analyze it."""
+    from autopar.frontend import capture
+    from autopar.models import build
+    from autopar.passes.analyze import analyze
+
+    start = time.perf_counter()
+    zm = build(name, device="meta", dtype=DTYPES[dtype], **overrides)
+    seq = seq or zm.spec.seq
+    trace_seq = min(16, zm.spec.seq)
+    inputs, targets = zm.example_inputs(batch=2, seq=trace_seq)
+    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    captured_at = time.perf_counter()
+    profile = analyze(captured)
+    done = time.perf_counter()
+    rows, flops, act = profile_report(profile, batch, seq)
+    return ModelReport(model=zm.name, batch=batch, seq=seq, dtype=dtype, params=profile.params,
+                       forward_flops=flops, activation_bytes=act, layers=rows,
+                       capture_method=captured.method.value, capture_s=captured_at - start,
+                       analyze_s=done - captured_at)
+
+
+def collapse_repeated(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int, str]]:
+    """Group consecutive rows with the same signature: (row, count, display name)."""
+    groups: list[tuple[dict[str, Any], int, str]] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while (j + 1 < len(rows) and rows[j + 1]["signature"] == rows[i]["signature"]
+               and rows[i]["kind"] == LayerKind.BLOCK.value):
+            j += 1
+        count = j - i + 1
+        first, last = rows[i]["name"], rows[j]["name"]
+        prefix = first.rpartition(".")[0]
+        if count > 1 and last.startswith(prefix + "."):
+            name = f"{prefix}.[{first.rpartition('.')[2]}-{last.rpartition('.')[2]}]"
+        else:
+            name = first if count == 1 else f"{first} .. {last}"
+        groups.append((rows[i], count, name))
+        i = j + 1
+    return groups

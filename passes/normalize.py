@@ -1,0 +1,142 @@
+"""Normalize a freshly captured graph into the canonical form every later pass expects.
+
+- ``drop_runtime_asserts``: export's ``_assert_tensor_metadata`` / ``_assert_scalar`` checks
+  are no-ops for a training program; removing them keeps generated code readable.
+- ``inline_no_grad_regions``: ``wrap_with_set_grad_enabled(False, submod, ...)`` (LLaMA's rotary
+  tables) is inlined, its outputs detached: same values, no gradient, and the body becomes visible
+  to the analysis and sharding passes.
+- ``fold_conv1d_into_linear``: the Hugging Face ``Conv1D`` pattern ``view(x, [-1, k]) -> addmm(b,
+  ., W) -> view(., [*lead, n])`` becomes ``linear(x, t(W), b)``, so every GEMM of a transformer is
+  an ``aten.linear`` over the full activation shape (what the sharding rules and sequence parallel
+  reason about).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name, spec_from_value
+from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass
+
+__all__ = ["normalize_graph", "NORMALIZE_PASSES"]
+
+aten = torch.ops.aten
+
+_ASSERT_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size",
+               "sym_constrain_range", "_assert_async"}
+
+
+@graph_pass(ensures=("no_asserts",))
+def drop_runtime_asserts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    modified = False
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and op_name(node) in _ASSERT_OPS and not node.users:
+            gm.graph.erase_node(node)
+            modified = True
+    return PassResult(gm, modified)
+
+
+@graph_pass(ensures=("no_hops",))
+def inline_no_grad_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    rename = getattr(ctx.captured, "symbol_rename", {}) if ctx.captured is not None else {}
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or op_name(node) != "wrap_with_set_grad_enabled":
+            continue
+        enabled, sub_ref, *operands = node.args
+        if enabled:
+            continue
+        submodule = getattr(gm, sub_ref.target)
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = [n for n in submodule.graph.nodes if n.op == "placeholder"]
+        for ph, value in zip(placeholders, operands):
+            env[ph] = value
+        results: list[torch.fx.Node] = []
+        with gm.graph.inserting_before(node):
+            for inner in submodule.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    outs = inner.args[0]
+                    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+                    for out in outs:
+                        detached = gm.graph.call_function(aten.detach.default, (env[out],))
+                        detached.meta.update(env[out].meta)
+                        results.append(detached)
+                    continue
+                copied = gm.graph.node_copy(inner, lambda n: env[n])
+                copied.meta.update(inner.meta)
+                copied.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+                env[inner] = copied
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not sub_ref.users:
+            gm.graph.erase_node(sub_ref)
+            delattr(gm, sub_ref.target)
+        modified = True
+    if modified:
+        for n in gm.graph.nodes:
+            if META_KEY not in n.meta:
+                n.meta[META_KEY] = NodeInfo(NodeKind.OP, spec_from_value(n.meta.get("val"), rename))
+    return PassResult(gm, modified)
+
+
+def _is_param(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and META_KEY in node.meta and \
+        info(node).kind is NodeKind.PARAMETER
+
+
+@graph_pass(ensures=("gemms_are_linear",))
+def fold_conv1d_into_linear(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    modified = False
+    for mm in list(gm.graph.nodes):
+        if mm.op != "call_function" or mm.target is not aten.addmm.default:
+            continue
+        bias, flat_in, weight = mm.args[:3]
+        if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
+            continue
+        if not (_is_param(weight) and isinstance(flat_in, torch.fx.Node)
+                and flat_in.target in (aten.view.default, aten.reshape.default)
+                and len(mm.users) == 1):
+            continue
+        (out_view,) = mm.users
+        if out_view.target not in (aten.view.default, aten.reshape.default):
+            continue
+        x = flat_in.args[0]
+        x_spec, out_spec = info(x).spec, info(out_view).spec
+        if x_spec is None or out_spec is None or x_spec.shape[:-1] != out_spec.shape[:-1]:
+            continue
+        w_spec = info(weight).spec
+        with gm.graph.inserting_before(mm):
+            w_t = gm.graph.call_function(aten.t.default, (weight,))
+            linear = gm.graph.call_function(aten.linear.default, (x, w_t, bias))
+        for new in (w_t, linear):
+            new.meta["nn_module_stack"] = mm.meta.get("nn_module_stack", {})
+            new.meta["stack_trace"] = mm.meta.get("stack_trace")
+        w_t.meta[META_KEY] = NodeInfo(NodeKind.OP, TensorSpec(w_spec.shape[::-1], w_spec.dtype))
+        linear.meta[META_KEY] = NodeInfo(NodeKind.OP, out_spec)
+        if "val" in out_view.meta:
+            linear.meta["val"] = out_view.meta["val"]
+        out_view.replace_all_uses_with(linear)
+        gm.graph.erase_node(out_view)
+        gm.graph.erase_node(mm)
+        if not flat_in.users:
+            gm.graph.erase_node(flat_in)
+        modified = True
+    return PassResult(gm, modified)
+
+
+NORMALIZE_PASSES = (drop_runtime_asserts, inline_no_grad_regions, fold_conv1d_into_linear)
+
+
+def normalize_graph(captured: Any) -> None:
+    """Run the normalize passes on a CapturedGraph in place."""
+    ctx = PassContext(captured=captured)
+    captured.gm = PassManager(NORMALIZE_PASSES).run(captured.gm, ctx)

@@ -1,0 +1,193 @@
+"""A pool of local processes sharing one process group, for tests, benchmarks and verification.
+
+Starting a process group costs seconds (interpreter, torch import, rendezvous); tests run dozens of
+configurations. ``LocalPool(world_size)`` spawns the processes once (gloo by default, ``file://``
+rendezvous, one CPU thread each) and runs many jobs in them::
+
+    with LocalPool(4) as pool:
+        results = pool.run(my_module.train_and_compare, tp=2, pp=2)   # one result per rank
+
+``fn`` must be importable by name (a module-level function) so the workers can unpickle it. Every
+job has a timeout; a job that fails on one rank while others wait in a collective, or that hangs,
+gets the workers killed and a :class:`~autopar.errors.CommunicationTimeoutError` (or the first
+rank's exception) raised here. The pool then restarts on its next job. Never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+from autopar.errors import AutoparError, CommunicationTimeoutError
+
+__all__ = ["LocalPool", "RemoteError"]
+
+
+class RemoteError(AutoparError):
+    """A job raised on a worker rank; the message holds that rank's traceback."""
+
+
+def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
+            tasks: "mp.Queue", results: "mp.Queue", env: dict[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    results.put(("ready", rank, None, None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put((task_id, rank, "ok", out))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+            results.put((task_id, rank, "error",
+                         f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class LocalPool:
+    """``world_size`` local processes in one process group, reused across jobs."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0,
+                 collective_timeout_s: float | None = None, env: dict[str, str] | None = None) -> None:
+        if not 1 <= world_size <= 64:
+            raise ValueError(f"world_size must be in 1..64, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.collective_timeout_s = collective_timeout_s or timeout_s
+        self.env = {"AUTOPAR_TIMEOUT_S": str(self.collective_timeout_s), **(env or {})}
+        self._procs: list[Any] = []
+        self._ids = itertools.count()
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "LocalPool":
+        if self._procs:
+            return self
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="autopar-pool-")
+        init = f"file://{os.path.join(self._tmpdir.name, 'rendezvous')}"
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_worker, daemon=True,
+                                   args=(r, self.world_size, init, self.backend,
+                                         self.collective_timeout_s, self._tasks[r], self._results,
+                                         self.env))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        ready: set[int] = set()
+        deadline = time.monotonic() + max(self.timeout_s, 120.0)
+        while len(ready) < self.world_size:
+            msg = self._get(deadline)
+            if msg is None:
+                self._fail(f"start the process group", ready)
+            if msg[0] == "ready":
+                ready.add(msg[1])
+        return self
+
+    def close(self) -> None:
+        for q in getattr(self, "_tasks", []):
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        self._procs = []
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def __enter__(self) -> "LocalPool":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- jobs -------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        self.start()
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        name = getattr(fn, "__name__", str(fn))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.world_size:
+            if errors:  # one rank failed: the others get a short while to fail or finish too
+                deadline = min(deadline, time.monotonic() + 10.0)
+            msg = self._get(deadline, stop_on_death=not errors)
+            if msg is None:
+                if errors:
+                    break
+                self._fail(f"run {name}", set(results))
+            tid, rank, status, payload = msg
+            if tid != task_id:
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+        if errors:
+            first = min(errors)
+            if len(results) + len(errors) < self.world_size:
+                self.kill()  # the silent ranks are stuck in a collective with the failed one
+            raise RemoteError(f"{name} failed on rank(s) {sorted(errors)}; rank {first}:\n"
+                              f"{errors[first]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def _get(self, deadline: float, stop_on_death: bool = True):
+        """The next message from the workers; None on timeout or when a worker died."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if stop_on_death and any(not p.is_alive() for p in self._procs):
+                return None
+            try:
+                return self._results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+
+    def _fail(self, what: str, answered: set[int]) -> None:
+        dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+        silent = sorted(set(range(self.world_size)) - answered)
+        self.kill()
+        reason = f"rank(s) {dead} died" if dead else "no answer within the timeout"
+        raise CommunicationTimeoutError(
+            f"local pool could not {what}: {reason}",
+            expected=f"all {self.world_size} ranks to answer",
+            found=f"rank(s) {silent} silent",
+            fix="look for a rank that raised or a collective the ranks do not all call")

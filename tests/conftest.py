@@ -1,0 +1,58 @@
+"""Shared fixtures. Captured graphs are session-scoped: capture once, test many times."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # examples/ is not installed; tests import it from the checkout
+    sys.path.insert(0, ROOT)
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore", message=".*bos_token_id.*")
+torch.set_num_threads(1)
+
+#: Tiny shapes shared by every test that needs a real (allocated) model.
+TINY = {
+    "gpt": dict(layers=2, hidden=64, heads=4, vocab=128, seq=32),
+    "bert": dict(layers=2, hidden=64, heads=4, vocab=128, seq=32),
+    "llama": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=128, seq=32),
+}
+
+
+def build_tiny(family: str, **overrides):
+    from autopar import models
+
+    return models.build(family, dropout=0.0, seed=0, **{**TINY[family], **overrides})
+
+
+def build_own_gpt():
+    from examples.gpt import GPT, GPTConfig, gpt_loss
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=32)), gpt_loss
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """family -> (ZooModel-like (model, loss_fn), inputs, targets, CapturedGraph)."""
+    from autopar import capture
+
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    for family in TINY:
+        zm = build_tiny(family)
+        inputs, targets = zm.example_inputs(batch=2, seq=16, generator=gen)
+        out[family] = (zm.model, zm.loss_fn, inputs, targets,
+                       capture(zm.model, inputs, zm.loss_fn, example_targets=targets))
+    model, loss_fn = build_own_gpt()
+    tokens = torch.randint(0, 128, (2, 17), generator=gen)
+    inputs, targets = (tokens[:, :-1],), (tokens[:, 1:],)
+    out["own_gpt"] = (model, loss_fn, inputs, targets,
+                      capture(model, inputs, loss_fn, example_targets=targets))
+    return out

@@ -1,0 +1,157 @@
+"""Analysis: FLOPs and activation memory as symbolic expressions, checked against closed forms
+and against torch's own counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import autopar.frontend as capture_module
+from autopar import capture, models
+from autopar.ir import evaluate, info
+from autopar.passes.analyze import _analyze_node, analyze
+
+SHAPES = [(1, 128), (4, 512), (8, 2048), (3, 777)]
+
+
+def gpt_forward_flops(l: int, h: int, v: int, b: int, s: int) -> int:
+    """Megatron-LM's count (Narayanan et al. 2021): l(24 b s h^2 + 4 b s^2 h) + 2 b s h V."""
+    return l * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * v
+
+
+@pytest.fixture(scope="module")
+def gpt_profiles():
+    out = {}
+    for name in ("gpt2-small", "gpt3-1.3b"):
+        zm = models.build(name, device="meta")
+        inputs, targets = zm.example_inputs(batch=2, seq=16)
+        out[name] = (zm.spec, analyze(capture(zm.model, inputs, zm.loss_fn, example_targets=targets)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2-small", "gpt3-1.3b"])
+def test_gpt_flops_match_closed_form_without_retracing(gpt_profiles, monkeypatch, name):
+    spec, profile = gpt_profiles[name]
+
+    def no_retrace(*args, **kwargs):
+        raise AssertionError("the analysis must not re-trace the model")
+
+    monkeypatch.setattr(capture_module.torch.export, "export", no_retrace)
+    for b, s in SHAPES:
+        want = gpt_forward_flops(spec.layers, spec.hidden, spec.vocab, b, s)
+        got = profile.forward_flops(b=b, s=s)
+        assert abs(got / want - 1) < 0.01, (b, s, got, want)
+        gemm = evaluate(profile.gemm_flops, b=b, s=s)
+        assert abs(gemm / want - 1) < 1e-3, (b, s, gemm, want)
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "llama", "own_gpt"])
+def test_gemm_flops_equal_torch_flop_counter(tiny_models, family):
+    """Independent reference: torch.utils.flop_counter counts the matmuls of an eager run."""
+    model, loss_fn, inputs, targets, captured = tiny_models[family]
+    profile = analyze(captured)
+    counter = FlopCounterMode(display=False)
+    # The MATH backend spells attention as two matmuls the counter sees (it has no formula for
+    # the CPU flash kernel).
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        loss_fn(model(*inputs), *targets)
+    b, s = inputs[0].shape
+    assert evaluate(profile.gemm_flops, b=b, s=s) == counter.get_total_flops()
+
+
+def test_repeated_layers_reuse_one_analysis(tiny_models):
+    _, _, _, _, captured = tiny_models["llama"]
+    analyze(captured)
+    blocks = [layer for layer in captured.layers if layer.is_block]
+    second = blocks[1]
+    for name in second.nodes:  # recompute the copied numbers from scratch
+        node = captured.node(name)
+        copied = (info(node).flops, info(node).bytes_read, info(node).bytes_written)
+        _analyze_node(node)
+        assert copied == (info(node).flops, info(node).bytes_read, info(node).bytes_written)
+    profile = analyze(captured)
+    assert profile.repeated[second.signature] == 2
+
+
+class _SmallBlock(nn.Module):
+    """A transformer-like block with explicit attention (no fused kernels), for exact checks."""
+
+    def __init__(self, h=32, heads=4, dropout=0.0):
+        super().__init__()
+        self.heads = heads
+        self.ln = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.fc = nn.Linear(h, 4 * h)
+        self.out = nn.Linear(4 * h, h)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(h, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        att = self.drop(torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1))
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, h))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln(x)))))
+
+
+class _Stack(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList(_SmallBlock(dropout=dropout) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _autograd_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for backward."""
+    params = {p.data_ptr() for p in model.parameters()}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if t.untyped_storage().data_ptr() not in params and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return total
+
+
+def test_saved_activations_equal_autograd():
+    """Independent reference: the tensors autograd itself saves, caught with saved-tensor hooks."""
+    torch.manual_seed(0)
+    model = _Stack().train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    captured = capture(model, (x,))
+    profile = analyze(captured)
+    predicted = sum(evaluate(layer.saved_bytes, b=2, s=8) for layer in profile.layers)
+    # The analysis charges the model input x (saved by the first LayerNorm) like autograd does.
+    assert predicted == _autograd_saved_bytes(model, x)
+
+
+def test_dropout_masks_are_one_byte_per_element():
+    """With dropout on, the analysis keeps one byte per element for each mask: what the fused
+    CUDA kernel (native_dropout) saves and what Korthikanti et al. count. PyTorch's CPU dropout
+    instead saves the mask in the activation dtype (4 bytes here), hence 3 more bytes each."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    plain = analyze(capture(_Stack(dropout=0.0).train(), (x,)))
+    dropped_model = _Stack(dropout=0.1).train()
+    dropped = analyze(capture(dropped_model, (x,)))
+    total = lambda p: sum(evaluate(layer.saved_bytes, b=2, s=8) for layer in p.layers)  # noqa: E731
+    b, s, heads, h = 2, 8, 4, 32
+    mask_elems = 2 * (b * heads * s * s + b * s * h)  # per block: attention probs, MLP output
+    probs_copy = 2 * b * heads * s * s * 4  # dropped-out probs are no longer softmax's output
+    assert total(dropped) - total(plain) == mask_elems + probs_copy
+    assert _autograd_saved_bytes(dropped_model, x) - total(dropped) == 3 * mask_elems

@@ -1,0 +1,153 @@
+"""Capture: HF GPT-2, BERT, LLaMA and the project's own GPT, with their loss, symbolic shapes."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+
+from autopar import InvalidInputError, UntraceableModelError, capture, models
+from autopar.frontend import CaptureMethod
+from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, info
+
+FAMILIES = ["gpt", "bert", "llama", "own_gpt"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_captured_with_symbolic_batch_and_seq(tiny_models, family):
+    model, loss_fn, inputs, targets, captured = tiny_models[family]
+    assert captured.method is CaptureMethod.EXPORT
+    assert captured.has_loss
+    assert captured.example_sizes == {BATCH: 2, SEQ: 16}
+    first = info(captured.node(captured.input_names[0])).spec
+    assert first.shape == (BATCH, SEQ)
+    target = captured.node(captured.target_names[0])
+    assert info(target).kind is NodeKind.TARGET
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_captured_graph_is_the_same_function(tiny_models, family):
+    """Loss and every gradient of the captured graph equal eager PyTorch, also at a batch and
+    sequence length other than the example's (the graph is symbolic, not re-traced)."""
+    model, loss_fn, _, _, captured = tiny_models[family]
+    gen = torch.Generator().manual_seed(7)
+    for batch, seq in [(2, 16), (3, 9)]:
+        tokens = torch.randint(0, 128, (batch, seq + 1), generator=gen)
+        inputs, targets = (tokens[:, :-1],), (tokens[:, 1:],)
+        model.zero_grad()
+        expected = loss_fn(model(*inputs), *targets)
+        expected.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        got = captured.run(*inputs, *targets)
+        got.backward()
+        # Same ATen ops in the same order: equal up to reassociation inside fused kernels.
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameters_and_layers(tiny_models, family):
+    model, _, _, _, captured = tiny_models[family]
+    assert captured.num_params == sum(p.numel() for p in model.parameters())
+    blocks = [layer for layer in captured.layers if layer.kind is LayerKind.BLOCK]
+    assert len(blocks) == 2
+    assert len({b.signature for b in blocks}) == 1, "repeated blocks must share a signature"
+    assert captured.layers[0].kind is LayerKind.PRE and captured.layers[-1].kind is LayerKind.POST
+    owned = [fqn for layer in captured.layers for fqn in layer.params]
+    assert sorted(owned) == sorted(p.fqn for p in captured.params.values())
+    for node in captured.gm.graph.nodes:
+        meta = info(node)
+        assert meta.layer, node.name
+        if node.op == "call_function" and meta.reads:
+            assert meta.module_path, node.name
+
+
+def test_tied_weights_are_one_parameter(tiny_models):
+    _, _, _, _, captured = tiny_models["gpt"]
+    tied = [p for p in captured.params.values() if p.aliases]
+    assert len(tied) == 1
+    names = {tied[0].fqn, *tied[0].aliases}
+    assert names == {"lm_head.weight", "transformer.wte.weight"}
+
+
+def test_module_paths_and_param_reads(tiny_models):
+    _, _, _, _, captured = tiny_models["llama"]
+    linears = [n for n in captured.gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+    q_proj = [n for n in linears if info(n).module_path == "model.layers.0.self_attn.q_proj"]
+    assert len(q_proj) == 1
+    assert info(q_proj[0]).reads == ("model.layers.0.self_attn.q_proj.weight",)
+    assert info(q_proj[0]).layer == "model.layers.0"
+    assert info(q_proj[0]).requires_grad
+
+
+def test_gpt2_conv1d_becomes_linear(tiny_models):
+    _, _, _, _, captured = tiny_models["gpt"]
+    ops = [n.target for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.addmm.default not in ops
+    assert ops.count(torch.ops.aten.linear.default) == 2 * 4 + 1  # 4 per block + LM head
+
+
+def test_llama_rotary_region_is_inlined(tiny_models):
+    _, _, _, _, captured = tiny_models["llama"]
+    names = {str(n.target) for n in captured.gm.graph.nodes}
+    assert not any("wrap_with_set_grad_enabled" in t for t in names)
+
+
+def test_meta_device_capture_allocates_nothing():
+    zm = models.build("gpt2-medium", device="meta")
+    inputs, targets = zm.example_inputs(batch=2, seq=8)
+    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    assert all(p.is_meta for p in zm.model.parameters())
+    assert captured.num_params == sum(p.numel() for p in zm.model.parameters())
+    assert sum(layer.is_block for layer in captured.layers) == 24
+
+
+def test_model_without_loss():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    captured = capture(model, (torch.randn(4, 8),))
+    assert not captured.has_loss
+    out = captured.run(torch.randn(5, 8))
+    assert out.shape == (5, 4)
+    assert [layer.name for layer in captured.layers] == ["0", "1", "2"]
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # branch on a tensor value
+            return self.proj(x)
+        return -self.proj(x)
+
+
+def test_data_dependent_control_flow_is_named():
+    with pytest.raises(UntraceableModelError, match="control flow") as err:
+        capture(_DataDependent(), (torch.randn(2, 4),))
+    assert "torch.where" in str(err.value)
+
+
+def test_bad_inputs_are_named():
+    model = nn.Linear(4, 4)
+    with pytest.raises(InvalidInputError, match="no tensor"):
+        capture(model, (3,))
+    with pytest.raises(InvalidInputError, match="without a loss_fn"):
+        capture(model, (torch.randn(2, 4),), example_targets=(torch.randn(2, 4),))
+    with pytest.raises(InvalidInputError, match="disagree on the batch"):
+        capture(nn.Bilinear(4, 4, 2), (torch.randn(2, 4), torch.randn(3, 4)))
+    with pytest.raises(InvalidInputError, match="nn.Module"):
+        capture(lambda x: x, (torch.randn(2, 4),))
+
+
+def test_shape_expressions_are_sympy(tiny_models):
+    _, _, _, _, captured = tiny_models["own_gpt"]
+    for node in captured.gm.graph.nodes:
+        spec = info(node).spec
+        if spec is not None:
+            assert all(isinstance(d, sympy.Expr) for d in spec.shape)
+            assert all(sym in (BATCH, SEQ) for d in spec.shape for sym in d.free_symbols)

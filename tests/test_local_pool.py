@@ -1,0 +1,75 @@
+"""The local process pool: one process group, many jobs, errors and hangs reported, not hung."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.errors import CommunicationTimeoutError
+from autopar.runtime.local_pool import LocalPool, RemoteError
+from autopar.runtime.mesh import ParallelMesh, coordinates
+
+pytestmark = pytest.mark.distributed
+
+
+def _all_reduce_rank():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _mesh_coordinates(dp, pp, tp):
+    mesh = ParallelMesh(dp, pp, tp)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.tp_group)
+    return (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank, mesh.ranks("tp"), t.item())
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one says no")
+    dist.barrier()  # the others wait for it: must not hang the test
+
+
+def _hang():
+    if dist.get_rank() == 0:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def test_jobs_share_one_group():
+    with LocalPool(2, timeout_s=60) as pool:
+        assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+        pids = pool._procs[0].pid
+        assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+        assert pool._procs[0].pid == pids
+
+
+def test_mesh_layout_tp_innermost():
+    with LocalPool(4, timeout_s=60) as pool:
+        out = pool.run(_mesh_coordinates, 2, 1, 2)
+    for rank, (d, p, t, tp_ranks, reduced) in enumerate(out):
+        assert (d, p, t) == coordinates(rank, 2, 1, 2)
+        assert tp_ranks == (rank - rank % 2, rank - rank % 2 + 1)
+        assert reduced == 2.0
+
+
+def test_failure_on_one_rank_is_reported_not_hung():
+    pool = LocalPool(2, timeout_s=60, collective_timeout_s=20)
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="rank one says no"):
+        pool.run(_fail_on_rank_one)
+    assert time.monotonic() - start < 45
+    assert pool.run(_all_reduce_rank) == [1.0, 1.0]  # restarted
+    pool.close()
+
+
+def test_hang_becomes_timeout_error():
+    pool = LocalPool(2, timeout_s=60)
+    pool.start()
+    with pytest.raises(CommunicationTimeoutError, match="silent"):
+        pool.run(_hang, timeout_s=5)
+    pool.close()

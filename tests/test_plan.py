@@ -1,0 +1,49 @@
+"""Plan vocabulary: validation with the numbers and the fix, JSON round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+
+
+def test_round_trip():
+    plan = Plan(dp=2, tp=2, pp=2, virtual_stages=2, micro_batch_size=1, num_micro_batches=4,
+                schedule="interleaved-1f1b", recompute="selective", zero=1, sequence_parallel=True,
+                stages=tuple(StagePlan(i, (i, i), i % 2, i // 2) for i in range(4)),
+                gemm_sharding={"linear": "column"})
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.schedule is ScheduleKind.INTERLEAVED_1F1B
+    assert again.recompute is RecomputeKind.SELECTIVE
+    assert again.gemm_sharding["linear"] is GemmSharding.COLUMN
+    assert plan.world_size == 8 and plan.global_batch == 8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tp=0), "tp must be a positive integer"),
+    (dict(zero=4), "zero must be 0, 1, 2 or 3"),
+    (dict(schedule="interleaved-1f1b", virtual_stages=1), "needs virtual_stages >= 2"),
+    (dict(schedule="interleaved-1f1b", virtual_stages=2, pp=2, num_micro_batches=3),
+     "divisible by pp"),
+    (dict(virtual_stages=2), "needs the interleaved-1f1b"),
+    (dict(sequence_parallel=True), "needs tp > 1"),
+    (dict(pp=2, stages=(StagePlan(0, (0, 1), 0),)), "expected pp x virtual_stages = 2"),
+    (dict(pp=2, stages=(StagePlan(0, (0, 1), 0), StagePlan(1, (3, 4), 1))), "not contiguous"),
+    (dict(schedule="2f2b"), "is not a valid ScheduleKind"),
+])
+def test_invalid_plans_say_why(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Plan(**kwargs)
+
+
+def test_unknown_fields_and_versions():
+    with pytest.raises(ValueError, match="unknown plan field"):
+        Plan.from_json({"dp": 1, "bogus": 3})
+    with pytest.raises(ValueError, match="format version 99"):
+        Plan.from_json({"format_version": 99})
+
+
+def test_prediction_round_trip():
+    p = Prediction(1.5, 1000.0, 120.0, 0.4, 2**30, {"compute_s": 1.0}, {"weights": 10})
+    assert Prediction.from_json(p.to_json()) == p
