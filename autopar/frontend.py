@@ -248,7 +248,8 @@ def capture(
                 "register fake kernels for custom ops, or pass example inputs of the right form")
     if captured.method is not CaptureMethod.EXPORT:
         msg = (f"{type(model).__name__} was captured with {captured.method.value}: batch and "
-               f"sequence sizes are fixed to the example inputs'. Causes: " + "; ".join(errors))
+               f"sequence sizes are fixed to the example inputs'. Causes: " + "; ".join(errors)
+               + "".join(f". {w}" for w in captured.warnings))
         warnings.warn(msg, stacklevel=2)
         captured.warnings.append(msg)
 

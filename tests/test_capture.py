@@ -151,3 +151,48 @@ def test_shape_expressions_are_sympy(tiny_models):
         if spec is not None:
             assert all(isinstance(d, sympy.Expr) for d in spec.shape)
             assert all(sym in (BATCH, SEQ) for d in spec.shape for sym in d.free_symbols)
+
+
+@torch.library.custom_op("autopar_test::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:  # a custom kernel with no fake implementation
+    return x * 2.0
+
+
+_double.register_autograd(lambda ctx, grad: grad * 2.0)
+
+
+class _CustomOpModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.ops.autopar_test.double(block(x)).relu()
+        return self.head(x)
+
+
+def test_fx_fallback_for_ops_export_cannot_run():
+    """Export needs fake kernels; symbolic_trace records the call. The fallback lowers the rest
+    to ATen, keeps the custom op opaque, and computes the same loss and gradients."""
+    torch.manual_seed(0)
+    model = _CustomOpModel()
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss_fn = nn.functional.cross_entropy
+    with pytest.warns(UserWarning, match="symbolic_trace.*opaque.*autopar_test.double"):
+        captured = capture(model, (x,), loss_fn, example_targets=(y,))
+    assert captured.method is CaptureMethod.FX
+    assert captured.num_params == sum(p.numel() for p in model.parameters())
+    assert [layer.name for layer in captured.layers] == ["blocks.0", "blocks.1", "post"]
+    ops = {str(n.target) for n in captured.gm.graph.nodes if n.op == "call_function"}
+    assert "aten.linear.default" in ops and "aten.cross_entropy_loss.default" in ops
+    got = captured.run(x, y)
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = loss_fn(model(x), y)
+    want.backward()
+    torch.testing.assert_close(got, want)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
