@@ -28,6 +28,8 @@ factor; the clipped-SGD tests (linear in the gradient, norms compared exactly) d
 from __future__ import annotations
 
 import copy
+
+import torch.utils.checkpoint
 from typing import Any
 
 import torch
@@ -41,13 +43,31 @@ LR = 1e-2
 SEQ = 16
 
 
-def build_model(family: str):
+class Recomputed(torch.nn.Module):
+    """A block run under activation checkpointing: its forward is recomputed inside backward."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, *args, **kwargs):
+        # No early stop: the whole forward (and its module hooks) reruns inside backward.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(self.block, x, *args, use_reentrant=False,
+                                                     **kwargs)
+
+
+def build_model(family: str, recompute: bool = False):
     """(model, loss_fn, vocab) with deterministic weights (same on every rank)."""
     from conftest import build_own_gpt, build_tiny
 
     if family == "own_gpt":
         model, loss_fn = build_own_gpt()
-        return model, loss_fn, model.config.vocab
+        vocab = model.config.vocab
+        if recompute:
+            model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
+        return model, loss_fn, vocab
+    assert not recompute
     zm = build_tiny(family)
     return zm.model, zm.loss_fn, zm.spec.vocab
 
@@ -130,12 +150,12 @@ def train_and_compare(family: str, *, zero: int = 0, shard_size: int | None = No
                       steps: int = 3, micro_batches: int = 1, local_batch: int = 2,
                       optimizer: str = "adamw", mp: MixedPrecision | None = None,
                       max_grad_norm: float | None = None, bucket_mb: float = 0.05,
-                      dp: int | None = None) -> dict[str, Any] | None:
+                      dp: int | None = None, recompute: bool = False) -> dict[str, Any] | None:
     """Train ``steps`` data-parallel steps; rank 0 returns the comparison with one process."""
     world = dist.get_world_size()
     dp = dp or world
     mesh = ParallelMesh(dp, world // dp, 1)
-    model, loss_fn, vocab = build_model(family)
+    model, loss_fn, vocab = build_model(family, recompute)
     factory = make_optimizer(optimizer)
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -144,9 +164,12 @@ def train_and_compare(family: str, *, zero: int = 0, shard_size: int | None = No
         split = SingleProcess(model, loss_fn, factory, mp=mp is not None,
                               max_grad_norm=max_grad_norm)
         init = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+    # With recompute the ZeRO-3 units are the inner blocks, whose forward hooks then also fire
+    # during the recomputation inside backward.
+    units = [m.block for m in model.blocks] if recompute else None
     engine = DataParallel(model, mesh, factory, DataParallelConfig(
         zero=zero, shard_size=shard_size, mixed_precision=mp, max_grad_norm=max_grad_norm,
-        bucket_mb=bucket_mb))
+        bucket_mb=bucket_mb), units=units)
     norms, losses = [], []
     for step in range(steps):
         x, y = global_batch(step, local_batch * dp, vocab)

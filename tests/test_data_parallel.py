@@ -83,19 +83,54 @@ def test_clipping_matches_torch_clip_grad_norm(pool4, zero, shard_size):
     assert out["diff"] < 1e-6 < 1e-2 < out["moved"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 3])
+def test_activation_recompute(pool2, zero):
+    """Blocks under torch.utils.checkpoint: their forward runs again inside backward, where
+    ZeRO-3 must keep the unit gathered (and not free it after the recomputed forward)."""
+    out = pool2.run(train_and_compare, "own_gpt", zero=zero, recompute=True)[0]
+    assert_close_to_single_process(out)
+
+
+def _launch_points():
+    """How many parameter gradients had arrived when each bucket's reduction was launched."""
+    mesh = ParallelMesh(dist.get_world_size(), 1, 1)
+    model, loss_fn, vocab = build_model("own_gpt")
+    engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.SGD, {"lr": 0.1}),
+                          DataParallelConfig(bucket_mb=0.05))
+    arrived, points = [0], []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: arrived.__setitem__(0, arrived[0] + 1))
+    for b in engine.buckets:
+        launch = b.launch_reduce
+        b.launch_reduce = lambda launch=launch: (points.append(arrived[0]), launch())
+    x, y = global_batch(0, 2, vocab)
+    loss_fn(model(x), y).backward()
+    engine.step()
+    engine.close()
+    return points, len(list(model.parameters())), len(engine.buckets)
+
+
+@pytest.mark.distributed
+def test_reductions_overlap_backward(pool2):
+    """Buckets are reduced while backward still runs: the first launch happens before the
+    first quarter of the gradients has arrived, every bucket once, in order."""
+    points, num_params, num_buckets = pool2.run(_launch_points)[0]
+    assert num_buckets >= 4 and len(points) == num_buckets
+    assert points[0] < num_params / 4 and points == sorted(points)
+
+
 # -- 3D composition: every world-4 shape -------------------------------------------------------------
 WORLD4_SHAPES = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dp,pp,tp", WORLD4_SHAPES)
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("dp,pp,tp,zero", [(*shape, zero) for shape in WORLD4_SHAPES
+                                           for zero in ([0, 1, 2, 3] if shape[0] > 1 else [0])])
 def test_toy_3d_every_world4_shape(pool4, dp, pp, tp, zero):
     """Tied embedding/head across stages, tp-sharded, tp-replicated and tp-partial parameters,
     two micro-batches with no_sync, clipped SGD: parameters and global norm as one process.
     Tolerance 1e-6: fp32 sums in another order (pipeline/tp all-reduces), parameters move ~0.07."""
-    if dp == 1 and zero:
-        pytest.skip("ZeRO with one data-parallel rank is ZeRO-0")
     outs = pool4.run(train_toy, dp, pp, tp, zero=zero, micro_batches=2, optimizer="sgd")
     for out in outs:
         assert out["diff"] < 1e-6 < 1e-2 < out["moved"], out
