@@ -450,11 +450,12 @@ class DataParallel:
                 counts_in_norm=counts))
         self._chunk_buckets = [[b for b in self.buckets if b.chunk == c and b.requires_grad]
                                for c in range(len(self.modules))]
-        # Shared-gradient sums run in one global order: tp-partial first, then ties by key.
+        # Shared-gradient sums run in one global order: tp-partial first (by parameter name, the
+        # same on every tp rank, unlike bucket indices), then ties by key.
         order = []
         for b, (key, _) in zip(self.buckets, groups):
             if b.sum_group is not None:
-                order.append(((1, key[5][1]) if key[5][0] == "tie" else (0, (b.index,)), b))
+                order.append(((1, key[5][1]) if key[5][0] == "tie" else (0, b.slots[0].name), b))
         self._sum_buckets = [b for _, b in sorted(order, key=lambda kb: kb[0])]
         self.units: list[ParamUnit] = []
         self._unit_of_bucket: dict[int, ParamUnit] = {}
