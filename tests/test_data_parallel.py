@@ -139,6 +139,18 @@ def test_toy_3d_every_world4_shape(pool4, dp, pp, tp, zero):
 
 
 @pytest.mark.distributed
+def test_toy_3d_world8_dp2_pp2_tp2():
+    """World 8 as (dp, pp, tp) = (2, 2, 2), ZeRO 0-3 in one pool (starting 8 processes on a
+    small machine takes ~20 s, so one test runs them all)."""
+    with LocalPool(8, timeout_s=180) as pool:
+        for zero in range(4):
+            for out in pool.run(train_toy, 2, 2, 2, zero=zero, micro_batches=2, optimizer="sgd"):
+                assert out["diff"] < 1e-6 < 1e-2 < out["moved"], (zero, out)
+                for got, want in zip(out["norms"], out["ref_norms"]):
+                    assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.distributed
 def test_toy_3d_adamw_and_hybrid(pool4):
     """AdamW (the toy has no zero-gradient elements, so no noise amplification: 1e-5) on dp x pp
     with ZeRO-3, and hybrid ZeRO-2 (shard 2 x replicate 2)."""
