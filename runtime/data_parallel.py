@@ -249,14 +249,16 @@ class TiedGroups:
             if grad is None:
                 raise InvalidInputError(f"tied parameter {name} has no gradient",
                                         fix="run backward before summing tied gradients")
-            dist.all_reduce(grad, group=self.groups[self.by_name[name]])
+            wait_work(dist.all_reduce(grad, group=self.groups[self.by_name[name]], async_op=True),
+                      f"sum of tied gradient {name}")
 
     def broadcast_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Make every copy equal to the copy on the group's first rank."""
         with torch.no_grad():
             for name in sorted(self.by_name, key=lambda n: self.by_name[n]):
                 key = self.by_name[name]
-                dist.broadcast(params[name].data, src=key[0][0], group=self.groups[key])
+                wait_work(dist.broadcast(params[name].data, src=key[0][0], group=self.groups[key],
+                                         async_op=True), f"broadcast of tied parameter {name}")
 
 
 class DataParallel:
@@ -552,6 +554,7 @@ class DataParallel:
         """Wait for the reductions; reduce what is still local; sum tied / tp-partial gradients."""
         if self._grads_final:
             return
+        self._sweep_assigned_grads()
         for chunk, buckets in enumerate(self._chunk_buckets):
             for b in buckets:
                 if self._unsynced[chunk] or not (b.reduced or b.pending_wait):
@@ -565,6 +568,27 @@ class DataParallel:
                 wait_work(dist.all_reduce(b.reduced_grad(), group=b.sum_group, async_op=True),
                           f"sum of shared gradient bucket {b.index}")
         self._grads_final = True
+
+    def _sweep_assigned_grads(self) -> None:
+        """Gradients set on parameters without going through autograd's accumulation (an
+        executor that computes weight gradients with torch.autograd.grad and assigns ``.grad``)
+        never fire the hooks; take them into the buckets here rather than reduce zeros."""
+        for b in self.buckets:
+            if not b.requires_grad:
+                continue
+            for i, p in enumerate(b.params):
+                if p.grad is None:
+                    continue
+                if b.pending_wait or b.reduced:
+                    raise InvalidInputError(
+                        f"parameter {b.slots[i].name} got a gradient after its bucket was reduced",
+                        expected="gradients accumulated by backward() (or assigned) before the "
+                                 "reduction of the step",
+                        found="a .grad set outside the backward hooks",
+                        fix="assign weight gradients before the last synced backward, or run "
+                            "that backward inside no_sync()")
+                b.accumulate(i, p)
+                self._unsynced[b.chunk] = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of the whole model (all ranks) to ``max_norm``; return its norm."""

@@ -159,8 +159,11 @@ def global_grad_norm(local_parts: Iterable[torch.Tensor], norm_type: float,
             local += torch.linalg.vector_norm(p.detach(), norm_type, dtype=torch.float32) ** norm_type
         op = dist.ReduceOp.SUM
     local = local.reshape(1)
+    from autopar.runtime.zero import wait_work  # zero imports this module
+
     for group in groups:
         if group is not None:
-            dist.all_reduce(local, op=op, group=group)
+            wait_work(dist.all_reduce(local, op=op, group=group, async_op=True),
+                      "all-reduce of the gradient norm")
     total = local[0]
     return total if math.isinf(norm_type) else total ** (1.0 / norm_type)

@@ -215,9 +215,11 @@ class FlatBucket:
                     raise ValueError("parameters of one bucket must share dtype and device")
                 full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
             if broadcast_src is not None and groups.dp_size > 1:
-                dist.broadcast(full, src=broadcast_src, group=groups.dp_group)
+                wait_work(dist.broadcast(full, src=broadcast_src, group=groups.dp_group,
+                                         async_op=True), f"broadcast of bucket {index}")
             if tie is not None:
-                dist.broadcast(full, src=tie[1], group=tie[0])
+                wait_work(dist.broadcast(full, src=tie[1], group=tie[0], async_op=True),
+                          f"broadcast of tied bucket {index}")
             self._init_storage(full)
 
         # gradient state

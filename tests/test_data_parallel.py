@@ -260,6 +260,35 @@ def test_unused_parameters_do_not_hang(pool2, zero):
     assert pool2.run(_train_with_unused_parameter, zero) == [True, True]
 
 
+def _assigned_weight_gradients(zero: int):
+    """Weight gradients computed with torch.autograd.grad and assigned to .grad (no hooks fire),
+    as a zero-bubble W pass might: the step must use them, not zeros."""
+    mesh = ParallelMesh(dist.get_world_size(), 1, 1)
+    model, loss_fn, vocab = build_model("own_gpt")
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.SGD, {"lr": 0.5}),
+                          DataParallelConfig(zero=zero))
+    x, y = global_batch(0, 2 * mesh.dp, vocab)
+    lo = 2 * mesh.dp_rank
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss_fn(model(x[lo:lo + 2]), y[lo:lo + 2]), params)
+    for p, g in zip(params, grads):
+        p.grad = g
+    engine.step()
+    loss_fn(reference(x), y).backward()
+    ref_opt.step()
+    got = engine.full_parameters()
+    engine.close()
+    return compare(got, {n: p.detach() for n, p in reference.named_parameters()})[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_gradients_assigned_outside_backward(pool2, zero):
+    assert max(pool2.run(_assigned_weight_gradients, zero)) < 1e-6
+
+
 def _backward_after_step_without_zero_grad():
     mesh = ParallelMesh(dist.get_world_size(), 1, 1)
     model, loss_fn, vocab = build_model("own_gpt")
