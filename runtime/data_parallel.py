@@ -46,7 +46,6 @@ and :meth:`full_parameters`.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
