@@ -1,0 +1,169 @@
+"""Optimizers, mixed precision and global gradient-norm clipping for the data-parallel layer.
+
+Three pieces the ZeRO engine (``runtime/data_parallel.py``) is built from:
+
+- :class:`OptimizerFactory`: any ``torch.optim`` class plus its keyword arguments, and an optional
+  per-parameter override of the group options (no weight decay on biases and norms). The engine
+  calls it with the tensors this rank updates: whole parameters under ZeRO-0, flat 1-D pieces of
+  parameters under ZeRO-1/2/3. A flat piece is only correct for an *element-wise* update rule
+  (Adam, SGD, ...), so the factory says whether its optimizer is one; Adafactor, Muon or LBFGS
+  look at a whole matrix and are refused under sharding instead of silently computing something
+  else.
+- :class:`MixedPrecision`: bf16 (or fp16) compute copies of the parameters, fp32 master weights
+  that the optimizer updates, and the dtype gradients are accumulated and reduced in. It runs on
+  CPU as well as GPU: nothing here needs a GPU kernel.
+- :func:`global_grad_norm`: the norm of the gradient of the *whole* model when every rank holds
+  a different part of it. Each rank contributes the gradient elements it alone is responsible for
+  (a tensor-parallel-replicated parameter only on tp rank 0, a tied parameter only on the first
+  rank of its group, a ZeRO shard only on its owner), so one sum over the mesh counts every
+  element of the model exactly once.
+
+This module imports only torch and the leaf vocabulary (``autopar.errors``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import InvalidInputError
+
+__all__ = ["OptimizerFactory", "MixedPrecision", "ELEMENTWISE_OPTIMIZERS", "global_grad_norm",
+           "clip_coefficient"]
+
+#: torch optimizers whose update of an element depends only on that element's gradient and state
+#: (scalars such as the step count aside): they give the same result on a flat shard of a
+#: parameter as on the whole parameter, which ZeRO-1/2/3 relies on.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.ASGD,
+)
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerFactory:
+    """How to build the optimizer: ``OptimizerFactory(torch.optim.AdamW, {"lr": 3e-4})``.
+
+    ``group_options(name)`` returns option overrides for the parameter called ``name`` (its name
+    in the wrapped module), e.g. ``{"weight_decay": 0.0}`` for biases; parameters with equal
+    overrides share a param group. ``elementwise`` says whether the update rule is element-wise
+    (None: known for the torch optimizers in :data:`ELEMENTWISE_OPTIMIZERS`, False otherwise).
+    """
+
+    optimizer_class: type[torch.optim.Optimizer]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    group_options: Callable[[str], Mapping[str, Any]] | None = None
+    elementwise: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.optimizer_class, type)
+                and issubclass(self.optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
+                             f"{self.optimizer_class!r}")
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"options must be a mapping of keyword arguments, got "
+                             f"{type(self.options).__name__}")
+        if self.optimizer_class is torch.optim.LBFGS:
+            raise ValueError("LBFGS needs a closure that re-evaluates the model; it cannot be "
+                             "driven by a training step. Pick a first-order optimizer")
+        object.__setattr__(self, "options", dict(self.options))
+
+    @property
+    def is_elementwise(self) -> bool:
+        if self.elementwise is not None:
+            return self.elementwise
+        return self.optimizer_class in ELEMENTWISE_OPTIMIZERS
+
+    def build(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+        """The optimizer over ``named_tensors``, grouped by ``group_options``."""
+        groups: dict[tuple, dict[str, Any]] = {}
+        for name, tensor in named_tensors:
+            overrides = dict(self.group_options(name)) if self.group_options else {}
+            key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+            group = groups.setdefault(key, {"params": [], **overrides})
+            group["params"].append(tensor)
+        if not groups:  # a rank that updates nothing (all its shards are padding) still steps
+            groups[()] = {"params": []}
+        param_groups = list(groups.values())
+        try:
+            return self.optimizer_class(param_groups, **self.options)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(
+                f"could not build {self.optimizer_class.__name__}",
+                expected="keyword arguments the optimizer accepts",
+                found=f"{self.options} ({exc})",
+                fix="check the option names against the optimizer's signature") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPrecision:
+    """Compute in ``param_dtype``, update fp32 master weights, reduce gradients in ``grad_dtype``.
+
+    ``grad_dtype=torch.float32`` (the default) accumulates micro-batch gradients and reduces them
+    across data-parallel ranks in fp32: 4 bytes per parameter of gradient instead of 2, in exchange
+    for sums that do not lose low bits. ``grad_dtype=torch.bfloat16`` gives the 16 bytes per
+    parameter of the standard mixed-precision Adam accounting.
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    grad_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "grad_dtype"):
+            value = getattr(self, name)
+            if value not in _FLOAT_DTYPES:
+                raise ValueError(f"{name} must be a floating dtype (one of {_FLOAT_DTYPES}), "
+                                 f"got {value!r}")
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor torch.nn.utils.clip_grad_norm_ multiplies gradients by (at most 1)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def global_grad_norm(local_parts: Iterable[torch.Tensor], norm_type: float,
+                     groups: Sequence[dist.ProcessGroup | None]) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradient spread over ``groups``.
+
+    ``local_parts`` are the gradient elements this rank is responsible for (each element of the
+    model must be in exactly one rank's parts); the partial sums of ``|g|^p`` (or the maxima, for
+    the infinity norm) are reduced over each group in turn, which reduces over the mesh they span.
+    Computed in fp32 whatever the gradient dtype. Returns an fp32 scalar tensor, equal on every
+    rank of the groups.
+    """
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise InvalidInputError("bad gradient norm type", expected="a positive p or inf",
+                                found=repr(norm_type), fix="use 2.0 (the usual) or math.inf")
+    parts = [p for p in local_parts if p.numel()]
+    device = parts[0].device if parts else torch.device("cpu")
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for p in parts:
+            local = torch.maximum(local, p.detach().abs().max().float())
+        op = dist.ReduceOp.MAX
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for p in parts:
+            local += torch.linalg.vector_norm(p.detach(), norm_type, dtype=torch.float32) ** norm_type
+        op = dist.ReduceOp.SUM
+    local = local.reshape(1)
+    from autopar.runtime.zero import wait_work  # zero imports this module
+
+    for group in groups:
+        if group is not None:
+            wait_work(dist.all_reduce(local, op=op, group=group, async_op=True),
+                      "all-reduce of the gradient norm")
+    total = local[0]
+    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)

@@ -1,0 +1,588 @@
+"""ZeRO over flat buckets: what each data-parallel rank keeps of parameters, gradients and state.
+
+A :class:`FlatBucket` packs some of a rank's parameters into one flat buffer, padded to a multiple
+of the shard group size S, so that a collective moves the whole bucket at once and shard ``i`` of
+every bucket is the contiguous range ``[i * numel / S, (i + 1) * numel / S)``. What a rank keeps
+depends on the ZeRO stage (the names are those of Rajbhandari et al., 2020):
+
+========  =========================  ========================  ================================
+stage     parameters (compute dtype)  gradients (grad dtype)    master weights + optimizer state
+========  =========================  ========================  ================================
+0         full flat buffer            full, all-reduced         full
+1         full flat buffer            full local buffer; its    this rank's shard
+                                      shard reduce-scattered
+                                      in place
+2         full flat buffer            shard only (the full      this rank's shard
+                                      buffer lives from the
+                                      first micro-batch's
+                                      gradient to the
+                                      reduce-scatter)
+3         shard only; the full        shard only                this rank's shard
+          buffer is gathered per
+          unit (module) for its
+          forward and backward
+========  =========================  ========================  ================================
+
+With mixed precision (bf16 compute, fp32 master, bf16 gradients) this is 16P, 4P + 12P/S,
+2P + 14P/S and 16P/S bytes for P parameters, the accounting of the ZeRO paper.
+
+Hybrid sharding splits the data-parallel ranks into shard groups of S consecutive ranks (one node)
+and replicate groups (the same position in every node): gradients are reduce-scattered inside the
+shard group and then all-reduced across replicas, parameters are gathered inside the shard group.
+
+Every collective is issued asynchronously where the caller can overlap it (gradient reductions
+during backward, parameter gathers after the step) and waited on through :func:`wait_work`, which
+turns a timed-out collective into :class:`~autopar.errors.CommunicationTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import CommunicationTimeoutError, InvalidInputError
+from autopar.runtime.optim import MixedPrecision
+
+__all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "ParamUnit", "wait_work",
+           "dp_rank_lists"]
+
+
+class ZeroStage(enum.IntEnum):
+    """What the data-parallel ranks shard: nothing, + optimizer state, + gradients, + parameters."""
+
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+def wait_work(work: Any, what: str) -> None:
+    """Wait on an async collective; a timeout becomes CommunicationTimeoutError."""
+    if work is None:
+        return
+    try:
+        work.wait()
+    except RuntimeError as exc:  # DistBackendError is a RuntimeError
+        text = str(exc).lower()
+        if "timed out" in text or "timeout" in text:
+            raise CommunicationTimeoutError(
+                f"{what} did not finish in time",
+                expected="every rank of the group to take part in the collective",
+                found=str(exc).splitlines()[0],
+                fix="check that all ranks run the same model and call step()/backward() alike; "
+                    "AUTOPAR_TIMEOUT_S sets the timeout") from exc
+        raise
+
+
+def dp_rank_lists(dp: int, pp: int, tp: int) -> list[list[int]]:
+    """Global ranks of every data-parallel group of a dp x pp x tp mesh (tp innermost)."""
+    return [[d * pp * tp + p * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGroups:
+    """This rank's data-parallel groups: all replicas, its shard group, its replicate group.
+
+    Without hybrid sharding the shard group is the whole data-parallel group and there is no
+    replicate group (size 1).
+    """
+
+    dp_group: dist.ProcessGroup | None
+    dp_size: int
+    dp_rank: int
+    shard_group: dist.ProcessGroup | None
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+    replicate_rank: int
+
+    def __post_init__(self) -> None:
+        if self.shard_size * self.replicate_size != self.dp_size:
+            raise ValueError(f"shard size {self.shard_size} x replicate size "
+                             f"{self.replicate_size} must equal the data-parallel size "
+                             f"{self.dp_size}")
+
+    def destroy(self) -> None:
+        """Destroy the hybrid groups this object created (the mesh's dp group is not ours)."""
+        if self.replicate_size > 1:
+            for g in (self.shard_group, self.replicate_group):
+                if g is not None:
+                    dist.destroy_process_group(g)
+
+    @classmethod
+    def build(cls, mesh: Any, shard_size: int | None, timeout: timedelta) -> "ShardGroups":
+        """Create the groups for ``mesh`` (a ParallelMesh). Collective over the whole world."""
+        dp = mesh.dp
+        shard_size = dp if shard_size is None else shard_size
+        if shard_size < 1 or dp % shard_size:
+            raise InvalidInputError(
+                "bad hybrid shard size", expected=f"a divisor of the data-parallel size {dp}",
+                found=f"shard_size={shard_size}",
+                fix="pick the number of data-parallel ranks in one node (dp must be a multiple)")
+        replicate = dp // shard_size
+        if replicate == 1:
+            return cls(mesh.dp_group, dp, mesh.dp_rank, mesh.dp_group, dp, mesh.dp_rank,
+                       None, 1, 0)
+        shard_group = replicate_group = None
+        rank = mesh.rank
+        for ranks in dp_rank_lists(mesh.dp, mesh.pp, mesh.tp):  # every rank creates every group
+            for r in range(replicate):
+                block = ranks[r * shard_size:(r + 1) * shard_size]
+                g = dist.new_group(block, timeout=timeout) if len(block) > 1 else None
+                if rank in block:
+                    shard_group = g
+            for s in range(shard_size):
+                column = ranks[s::shard_size]
+                g = dist.new_group(column, timeout=timeout)
+                if rank in column:
+                    replicate_group = g
+        return cls(mesh.dp_group, dp, mesh.dp_rank, shard_group, shard_size,
+                   mesh.dp_rank % shard_size, replicate_group, replicate, mesh.dp_rank // shard_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter lives in its bucket's flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class FlatBucket:
+    """A flat buffer of parameters with its gradients, master weights and shard bookkeeping.
+
+    ``params`` are ``(name, parameter)`` pairs of one dtype and device. After construction the
+    parameters' ``.data`` are views into the bucket's flat buffer (stages 0-2) or empty
+    placeholders until :meth:`gather` (stage 3); the parameter objects themselves stay the ones
+    the module holds.
+    """
+
+    def __init__(self, index: int, params: Sequence[tuple[str, nn.Parameter]], *,
+                 stage: ZeroStage, groups: ShardGroups, mixed_precision: MixedPrecision | None,
+                 requires_grad: bool, chunk: int = 0, broadcast_src: int | None = None,
+                 tie: tuple[dist.ProcessGroup, int] | None = None,
+                 sum_group: dist.ProcessGroup | None = None, counts_in_norm: bool = True) -> None:
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.index = index
+        self.chunk = chunk
+        self.stage = ZeroStage(stage)
+        self.groups = groups
+        self.mp = mixed_precision
+        self.requires_grad = requires_grad
+        self.sum_group = sum_group
+        self.counts_in_norm = counts_in_norm
+        self.params = [p for _, p in params]
+        slots, offset = [], 0
+        for name, p in params:
+            slots.append(ParamSlot(name, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.slots = slots
+        self.numel = offset
+        # Stage 0 does not shard, but its padding and "shards" say which part of the (replicated)
+        # gradient each rank counts in the global norm.
+        self.shard_count = groups.dp_size if self.stage is ZeroStage.NONE else groups.shard_size
+        self.shard_numel = -(-self.numel // self.shard_count)
+        self.padded_numel = self.shard_numel * self.shard_count
+        own = (groups.dp_rank if self.stage is ZeroStage.NONE else groups.shard_rank)
+        self.own = slice(own * self.shard_numel, (own + 1) * self.shard_numel)
+
+        first = self.params[0]
+        self.device = first.device
+        self.orig_dtype = first.dtype
+        self.param_dtype = mixed_precision.param_dtype if mixed_precision else first.dtype
+        self.master_dtype = mixed_precision.master_dtype if mixed_precision else first.dtype
+        self.grad_dtype = mixed_precision.grad_dtype if mixed_precision else first.dtype
+
+        with torch.no_grad():
+            full = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.device)
+            for slot, p in zip(slots, self.params):
+                if p.dtype != first.dtype or p.device != first.device:
+                    raise ValueError("parameters of one bucket must share dtype and device")
+                full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            if broadcast_src is not None and groups.dp_size > 1:
+                wait_work(dist.broadcast(full, src=broadcast_src, group=groups.dp_group,
+                                         async_op=True), f"broadcast of bucket {index}")
+            if tie is not None:
+                wait_work(dist.broadcast(full, src=tie[1], group=tie[0], async_op=True),
+                          f"broadcast of tied bucket {index}")
+            self._init_storage(full)
+
+        # gradient state
+        self.local_grad: torch.Tensor | None = None  # full size, this rank's (micro-)batch sum
+        self._written = [False] * len(slots)
+        self._has_local = False  # local gradients accumulated since the last reduction
+        self.reduced = False  # reduced at least once since zero_grad
+        self.grad_shard: torch.Tensor | None = None  # stages 2, 3: the reduced shard
+        self._grad_shard_stale = True
+        self._works: list[Any] = []
+        self._rs_out: torch.Tensor | None = None
+        self._gather_work: Any = None
+        self._grad32: torch.Tensor | None = None
+        if requires_grad and self.stage <= ZeroStage.OPTIMIZER:
+            self.local_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype,
+                                          device=self.device)
+        if requires_grad and self.stage >= ZeroStage.GRADIENTS:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.grad_dtype,
+                                          device=self.device)
+        self.pieces = self._make_pieces() if requires_grad else []
+        self.pending_wait = False  # a reduction was launched and not yet waited on
+        self.fired = 0  # parameters whose gradient arrived in the current backward
+        self.launched = False  # reduction launched in the current backward (kept by the engine)
+
+    # -- storage --------------------------------------------------------------------------------
+    def _init_storage(self, full: torch.Tensor) -> None:
+        mp = self.mp is not None
+        stage = self.stage
+        self.param_shard: torch.Tensor | None = None
+        if stage is ZeroStage.PARAMETERS:
+            shard = full[self.own]
+            self.param_shard = shard.to(self.param_dtype).clone()
+            self.master = shard.clone() if mp else self.param_shard
+            self.flat_param = torch.empty(self.padded_numel, dtype=self.param_dtype,
+                                          device=self.device)
+            self._free_storage()
+            self.gathered = False
+            self._unbind()
+        else:
+            self.flat_param = full.to(self.param_dtype) if mp else full
+            if stage is ZeroStage.NONE:
+                self.master = full.clone() if mp else self.flat_param
+            else:
+                self.master = full[self.own].clone() if mp else self.flat_param[self.own]
+            self.gathered = True
+            self._bind()
+
+    def _bind(self) -> None:
+        for slot, p in zip(self.slots, self.params):
+            p.data = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _unbind(self) -> None:
+        # An empty placeholder: touching a freed parameter fails with a shape error, not garbage.
+        empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def _free_storage(self) -> None:
+        # Resizing the storage (rather than dropping the tensor) also frees the memory that views
+        # saved for backward (the transposed weight of a linear) still point at; gather restores
+        # it in place, so those views see the gathered values again.
+        self.flat_param.untyped_storage().resize_(0)
+
+    def gather(self) -> None:
+        """Stage 3: all-gather the full parameters and point the module's parameters at them."""
+        if self.gathered:
+            return
+        storage = self.flat_param.untyped_storage()
+        storage.resize_(self.padded_numel * self.flat_param.element_size())
+        if self.groups.shard_size > 1:
+            work = dist.all_gather_single(self.flat_param, self.param_shard,
+                                          group=self.groups.shard_group, async_op=True)
+            wait_work(work, f"all-gather of parameter bucket {self.index}")
+        else:
+            self.flat_param.copy_(self.param_shard)
+        self._bind()
+        self.gathered = True
+
+    def free(self) -> None:
+        """Stage 3: drop the full parameters (the shard stays)."""
+        if self.stage is not ZeroStage.PARAMETERS or not self.gathered:
+            return
+        self._unbind()
+        self._free_storage()
+        self.gathered = False
+
+    # -- gradients ------------------------------------------------------------------------------
+    def accumulate(self, slot_index: int, param: nn.Parameter) -> None:
+        """Move ``param.grad`` (just accumulated by autograd) into the flat gradient buffer."""
+        if self.stage is ZeroStage.OPTIMIZER and (self.reduced or self.pending_wait):
+            raise InvalidInputError(
+                "a gradient arrived after this step's ZeRO-1 reduction",
+                expected="one gradient reduction per optimizer step under ZeRO-1",
+                found=f"another backward with gradient sync for bucket {self.index}",
+                fix="run all but the last micro-batch's backward inside no_sync() "
+                    "(or call zero_grad() after step())")
+        grad = param.grad
+        param.grad = None
+        if self.local_grad is None:  # stages 2, 3: allocated per reduction
+            self.local_grad = torch.empty(self.padded_numel, dtype=self.grad_dtype,
+                                          device=self.device)
+            self.local_grad[self.numel:].zero_()
+            self._written = [False] * len(self.slots)
+        slot = self.slots[slot_index]
+        region = self.local_grad[slot.offset:slot.offset + slot.numel]
+        if self._written[slot_index]:
+            region.add_(grad.reshape(-1))
+        else:
+            region.copy_(grad.reshape(-1))
+            self._written[slot_index] = True
+        self._has_local = True
+
+    def _fill_unwritten(self) -> None:
+        if self.local_grad is None:
+            self.local_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype,
+                                          device=self.device)
+            self._written = [True] * len(self.slots)
+            return
+        for i, slot in enumerate(self.slots):
+            if not self._written[i]:
+                self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
+                self._written[i] = True
+
+    def launch_reduce(self) -> None:
+        """Start this bucket's gradient reduction over the data-parallel ranks (async)."""
+        if self.pending_wait:  # a second synced backward before the step: finish the first
+            self.wait_reduce()
+        self._fill_unwritten()
+        g = self.groups
+        if self.stage is ZeroStage.NONE:
+            if g.dp_size > 1:
+                self._works.append(dist.all_reduce(self.local_grad, group=g.dp_group,
+                                                   async_op=True))
+        elif self.stage is ZeroStage.OPTIMIZER:  # reduce-scatter into our own shard, in place
+            if g.shard_size > 1:
+                self._works.append(dist.reduce_scatter_single(
+                    self.local_grad[self.own], self.local_grad, group=g.shard_group,
+                    async_op=True))
+        else:
+            self._rs_out = (torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+                            if g.shard_size > 1 else self.local_grad[self.own])
+            if g.shard_size > 1:
+                self._works.append(dist.reduce_scatter_single(
+                    self._rs_out, self.local_grad, group=g.shard_group, async_op=True))
+        self._has_local = False
+        self.pending_wait = True
+
+    def wait_reduce(self) -> None:
+        """Finish the reduction: replicas summed, divided by the data-parallel size."""
+        if not self.pending_wait:
+            return
+        for work in self._works:
+            wait_work(work, f"gradient reduction of bucket {self.index}")
+        self._works = []
+        g = self.groups
+        if self.stage is ZeroStage.NONE:
+            self.local_grad.div_(g.dp_size)
+        else:
+            out = self.local_grad[self.own] if self.stage is ZeroStage.OPTIMIZER else self._rs_out
+            if g.replicate_size > 1:
+                wait_work(dist.all_reduce(out, group=g.replicate_group, async_op=True),
+                          f"replica all-reduce of bucket {self.index}")
+            out.div_(g.dp_size)
+            if self.stage >= ZeroStage.GRADIENTS:
+                if self._grad_shard_stale:
+                    self.grad_shard.copy_(out)
+                    self._grad_shard_stale = False
+                else:
+                    self.grad_shard.add_(out)
+                self._rs_out = None
+                self.local_grad = None  # the point of ZeRO-2: no full gradient between steps
+        self.reduced = True
+        self.pending_wait = False
+
+    @property
+    def has_local_grads(self) -> bool:
+        return self._has_local
+
+    def reduced_grad(self) -> torch.Tensor:
+        """The reduced gradient this rank's optimizer reads (full for stage 0, else its shard)."""
+        if self.stage is ZeroStage.NONE:
+            return self.local_grad
+        if self.stage is ZeroStage.OPTIMIZER:
+            return self.local_grad[self.own]
+        return self.grad_shard
+
+    def norm_part(self) -> torch.Tensor:
+        """The reduced gradient elements this rank counts in the global norm."""
+        if self.stage is ZeroStage.NONE:
+            return self.local_grad[self.own]
+        return self.reduced_grad()
+
+    def zero_grad(self) -> None:
+        self.wait_reduce()  # never leave a collective behind
+        self._written = [False] * len(self.slots)
+        self._has_local = False
+        self.reduced = False
+        self._grad_shard_stale = True
+        if self.stage >= ZeroStage.GRADIENTS:
+            self.local_grad = None
+            if self.grad_shard is not None:
+                self.grad_shard.zero_()
+
+    # -- optimizer ------------------------------------------------------------------------------
+    def _make_pieces(self) -> list[tuple[str, nn.Parameter, int, int]]:
+        """(name, tensor the optimizer updates, start, end in reduced_grad()) per parameter."""
+        pieces = []
+        if self.stage is ZeroStage.NONE:
+            for slot in self.slots:
+                view = self.master[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                pieces.append((slot.name, nn.Parameter(view), slot.offset,
+                               slot.offset + slot.numel))
+            return pieces
+        lo, hi = self.own.start, self.own.stop
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                pieces.append((slot.name, nn.Parameter(self.master[a - lo:b - lo]), a - lo, b - lo))
+        return pieces
+
+    def set_optimizer_grads(self) -> None:
+        grad = self.reduced_grad()
+        if grad.dtype != self.master_dtype:
+            self._grad32 = grad.to(self.master_dtype)
+            grad = self._grad32
+        for _, piece, a, b in self.pieces:
+            piece.grad = grad[a:b].view(piece.shape)
+
+    def clear_optimizer_grads(self) -> None:
+        for _, piece, _, _ in self.pieces:
+            piece.grad = None
+        self._grad32 = None
+
+    def after_step(self) -> None:
+        """Carry the updated master weights to the compute parameters (async gather, 1-2)."""
+        mp = self.mp is not None
+        with torch.no_grad():
+            if self.stage is ZeroStage.NONE:
+                if mp:
+                    self.flat_param.copy_(self.master)
+            elif self.stage is ZeroStage.PARAMETERS:
+                if mp:
+                    self.param_shard.copy_(self.master)
+            else:
+                if mp:
+                    self.flat_param[self.own].copy_(self.master)
+                if self.groups.shard_size > 1:
+                    self._gather_work = dist.all_gather_single(
+                        self.flat_param, self.flat_param[self.own],
+                        group=self.groups.shard_group, async_op=True)
+
+    def wait_gather(self) -> None:
+        wait_work(self._gather_work, f"parameter all-gather of bucket {self.index}")
+        self._gather_work = None
+
+    def full_master(self) -> torch.Tensor:
+        """The whole flat master buffer (gathered for stages 1-3). Collective over the shard group."""
+        if self.stage is ZeroStage.NONE or self.groups.shard_size == 1:
+            return self.master.detach().clone()
+        out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.device)
+        wait_work(dist.all_gather_single(out, self.master.contiguous(),
+                                         group=self.groups.shard_group, async_op=True),
+                  f"gather of master bucket {self.index}")
+        return out
+
+    # -- memory ---------------------------------------------------------------------------------
+    def storages(self) -> dict[str, dict[tuple[int, int], int]]:
+        """Storages held persistently, by kind: {'params'|'grads'|'master': {key: bytes}}."""
+        out: dict[str, dict[tuple[int, int], int]] = {"params": {}, "grads": {}, "master": {}}
+
+        def add(kind: str, t: torch.Tensor | None) -> None:
+            if t is not None and t.untyped_storage().nbytes():
+                out[kind][_storage_key(t)] = t.untyped_storage().nbytes()
+
+        add("params", self.flat_param)
+        add("params", self.param_shard)
+        add("grads", self.local_grad)
+        add("grads", self.grad_shard)
+        if not any(_storage_key(self.master) in out[k] for k in ("params",)):
+            add("master", self.master)
+        return out
+
+
+def _flatten_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flatten_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _flatten_tensors(v)]
+    return []
+
+
+class ParamUnit:
+    """Stage 3: the parameters of one module, gathered for its forward and backward.
+
+    Forward: gathered by a forward pre-hook, freed by the forward hook (unless
+    ``reshard_after_forward`` is False, or this is a root unit whose output the backward starts
+    from at once). Backward: gathered again when the first gradient reaches the module's outputs,
+    freed when every parameter's gradient has been accumulated (the engine calls
+    :meth:`on_param_grad`) or at the end of the backward.
+    """
+
+    def __init__(self, name: str, module: nn.Module, buckets: Sequence[FlatBucket], *,
+                 reshard_after_forward: bool, is_root: bool,
+                 on_backward_start: Callable[[], None]) -> None:
+        self.name = name
+        self.module = module
+        self.buckets = list(buckets)
+        self.reshard_after_forward = reshard_after_forward and not is_root
+        self.num_grad_params = sum(len(b.slots) for b in self.buckets if b.requires_grad)
+        self.fired = 0
+        self.in_backward = False
+        self._on_backward_start = on_backward_start
+        self._handles = [module.register_forward_pre_hook(self._pre_forward),
+                         module.register_forward_hook(self._post_forward)]
+
+    def gather(self) -> None:
+        for b in self.buckets:
+            b.gather()
+
+    def free(self) -> None:
+        for b in self.buckets:
+            b.free()
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.gather()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.in_backward:  # a recomputation (activation checkpointing) inside backward
+            return output
+        tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
+        if tensors and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if self.reshard_after_forward or not (tensors and torch.is_grad_enabled()):
+            self.free()
+        return output
+
+    def _pre_backward(self, grad: Any) -> None:
+        self._on_backward_start()
+        self.in_backward = True
+        self.gather()
+
+    def on_param_grad(self) -> None:
+        self.fired += 1
+        if self.fired == self.num_grad_params:
+            self.end_backward()
+
+    def end_backward(self) -> None:
+        self.fired = 0
+        self.in_backward = False
+        self.free()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def iter_unique_storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[int, int], int]:
+    """{storage key: bytes} of the tensors, each storage once."""
+    out: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        if t.untyped_storage().nbytes():
+            out[_storage_key(t)] = t.untyped_storage().nbytes()
+    return out
