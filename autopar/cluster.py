@@ -296,7 +296,8 @@ class Cluster:
     def with_devices(self, devices: int, devices_per_node: int | None = None) -> "Cluster":
         """The same hardware with ``devices`` in all, ``devices_per_node`` per node (default:
         the preset's node size, or all on one node when fewer)."""
-        per_node = devices_per_node or min(self.devices_per_node, devices)
+        local = self.intra_node.kind is LinkKind.LOOPBACK  # processes on one host
+        per_node = devices_per_node or (devices if local else min(self.devices_per_node, devices))
         if not isinstance(devices, int) or devices < 1:
             raise ClusterSpecError("the device count must be a positive integer",
                                    expected=">= 1", found=repr(devices), fix="pass --gpus N")
@@ -310,7 +311,7 @@ class Cluster:
                 found=f"{devices} = {devices // per_node} x {per_node} + {devices % per_node}",
                 fix=f"use --gpus {(devices // per_node + 1) * per_node} or pass "
                     f"--gpus-per-node that divides {devices}")
-        if per_node > self.devices_per_node and self.nodes * self.devices_per_node > 1:
+        if per_node > self.devices_per_node and not local:
             raise ClusterSpecError(
                 f"cluster {self.name!r} has nodes of {self.devices_per_node} devices",
                 expected=f"--gpus-per-node <= {self.devices_per_node}", found=per_node,

@@ -23,7 +23,8 @@ AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
-    """Median over ``repeat`` runs of ``inner`` calls (seconds per call); one warm-up run."""
+    """Fastest of ``repeat`` runs of ``inner`` calls (seconds per call), after one warm-up run.
+    The minimum, not the median: on a shared machine the slow runs measure the neighbours."""
     fn()
     times = []
     for _ in range(repeat):
@@ -31,7 +32,7 @@ def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
         for _ in range(inner):
             fn()
         times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_compute(quick: bool = False) -> dict[str, float]:
@@ -81,8 +82,8 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
         shard = torch.ones(size // 4 // n)
         full = torch.empty(shard.numel() * n)
         dist.barrier()
-        out["all_gather"].append(_best_time(lambda: dist.all_gather_into_tensor(full, shard),
-                                            repeat))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        out["all_gather"].append(_best_time(lambda: gather(full, shard), repeat))
         dist.barrier()
 
         def ping() -> None:  # rank 0 <-> rank 1 round trip; the others idle
@@ -113,7 +114,7 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     sizes = AR_SIZES[:-1] if quick else AR_SIZES
     with LocalPool(world, timeout_s=600) as pool:
         compute = pool.run(_rank_compute, quick)
-        coll = pool.run(_rank_collectives, sizes, 3 if quick else 5)
+        coll = pool.run(_rank_collectives, sizes, 5 if quick else 10)
     per_size = {k: [max(r[k][i] for r in coll) for i in range(len(sizes))]
                 for k in coll[0]}
     n = world

@@ -9,7 +9,8 @@ end-to-end throughput. docs/cost-model.md has the same formulas with their sourc
 - GEMM ``(batch, M, N, K)``: ``t = max(2 batch M N K / (peak * e_gemm * e_wave),
   bytes / (bw * e_mem), floor)``; ``e_wave`` is wave quantization (NVIDIA's *Matrix
   Multiplication Background* guide): the output's ``ceil(M/tm) ceil(N/tn)`` tiles run in waves of
-  ``sm_count``, the best of the 256x128, 128x256 and 128x128 tiles. Backward: the input-gradient
+  ``sm_count``, the best of the 256x128, 128x256 and 128x128 tiles (shrunk to a power of two
+  >= 16 for a dimension shorter than the tile). Backward: the input-gradient
   GEMM ``(batch, M, K, N)`` and, for weights, the weight-gradient GEMM ``(1, N, K, batch M)``.
 - fused attention: ``t = max(F / (peak * e_attn), bytes / (bw * e_mem), floor)``, backward
   ``2.5 F`` (FlashAttention-2 recomputes the scores: 5 matmuls to the forward's 2).
@@ -86,11 +87,16 @@ PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # ---------------------------------------------------------------------------------------------
 
 def wave_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
-    """Useful fraction of the tile waves a GEMM's output needs (1 when sm_count is 0)."""
+    """Useful fraction of the tile waves a GEMM's output needs (1 when sm_count is 0).
+
+    A dimension shorter than the tile gets a tile shrunk to it (at least 16, the tensor-core
+    MMA granule), as cuBLAS's kernels for skinny matrices do."""
     if sm_count <= 0:
         return 1.0
     best = 0.0
     for tm, tn in GEMM_TILES:
+        tm = min(tm, max(16, 2 ** math.ceil(math.log2(max(m, 1)))))
+        tn = min(tn, max(16, 2 ** math.ceil(math.log2(max(n, 1)))))
         tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(tiles / sm_count)
         best = max(best, batch * m * n / (waves * sm_count * tm * tn))
