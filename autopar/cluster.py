@@ -139,6 +139,8 @@ class DeviceSpec:
     kernel_floor_s: float
     #: Streaming multiprocessors, for GEMM wave quantization (0: no wave model, e.g. CPUs).
     sm_count: int = 0
+    #: SMs a collective occupies while it overlaps compute (one thread block per NCCL channel).
+    collective_sms: int = 0
     #: Memory the framework and communication library keep (CUDA context, NCCL buffers).
     reserved_memory_bytes: float = 0.0
     #: Dtype training runs in by default on this device (mixed precision "bf16" or "fp32").
@@ -174,6 +176,11 @@ class DeviceSpec:
         _check(isinstance(self.sm_count, int) and self.sm_count >= 0,
                f"{owner}.sm_count must be a non-negative integer", expected=">= 0",
                found=self.sm_count, fix="give the SM count (108 on A100, 132 on H100) or 0")
+        _check(isinstance(self.collective_sms, int) and 0 <= self.collective_sms
+               <= max(self.sm_count, 0) and (self.sm_count or not self.collective_sms),
+               f"{owner}.collective_sms must be between 0 and sm_count ({self.sm_count})",
+               expected=f"0 <= collective_sms <= {self.sm_count}", found=self.collective_sms,
+               fix="give the NCCL channels a collective uses (0 when there are no SMs)")
         _check(self.default_dtype in self.peak_flops,
                f"{owner}.default_dtype has no peak", expected=f"one of {sorted(self.peak_flops)}",
                found=self.default_dtype, fix="add its peak to peak_flops or change default_dtype")
@@ -346,6 +353,7 @@ class Cluster:
                        "attention_efficiency": d.attention_efficiency,
                        "memory_efficiency": d.memory_efficiency,
                        "kernel_floor_s": d.kernel_floor_s, "sm_count": d.sm_count,
+                       "collective_sms": d.collective_sms,
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),

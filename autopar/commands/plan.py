@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster.load(args.cluster).with_devices(args.gpus, args.gpus_per_node)
     report = plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq,
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
-                        attention=args.attention, **model_overrides(args))
+                        attention=args.attention, overrides=model_overrides(args))
     doc = report.document()
     if args.out:
         with open(args.out, "w") as fh:

@@ -34,7 +34,9 @@ grow as ``s^2``) and drops those tensors (Korthikanti et al. 2022).
 **Step** = pipeline time (schedule model, :mod:`autopar.planner.schedule_model`) + exposed
 data-parallel communication + optimizer step. Data-parallel gradients are reduced in 25 MB
 buckets (PyTorch DDP's default) overlapped with the backward of the last micro-batch; the last
-bucket and anything beyond the overlap window are exposed. ZeRO-1/2 add an all-gather of the
+bucket and anything beyond the overlap window are exposed, and while a collective overlaps
+compute it holds ``collective_sms`` of the ``sm_count`` SMs (one per NCCL channel), slowing that
+compute by the same fraction of the overlapped time. ZeRO-1/2 add an all-gather of the
 updated weights after the step (exposed); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3
 gathers weights before each forward and backward and reduce-scatters gradients every micro-batch,
 prefetched so only the excess over the compute it overlaps is exposed. The optimizer step is
@@ -993,6 +995,8 @@ class CostModel:
         w_bytes, g_bytes, _ = STATE_BYTES[dtype]
         usable = cl.device.usable_memory_bytes
         dp_span = mesh_span(cl, c.dp, p, c.tp, "dp") if c.dp > 1 else None
+        d = cl.device
+        interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
         ranks: list[RankMemory] = []
         dp_exposed = optimizer_s = slack = 0.0
         for r, rs in enumerate(st.ranks):
@@ -1019,10 +1023,13 @@ class CostModel:
                 bucket = DDP_BUCKET_BYTES
                 last_bucket = coll(reduce_op, min(grads, bucket), bucket)
                 if c.zero <= 1:
-                    exposed = max(last_bucket, coll(reduce_op, grads, bucket) - window)
+                    t = coll(reduce_op, grads, bucket)
+                    exposed = max(last_bucket, t - window)
+                    overlapped = min(t, window)
                 elif c.zero == 2:  # a reduce-scatter after every micro-batch's backward
                     t = coll(Collective.REDUCE_SCATTER, grads, bucket)
                     exposed = (m - 1) * max(0.0, t - window) + max(last_bucket, t - window)
+                    overlapped = m * min(t, window)
                 else:  # ZeRO-3 (FSDP): per layer, gather for forward and backward,
                     #     reduce-scatter after backward, prefetched one layer ahead
                     unit = max(rs.params / max(rs.layers, 1), 1.0)
@@ -1031,6 +1038,9 @@ class CostModel:
                     exposed = (m * (max(0.0, ag - rs.forward) + max(0.0, ag + rs_t - window))
                                + coll(Collective.ALL_GATHER, rs.largest_layer_params * w_bytes,
                                       rs.largest_layer_params * w_bytes))
+                    overlapped = m * (min(ag, rs.forward) + min(ag + rs_t, window))
+                # overlapped communication takes SMs from the compute it hides behind
+                exposed += overlapped * interference
                 exposed = max(0.0, exposed - slack)
                 if c.zero in (1, 2):  # updated weights gathered after the step
                     exposed += coll(Collective.ALL_GATHER, weights, bucket)

@@ -120,11 +120,13 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                dtype: str | None = None, space: SearchSpace = SearchSpace(), top_k: int = 5,
                progress: bool | None = None, attention: str = "sdpa",
                model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
-               **overrides: Any) -> PlanReport:
-    """Search the best plan for a zoo model on ``cluster`` (all its devices)."""
+               overrides: Mapping[str, Any] | None = None) -> PlanReport:
+    """Search the best plan for a zoo model on ``cluster`` (all its devices); ``overrides``
+    shape a preset or family (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
+    positions)."""
     start = time.perf_counter()
     costs, model, capture_s = model_costs or capture_model_costs(name, attention=attention,
-                                                                 **overrides)
+                                                                 **dict(overrides or {}))
     seq = seq or model["max_seq"]
     if seq > model["max_seq"]:
         raise InvalidInputError(f"sequence length {seq} exceeds the model's positions",

@@ -120,6 +120,8 @@ def enumerate_candidates(cm: CostModel, space: SearchSpace = SearchSpace()) -> l
         for pp in _divisors(n // tp):
             if pin.pp is not None and pp != pin.pp:
                 continue
+            if pin.tp is None and cm.cluster.devices_per_node % tp:
+                break  # tensor parallelism stays inside a node (pin it to see why not)
             dp = n // (tp * pp)
             if pin.dp is not None and dp != pin.dp:
                 continue
@@ -176,7 +178,7 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
         problem = cm.check(c)
         if problem:
             pruned["structure"] += 1
-            if len(examples) < 8:
+            if len(examples) < 4:
                 examples.append((c.label(), problem))
             continue
         groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel),
@@ -186,6 +188,7 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
     k = max(top_k, refine, 1)
     top: list[tuple] = []  # max-heap of the k best: (-time, negated key, evaluation)
     evaluated = 0
+    memory_examples = 0
     leanest: Evaluation | None = None
     best_mesh: dict[tuple[int, int, int], Evaluation] = {}
     show = progress if progress is not None else (len(candidates) > 20000 and sys.stderr.isatty())
@@ -206,7 +209,8 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
                                                       ev.prediction.peak_memory_bytes <
                                                       leanest.prediction.peak_memory_bytes):
                         leanest = ev
-                    if len(examples) < 8 or (ev.prediction is None and len(examples) < 16):
+                    if memory_examples < 8:
+                        memory_examples += 1
                         examples.append((c.label(), ev.infeasible))
                     continue
                 mesh = (c.dp, c.tp, c.pp)
