@@ -145,6 +145,12 @@ class DeviceSpec:
     reserved_memory_bytes: float = 0.0
     #: Dtype training runs in by default on this device (mixed precision "bf16" or "fp32").
     default_dtype: str = "bf16"
+    #: Measured GEMM rates at ``default_dtype``: rows (m, n, k, FLOP/s). When present they
+    #: replace peak x efficiency x waves (``autopar calibrate`` measures them).
+    gemm_table: tuple[tuple[float, float, float, float], ...] = ()
+    #: Measured fused-attention rates: rows (sequence, head dim, forward FLOP/s, backward
+    #: FLOP/s), FLOPs counted as 4 b a s^2 d forward and 2.5 times that backward.
+    attention_table: tuple[tuple[float, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -181,6 +187,12 @@ class DeviceSpec:
                f"{owner}.collective_sms must be between 0 and sm_count ({self.sm_count})",
                expected=f"0 <= collective_sms <= {self.sm_count}", found=self.collective_sms,
                fix="give the NCCL channels a collective uses (0 when there are no SMs)")
+        for name in ("gemm_table", "attention_table"):
+            rows = tuple(tuple(float(x) for x in row) for row in getattr(self, name))
+            _check(all(len(r) == 4 and all(x > 0 for x in r) for r in rows),
+                   f"{owner}.{name} rows must be 4 positive numbers", expected="[[a, b, c, rate], ...]",
+                   found=str(getattr(self, name))[:80], fix="regenerate with autopar calibrate")
+            object.__setattr__(self, name, rows)
         _check(self.default_dtype in self.peak_flops,
                f"{owner}.default_dtype has no peak", expected=f"one of {sorted(self.peak_flops)}",
                found=self.default_dtype, fix="add its peak to peak_flops or change default_dtype")
@@ -354,6 +366,8 @@ class Cluster:
                        "memory_efficiency": d.memory_efficiency,
                        "kernel_floor_s": d.kernel_floor_s, "sm_count": d.sm_count,
                        "collective_sms": d.collective_sms,
+                       "gemm_table": [list(r) for r in d.gemm_table],
+                       "attention_table": [list(r) for r in d.attention_table],
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),

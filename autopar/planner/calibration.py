@@ -19,12 +19,20 @@ from typing import Any, Callable
 __all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
+#: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds.
+TABLE_M = (256, 1024, 4096)
+TABLE_NK = (64, 256, 1024, 4096)
+TABLE_MAX_MACS = 2**31
+#: Fused attention table: sequence x head dim, with batch x heads = 8.
+ATTENTION_SEQ = (64, 256, 1024)
+ATTENTION_HEAD = (32, 64, 128)
 AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
-    """Fastest of ``repeat`` runs of ``inner`` calls (seconds per call), after one warm-up run.
-    The minimum, not the median: on a shared machine the slow runs measure the neighbours."""
+    """Median of ``repeat`` runs of ``inner`` calls (seconds per call), after one warm-up run.
+    The median, not the minimum: a training step is sustained work, and on a shared host the
+    minimum measures the rare moments the cores were free."""
     fn()
     times = []
     for _ in range(repeat):
@@ -32,7 +40,7 @@ def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
         for _ in range(inner):
             fn()
         times.append((time.perf_counter() - start) / inner)
-    return min(times)
+    return statistics.median(times)
 
 
 def measure_compute(quick: bool = False) -> dict[str, float]:
@@ -61,6 +69,35 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     q = torch.randn(1, 4, 256, 64)
     t = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
     out["attention_flops_fp32"] = 4 * 4 * 256 * 256 * 64 / t
+    # GEMM rate by shape (fp32, the CPU training precision)
+    table = []
+    for m in TABLE_M:
+        for n in TABLE_NK:
+            for k in TABLE_NK:
+                if m * n * k > TABLE_MAX_MACS or (quick and m * n * k > TABLE_MAX_MACS // 8):
+                    continue
+                a, w = torch.randn(m, k), torch.randn(n, k)
+                t = _best_time(lambda: F.linear(a, w), repeat)
+                table.append([m, n, k, 2 * m * n * k / t])
+    out["gemm_table"] = table
+    # fused attention by sequence and head size, forward and backward
+    att = []
+    for s in ATTENTION_SEQ:
+        for d in ATTENTION_HEAD:
+            q = torch.randn(2, 4, s, d, requires_grad=True)
+            flops = 4 * 8 * s * s * d
+            t_f = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                             repeat)
+            o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            g = torch.ones_like(o)
+
+            def fwd_bwd():
+                out_ = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                out_.backward(g)
+
+            t_fb = _best_time(fwd_bwd, repeat)
+            att.append([s, d, flops / t_f, 2.5 * flops / max(t_fb - t_f, 1e-9)])
+    out["attention_table"] = att
     return out
 
 
@@ -121,7 +158,14 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     ar_lat, ar_bw = fit_ring(list(sizes), per_size["all_reduce"], 2 * (n - 1) / n)
     ag_lat, ag_bw = fit_ring(list(sizes), per_size["all_gather"], (n - 1) / n)
     p2p_lat, p2p_bw = fit_ring(list(sizes), per_size["p2p"], 1.0)
-    merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]}
+    merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]
+              if not k.endswith("_table")}
+    for key in ("gemm_table", "attention_table"):  # per shape, the mean over the ranks
+        rows = [r[key] for r in compute]
+        merged[key] = [[*rows[0][i][:-2], *[statistics.fmean(rr[i][j] for rr in rows)
+                                            for j in (-2, -1)]] if key == "attention_table"
+                       else [*rows[0][i][:-1], statistics.fmean(rr[i][-1] for rr in rows)]
+                       for i in range(len(rows[0]))]
     return {"world": n, "sizes": list(sizes), "times": per_size, "compute": merged,
             "per_rank_compute": compute,
             "all_reduce": {"latency_s": ar_lat, "bus_bandwidth": ar_bw},
@@ -168,6 +212,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "sm_count": 0,
             "reserved_memory_bytes": 0.0,
             "default_dtype": "fp32",
+            "gemm_table": c["gemm_table"],
+            "attention_table": c["attention_table"],
         },
         "intra_node": link,
         "inter_node": dict(link),
@@ -182,6 +228,11 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                           f"model t = a + 2(n-1)/n S/B, hop latency a / 2(n-1); {where}",
             "inter_node": "single node: same as intra_node",
             "gemm_efficiency": "1.0: the measured rate is the achievable rate",
+            "device.gemm_table": f"F.linear rate for m in {list(TABLE_M)}, n, k in "
+                                 f"{list(TABLE_NK)} (m n k <= 2^31); {where}",
+            "device.attention_table": f"causal scaled_dot_product_attention, batch x heads = "
+                                      f"8, s in {list(ATTENTION_SEQ)}, d in "
+                                      f"{list(ATTENTION_HEAD)}, forward and backward; {where}",
         },
     })
     return cluster, m

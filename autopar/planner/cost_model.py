@@ -10,7 +10,9 @@ end-to-end throughput. docs/cost-model.md has the same formulas with their sourc
   bytes / (bw * e_mem), floor)``; ``e_wave`` is wave quantization (NVIDIA's *Matrix
   Multiplication Background* guide): the output's ``ceil(M/tm) ceil(N/tn)`` tiles run in waves of
   ``sm_count``, the best of the 256x128, 128x256 and 128x128 tiles (shrunk to a power of two
-  >= 16 for a dimension shorter than the tile). Backward: the input-gradient
+  >= 16 for a dimension shorter than the tile). A device with a measured ``gemm_table``
+  (``autopar calibrate``) uses ``t = max(2 batch M N K / rate(batch M, N, K), floor)`` instead,
+  the rate interpolated between measured shapes; likewise ``attention_table`` for attention. Backward: the input-gradient
   GEMM ``(batch, M, K, N)`` and, for weights, the weight-gradient GEMM ``(1, N, K, batch M)``.
 - fused attention: ``t = max(F / (peak * e_attn), bytes / (bw * e_mem), floor)``, backward
   ``2.5 F`` (FlashAttention-2 recomputes the scores: 5 matmuls to the forward's 2).
@@ -59,7 +61,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import sympy
 import torch.fx
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, LinkKind
 from autopar.errors import InfeasiblePlanError
 from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, dtype_bytes, info, op_name
 from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
@@ -105,10 +107,27 @@ def wave_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
     return min(best, 1.0)
 
 
+def table_rate(table: Sequence[Sequence[float]], point: Sequence[float]) -> float:
+    """Rate at ``point`` from measured rows (coordinates..., rate): inverse-square-distance
+    weighting in log2 space (exact at measured points, smooth between, flat outside)."""
+    logs = [math.log2(max(x, 1.0)) for x in point]
+    num = den = 0.0
+    for row in table:
+        d2 = sum((math.log2(c) - x) ** 2 for c, x in zip(row, logs))
+        if d2 < 1e-12:
+            return row[len(point)]
+        w = 1.0 / (d2 * d2)
+        num += w * row[len(point)]
+        den += w
+    return num / den
+
+
 def gemm_time(cluster: Cluster, dtype: str, batch: float, m: float, n: float, k: float) -> float:
     d = cluster.device
     esize = PRECISION_BYTES[dtype]
     flops = 2.0 * batch * m * n * k
+    if d.gemm_table and dtype == d.default_dtype:  # measured rates by shape
+        return max(flops / table_rate(d.gemm_table, (batch * m, n, k)), d.kernel_floor_s)
     rate = d.peak(dtype) * d.gemm_efficiency * wave_efficiency(batch, m, n, d.sm_count)
     nbytes = esize * batch * (m * k + k * n + m * n)
     return max(flops / rate, nbytes / (d.memory_bandwidth * d.memory_efficiency),
@@ -382,6 +401,9 @@ class ModelCosts:
                                    False, meta.requires_grad, False, grads, core,
                                    add(meta.flops)))
                 add(moved)
+                q = info(node.args[0]).spec
+                add(q.shape[-2])  # sequence
+                add(q.shape[-1])  # head dim
                 continue
             dims = _gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
@@ -608,7 +630,14 @@ def price_layer(template: _Template, cluster: Cluster, dtype: str, tp: int, sp: 
         div = tp if (term.split is _Split.ALL or (sp and term.replicated_activation)) else 1
         flops, moved = flops / div, moved / div
         d = cluster.device
-        if term.kind is _Kind.ATTENTION:
+        if term.kind is _Kind.ATTENTION and d.attention_table and dtype == d.default_dtype:
+            seq, head = v[i + 2], v[i + 3]
+            rows_f = [(r[0], r[1], r[2]) for r in d.attention_table]
+            rows_b = [(r[0], r[1], r[3]) for r in d.attention_table]
+            f = max(flops / table_rate(rows_f, (seq, head)), d.kernel_floor_s)
+            fb = max(ATTENTION_BACKWARD_FACTOR * flops / table_rate(rows_b, (seq, head)),
+                     d.kernel_floor_s)
+        elif term.kind is _Kind.ATTENTION:
             rate = d.peak(dtype) * d.attention_efficiency
             bw = d.memory_bandwidth * d.memory_efficiency
             f = max(flops / rate, moved / bw, d.kernel_floor_s)
@@ -997,6 +1026,8 @@ class CostModel:
         dp_span = mesh_span(cl, c.dp, p, c.tp, "dp") if c.dp > 1 else None
         d = cl.device
         interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
+        if cl.intra_node.kind is LinkKind.LOOPBACK:
+            interference = 1.0  # local processes: gloo runs on the cores the compute uses
         ranks: list[RankMemory] = []
         dp_exposed = optimizer_s = slack = 0.0
         for r, rs in enumerate(st.ranks):
