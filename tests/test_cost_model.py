@@ -12,7 +12,6 @@ from autopar.plan import GemmSharding, RecomputeKind, ScheduleKind
 from autopar.planner.comm import Collective, collective_time, mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         gemm_time, price_layer, wave_efficiency)
-from autopar.planner.tp_pattern import SiteKind
 
 A100 = Cluster.load("a100-80g")
 RATE = 312e12 * 0.869
@@ -153,3 +152,19 @@ def test_candidate_checks_name_the_problem(shallow):
     c = Candidate(8, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0, False)
     ev = cm.evaluate(c)
     assert ev.infeasible and "GiB usable" in ev.infeasible  # 6.7B x 16 bytes > 80 GB
+
+
+def test_measured_tables_replace_the_roofline():
+    """A calibrated device prices a GEMM at its measured rate (exactly at a measured shape,
+    between its neighbours elsewhere) and attention from its (s, d) table."""
+    from autopar.planner.cost_model import table_rate
+
+    cpu = Cluster.load("tests/fixtures/calibration/cpu-2proc.json")
+    for m, n, k, rate in cpu.device.gemm_table[:5]:
+        assert gemm_time(cpu, "fp32", 1, m, n, k) == pytest.approx(
+            max(2 * m * n * k / rate, cpu.device.kernel_floor_s))
+    rows = [(1.0, 1.0, 10.0), (4.0, 1.0, 20.0)]
+    assert table_rate(rows, (1, 1)) == 10.0 and table_rate(rows, (4, 1)) == 20.0
+    assert 10.0 < table_rate(rows, (2, 1)) < 20.0
+    assert table_rate(rows, (2, 1)) == pytest.approx(15.0)  # the middle, in log space
+    assert table_rate(rows, (1024, 1)) == pytest.approx(20.0, rel=0.01)  # flat outside

@@ -3,7 +3,6 @@ event simulator and the textbook bubbles; activation in-flight counts against si
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest

@@ -62,8 +62,7 @@ import sympy
 import torch.fx
 
 from autopar.cluster import Cluster, LinkKind
-from autopar.errors import InfeasiblePlanError
-from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, dtype_bytes, info, op_name
+from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, op_name
 from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_time
 from autopar.planner.components import Components, default_components
@@ -108,9 +107,14 @@ def wave_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
 
 
 def table_rate(table: Sequence[Sequence[float]], point: Sequence[float]) -> float:
-    """Rate at ``point`` from measured rows (coordinates..., rate): inverse-square-distance
-    weighting in log2 space (exact at measured points, smooth between, flat outside)."""
-    logs = [math.log2(max(x, 1.0)) for x in point]
+    """Rate at ``point`` from measured rows (coordinates..., rate): inverse-distance weighting
+    (power 4) in log2 space, each coordinate clamped to the measured range (exact at measured
+    points, smooth between, flat outside)."""
+    logs = []
+    for i, x in enumerate(point):  # outside the measured range: the nearest measured size
+        lo = min(row[i] for row in table)
+        hi = max(row[i] for row in table)
+        logs.append(math.log2(min(max(x, lo), hi)))
     num = den = 0.0
     for row in table:
         d2 = sum((math.log2(c) - x) ** 2 for c, x in zip(row, logs))

@@ -30,9 +30,8 @@ stage's B plus c, W after B), and returns the timeline. Tests hold the closed fo
 from __future__ import annotations
 
 import enum
-import heapq
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from autopar.errors import ScheduleError
 from autopar.plan import ScheduleKind

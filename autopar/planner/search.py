@@ -27,12 +27,10 @@ key, so the result is deterministic.
 from __future__ import annotations
 
 import heapq
-import itertools
-import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import RecomputeKind, ScheduleKind
@@ -45,7 +43,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SearchSpace:
     """Axes of the search; a non-None field pins that axis."""
 
