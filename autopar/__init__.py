@@ -4,6 +4,7 @@ The data flow: :func:`capture` (torch.export) -> analysis -> plan -> passes -> p
 runtime. This module is a thin face over it; import costs stay in the submodules.
 """
 
+from autopar.cluster import Cluster
 from autopar.frontend import CapturedGraph, capture
 from autopar.errors import (
     AutoparError,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "capture",
     "CapturedGraph",
+    "Cluster",
     "AutoparError",
     "ClusterSpecError",
     "InfeasiblePlanError",

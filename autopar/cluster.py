@@ -1,0 +1,454 @@
+"""The cluster: nodes x devices, what one device computes and stores, and how devices talk.
+
+A :class:`Cluster` is what the cost model prices a plan against. It is built from datasheet
+numbers (peak FLOP/s, memory, link line rates) times *efficiency factors* that say how much of
+each a real kernel reaches; every factor carries its source in :attr:`Cluster.sources`, and none
+is fitted to the end-to-end training runs the model is checked against (docs/cost-model.md).
+
+Presets (``autopar/data/clusters/*.yaml``): ``a100-80g``, ``h100-80g``, ``h200`` (DGX-style
+nodes: 8 devices on an NVSwitch, 8 InfiniBand NICs per node) and ``cpu`` (local gloo processes,
+numbers from ``autopar calibrate``). A custom cluster is a JSON or YAML file of the same form;
+quantities may be plain numbers in base units (bytes, bytes/s, FLOP/s, seconds) or strings with
+a unit (``"312 TFLOP/s"``, ``"80 GiB"``, ``"2.039 TB/s"``, ``"200 Gb/s"``, ``"2.5 us"``)::
+
+    cluster = Cluster.load("a100-80g").with_devices(1024)          # 128 nodes of 8
+    cluster = Cluster.load("my-cluster.yaml")
+
+This is a leaf module: it imports only :mod:`autopar.errors` (and yaml to read files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+from autopar.errors import ClusterSpecError
+
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "LinkKind", "GroupSpan", "PRESET_NAMES",
+           "parse_quantity", "preset_names"]
+
+PRESET_NAMES = ("a100-80g", "h100-80g", "h200", "cpu")
+
+#: Compute dtypes a device may list a peak for.
+DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantities with units
+# ---------------------------------------------------------------------------------------------
+
+_SCALE = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+          "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+#: unit (after the prefix) -> (base unit, factor to it)
+_UNITS = {
+    "B": ("bytes", 1.0), "byte": ("bytes", 1.0), "bytes": ("bytes", 1.0),
+    "b": ("bytes", 1 / 8), "bit": ("bytes", 1 / 8),
+    "B/s": ("bytes/s", 1.0), "Bps": ("bytes/s", 1.0), "b/s": ("bytes/s", 1 / 8),
+    "bps": ("bytes/s", 1 / 8),
+    "FLOP/s": ("flop/s", 1.0), "FLOPS": ("flop/s", 1.0), "flop/s": ("flop/s", 1.0),
+    "s": ("s", 1.0), "ms": ("s", 1e-3), "us": ("s", 1e-6), "ns": ("s", 1e-9),
+}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+                       r"(Ki|Mi|Gi|Ti|[kKMGTP])?\s*([A-Za-z/]+)\s*$")
+
+
+def parse_quantity(value: Any, base: str, *, what: str = "value") -> float:
+    """A number in ``base`` units ("bytes", "bytes/s", "flop/s", "s") from a number or a string
+    with a unit: ``"80 GiB"``, ``"200 Gb/s"`` (bits), ``"312 TFLOP/s"``, ``"2.5 us"``."""
+    if isinstance(value, bool):
+        raise ClusterSpecError(f"{what} is a boolean", expected=f"a number of {base}",
+                               found=repr(value))
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, str):
+        raise ClusterSpecError(f"{what} has the wrong type", expected=f"a number of {base} or a "
+                               f"string with a unit", found=repr(value))
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    m = _QUANTITY.match(text)
+    if m is None:
+        raise ClusterSpecError(f"cannot read {what} {value!r}",
+                               expected=f"a number with a unit, e.g. {_example(base)}",
+                               found=repr(value))
+    number, prefix, unit = float(m.group(1)), m.group(2) or "", m.group(3)
+    if unit in ("ms", "us", "ns") and prefix:
+        unit = prefix + unit
+        prefix = ""
+    if unit not in _UNITS and prefix + unit in _UNITS:
+        unit, prefix = prefix + unit, ""
+    if unit not in _UNITS or _UNITS[unit][0] != base:
+        raise ClusterSpecError(f"{what} {value!r} has the wrong unit",
+                               expected=f"{base}, e.g. {_example(base)}", found=repr(unit))
+    return number * _SCALE[prefix] * _UNITS[unit][1]
+
+
+def _example(base: str) -> str:
+    return {"bytes": "'80 GiB'", "bytes/s": "'2.039 TB/s' or '200 Gb/s'",
+            "flop/s": "'312 TFLOP/s'", "s": "'2.5 us'"}[base]
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec
+# ---------------------------------------------------------------------------------------------
+
+def _check(cond: bool, message: str, *, expected: str, found: Any, fix: str) -> None:
+    if not cond:
+        raise ClusterSpecError(message, expected=expected, found=str(found), fix=fix)
+
+
+def _positive(owner: str, name: str, value: float) -> None:
+    _check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+           f"{owner}.{name} must be a positive number", expected="> 0", found=value,
+           fix=f"give {owner}.{name} its datasheet or measured value")
+
+
+def _fraction(owner: str, name: str, value: float) -> None:
+    _check(isinstance(value, (int, float)) and 0 < value <= 1,
+           f"{owner}.{name} is an efficiency factor (a fraction of the datasheet number)",
+           expected="0 < value <= 1", found=value,
+           fix="give the measured fraction, e.g. achieved busbw / line rate from nccl-tests")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process): peak rates, memory, and what kernels reach."""
+
+    name: str
+    #: Dense peak FLOP/s by compute dtype ("bf16", "fp16", "tf32", "fp32", ...).
+    peak_flops: Mapping[str, float]
+    memory_bytes: float
+    #: Datasheet memory bandwidth (bytes/s).
+    memory_bandwidth: float
+    #: Fraction of peak a large, well-shaped GEMM reaches (maximum achievable matmul FLOP/s).
+    gemm_efficiency: float
+    #: Fraction of peak fused attention (flash) reaches, forward and backward.
+    attention_efficiency: float
+    #: Fraction of the datasheet bandwidth a streaming kernel reaches.
+    memory_efficiency: float
+    #: Shortest time one kernel takes (launch and tail), seconds.
+    kernel_floor_s: float
+    #: Streaming multiprocessors, for GEMM wave quantization (0: no wave model, e.g. CPUs).
+    sm_count: int = 0
+    #: SMs a collective occupies while it overlaps compute (one thread block per NCCL channel).
+    collective_sms: int = 0
+    #: Memory the framework and communication library keep (CUDA context, NCCL buffers).
+    reserved_memory_bytes: float = 0.0
+    #: Dtype training runs in by default on this device (mixed precision "bf16" or "fp32").
+    default_dtype: str = "bf16"
+    #: Measured GEMM rates at ``default_dtype``: rows (m, n, k, FLOP/s). When present they
+    #: replace peak x efficiency x waves (``autopar calibrate`` measures them).
+    gemm_table: tuple[tuple[float, float, float, float], ...] = ()
+    #: Measured fused-attention rates: rows (sequence, head dim, forward FLOP/s, backward
+    #: FLOP/s), FLOPs counted as 4 b a s^2 d forward and 2.5 times that backward.
+    attention_table: tuple[tuple[float, float, float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = f"device {self.name!r}"
+        _check(isinstance(self.peak_flops, Mapping) and len(self.peak_flops) > 0,
+               f"{owner} has no peak_flops", expected=f"a mapping dtype -> FLOP/s over {DTYPES}",
+               found=self.peak_flops, fix="add e.g. peak_flops: {bf16: 312 TFLOP/s}")
+        flops = {}
+        for dtype, value in dict(self.peak_flops).items():
+            _check(dtype in DTYPES, f"{owner} lists an unknown dtype in peak_flops",
+                   expected=f"one of {DTYPES}", found=dtype, fix="rename the key")
+            value = parse_quantity(value, "flop/s", what=f"{owner}.peak_flops.{dtype}")
+            _positive(owner, f"peak_flops.{dtype}", value)
+            flops[dtype] = value
+        object.__setattr__(self, "peak_flops", flops)
+        for name in ("memory_bytes", "memory_bandwidth", "kernel_floor_s"):
+            base = {"memory_bytes": "bytes", "memory_bandwidth": "bytes/s",
+                    "kernel_floor_s": "s"}[name]
+            value = parse_quantity(getattr(self, name), base, what=f"{owner}.{name}")
+            object.__setattr__(self, name, value)
+            _positive(owner, name, value)
+        reserved = parse_quantity(self.reserved_memory_bytes, "bytes",
+                                  what=f"{owner}.reserved_memory_bytes")
+        object.__setattr__(self, "reserved_memory_bytes", reserved)
+        _check(0 <= reserved < self.memory_bytes, f"{owner} reserves more memory than it has",
+               expected=f"0 <= reserved_memory_bytes < memory_bytes ({self.memory_bytes:.4g})",
+               found=reserved, fix="lower reserved_memory_bytes")
+        for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+            _fraction(owner, name, getattr(self, name))
+        _check(isinstance(self.sm_count, int) and self.sm_count >= 0,
+               f"{owner}.sm_count must be a non-negative integer", expected=">= 0",
+               found=self.sm_count, fix="give the SM count (108 on A100, 132 on H100) or 0")
+        _check(isinstance(self.collective_sms, int) and 0 <= self.collective_sms
+               <= max(self.sm_count, 0) and (self.sm_count or not self.collective_sms),
+               f"{owner}.collective_sms must be between 0 and sm_count ({self.sm_count})",
+               expected=f"0 <= collective_sms <= {self.sm_count}", found=self.collective_sms,
+               fix="give the NCCL channels a collective uses (0 when there are no SMs)")
+        for name in ("gemm_table", "attention_table"):
+            rows = tuple(tuple(float(x) for x in row) for row in getattr(self, name))
+            _check(all(len(r) == 4 and all(x > 0 for x in r) for r in rows),
+                   f"{owner}.{name} rows must be 4 positive numbers", expected="[[a, b, c, rate], ...]",
+                   found=str(getattr(self, name))[:80], fix="regenerate with autopar calibrate")
+            object.__setattr__(self, name, rows)
+        _check(self.default_dtype in self.peak_flops,
+               f"{owner}.default_dtype has no peak", expected=f"one of {sorted(self.peak_flops)}",
+               found=self.default_dtype, fix="add its peak to peak_flops or change default_dtype")
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (clear error if the device lists none)."""
+        if dtype not in self.peak_flops:
+            raise ClusterSpecError(f"device {self.name!r} has no peak for {dtype}",
+                                   expected=f"one of {sorted(self.peak_flops)}", found=dtype,
+                                   fix=f"add peak_flops.{dtype} to the cluster file")
+        return self.peak_flops[dtype]
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_memory_bytes
+
+
+class LinkKind(str, enum.Enum):
+    NVSWITCH = "nvswitch"
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+    INFINIBAND = "infiniband"
+    ETHERNET = "ethernet"
+    #: Processes on one host talking through the kernel (gloo over loopback TCP).
+    LOOPBACK = "loopback"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """A class of link. Intra-node: ``bandwidth`` is what one device can send in one direction.
+    Inter-node: one NIC's line rate, ``count`` NICs per node (one per device, rail-optimized)."""
+
+    kind: LinkKind
+    bandwidth: float
+    #: Latency of one hop of a collective (one step of a ring or a tree), seconds.
+    latency_s: float
+    #: Bus bandwidth a collective reaches / line rate (nccl-tests busbw).
+    efficiency: float
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", LinkKind(self.kind))
+        except ValueError:
+            raise ClusterSpecError("unknown link kind", expected=f"one of "
+                                   f"{[k.value for k in LinkKind]}", found=repr(self.kind),
+                                   fix="use one of the listed kinds") from None
+        owner = f"{self.kind.value} link"
+        object.__setattr__(self, "bandwidth", parse_quantity(self.bandwidth, "bytes/s",
+                                                             what=f"{owner}.bandwidth"))
+        object.__setattr__(self, "latency_s", parse_quantity(self.latency_s, "s",
+                                                             what=f"{owner}.latency_s"))
+        _positive(owner, "bandwidth", self.bandwidth)
+        _positive(owner, "latency_s", self.latency_s)
+        _fraction(owner, "efficiency", self.efficiency)
+        _check(isinstance(self.count, int) and self.count >= 1, f"{owner}.count must be >= 1",
+               expected="an integer >= 1", found=self.count, fix="give the NICs per node")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """What one device (one NIC) reaches, bytes/s."""
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpan:
+    """Where a communication group sits: ``size`` ranks over ``nodes`` nodes, at most
+    ``per_node`` of them in one node."""
+
+    size: int
+    nodes: int
+    per_node: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` devices, their intra-node links and inter-node network."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    #: Fixed software latency of one collective call (NCCL's base latency), seconds.
+    collective_latency_s: float = 3.6e-6
+    backend: str = "nccl"
+    #: Where each number comes from: field path -> citation.
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"cluster {self.name!r}: {name} must be a positive integer",
+                   expected="an integer >= 1", found=value, fix=f"set {name}")
+        if isinstance(self.device, Mapping):
+            object.__setattr__(self, "device", _build(DeviceSpec, self.device, "device"))
+        for name in ("intra_node", "inter_node"):
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, _build(LinkSpec, getattr(self, name), name))
+        object.__setattr__(self, "collective_latency_s",
+                           parse_quantity(self.collective_latency_s, "s",
+                                          what="collective_latency_s"))
+        _check(self.collective_latency_s >= 0, "collective_latency_s must be >= 0",
+               expected=">= 0", found=self.collective_latency_s, fix="give NCCL's base latency")
+        _check(self.backend in ("nccl", "gloo"), f"unknown backend {self.backend!r}",
+               expected="'nccl' or 'gloo'", found=self.backend, fix="set backend")
+        object.__setattr__(self, "sources", dict(self.sources))
+
+    # -- size ---------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_devices(self, devices: int, devices_per_node: int | None = None) -> "Cluster":
+        """The same hardware with ``devices`` in all, ``devices_per_node`` per node (default:
+        the preset's node size, or all on one node when fewer)."""
+        local = self.intra_node.kind is LinkKind.LOOPBACK  # processes on one host
+        per_node = devices_per_node or (devices if local else min(self.devices_per_node, devices))
+        if not isinstance(devices, int) or devices < 1:
+            raise ClusterSpecError("the device count must be a positive integer",
+                                   expected=">= 1", found=repr(devices), fix="pass --gpus N")
+        if per_node < 1:
+            raise ClusterSpecError("devices per node must be positive", expected=">= 1",
+                                   found=per_node, fix="pass --gpus-per-node G")
+        if devices % per_node:
+            raise ClusterSpecError(
+                f"{devices} devices do not fill whole nodes of {per_node}",
+                expected=f"a multiple of {per_node} devices",
+                found=f"{devices} = {devices // per_node} x {per_node} + {devices % per_node}",
+                fix=f"use --gpus {(devices // per_node + 1) * per_node} or pass "
+                    f"--gpus-per-node that divides {devices}")
+        if per_node > self.devices_per_node and not local:
+            raise ClusterSpecError(
+                f"cluster {self.name!r} has nodes of {self.devices_per_node} devices",
+                expected=f"--gpus-per-node <= {self.devices_per_node}", found=per_node,
+                fix="describe a bigger node in a cluster file, or use fewer devices per node")
+        return dataclasses.replace(self, nodes=devices // per_node, devices_per_node=per_node)
+
+    def span(self, ranks: list[int] | range) -> GroupSpan:
+        """Where a group of global ranks sits (ranks fill node 0 first, then node 1, ...)."""
+        per: dict[int, int] = {}
+        for r in ranks:
+            node = r // self.devices_per_node
+            per[node] = per.get(node, 0) + 1
+        return GroupSpan(size=len(ranks), nodes=len(per), per_node=max(per.values()))
+
+    def peak_flops(self, dtype: str | None = None) -> float:
+        return self.device.peak(dtype or self.device.default_dtype)
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        def link(spec: LinkSpec) -> dict[str, Any]:
+            return {"kind": spec.kind.value, "bandwidth": spec.bandwidth,
+                    "latency_s": spec.latency_s, "efficiency": spec.efficiency,
+                    "count": spec.count}
+
+        d = self.device
+        return {
+            "name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+            "backend": self.backend, "collective_latency_s": self.collective_latency_s,
+            "device": {"name": d.name, "peak_flops": dict(d.peak_flops),
+                       "memory_bytes": d.memory_bytes, "memory_bandwidth": d.memory_bandwidth,
+                       "gemm_efficiency": d.gemm_efficiency,
+                       "attention_efficiency": d.attention_efficiency,
+                       "memory_efficiency": d.memory_efficiency,
+                       "kernel_floor_s": d.kernel_floor_s, "sm_count": d.sm_count,
+                       "collective_sms": d.collective_sms,
+                       "gemm_table": [list(r) for r in d.gemm_table],
+                       "attention_table": [list(r) for r in d.attention_table],
+                       "reserved_memory_bytes": d.reserved_memory_bytes,
+                       "default_dtype": d.default_dtype},
+            "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),
+            "sources": dict(self.sources),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, origin: str = "cluster spec") -> "Cluster":
+        if not isinstance(data, Mapping):
+            raise ClusterSpecError(f"{origin} is not a mapping", expected="an object with "
+                                   "name, nodes, devices_per_node, device, intra_node, inter_node",
+                                   found=type(data).__name__, fix="see autopar/data/clusters/")
+        return _build(cls, data, origin)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    def save(self, path: str) -> None:
+        """Write JSON (``.json``) or YAML (``.yaml``/``.yml``)."""
+        with open(path, "w") as fh:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                yaml.safe_dump(self.to_json(), fh, sort_keys=False)
+            else:
+                fh.write(self.dumps() + "\n")
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "Cluster":
+        """A preset name (``a100-80g``) or a JSON/YAML file."""
+        if name_or_path in PRESET_NAMES:
+            text = resources.files("autopar.data").joinpath(
+                f"clusters/{name_or_path}.yaml").read_text()
+            return cls.from_json(_parse_text(text, name_or_path), origin=f"preset {name_or_path}")
+        if not os.path.exists(name_or_path):
+            raise ClusterSpecError(f"no cluster preset or file named {name_or_path!r}",
+                                   expected=f"a preset ({', '.join(PRESET_NAMES)}) or a path to "
+                                            f"a .json/.yaml file", found=repr(name_or_path),
+                                   fix="check the spelling, or write a file with "
+                                       "`autopar calibrate --out cluster.json`")
+        with open(name_or_path) as fh:
+            text = fh.read()
+        return cls.from_json(_parse_text(text, name_or_path), origin=name_or_path)
+
+
+def preset_names() -> list[str]:
+    return list(PRESET_NAMES)
+
+
+def _parse_text(text: str, origin: str) -> Any:
+    import yaml
+
+    try:
+        if origin.endswith(".json"):
+            return json.loads(text)
+        return yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ClusterSpecError(f"cannot parse {origin}", expected="valid JSON or YAML",
+                               found=str(exc).splitlines()[0], fix="fix the syntax") from None
+
+
+def _build(cls: type, data: Mapping[str, Any], origin: str) -> Any:
+    """``cls(**data)`` with unknown and missing keys reported by name."""
+    if not isinstance(data, Mapping):
+        raise ClusterSpecError(f"{origin} must be a mapping", expected="an object",
+                               found=repr(data), fix=f"write {origin} as key: value pairs")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ClusterSpecError(f"{origin} has unknown key(s) {unknown}",
+                               expected=f"keys among {sorted(fields)}", found=str(unknown),
+                               fix="remove or rename them")
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise ClusterSpecError(f"{origin} lacks key(s) {missing}", expected=f"all of {required}",
+                               found=f"keys {sorted(data)}", fix="add them (see the presets in "
+                                                                 "autopar/data/clusters/)")
+    try:
+        return cls(**dict(data))
+    except TypeError as exc:
+        raise ClusterSpecError(f"{origin} is malformed", expected="the fields of "
+                               f"{cls.__name__}", found=str(exc), fix="check the types") from None

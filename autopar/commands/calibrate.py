@@ -1,0 +1,56 @@
+"""``autopar calibrate --out cluster.json``: measure this machine and write a cluster file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="measure this machine's GEMM rate and collectives; write a cluster file",
+        description="Start WORLD local gloo processes (one thread each), time torch.mm, memory "
+                    "copies, a kernel's floor and fused attention on every rank at once, time "
+                    "all-reduce / all-gather / send-recv from 4 KiB to 16 MiB, fit the ring "
+                    "model's latency and bandwidth, and write the result as a cluster file that "
+                    "`autopar plan --cluster FILE` reads.")
+    p.add_argument("--out", required=True, metavar="FILE", help="cluster file (.json or .yaml)")
+    p.add_argument("--world", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--name", help="cluster name (default calibrated-HOSTNAME)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p.add_argument("--raw", metavar="FILE", help="also write every measurement as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from autopar.errors import InvalidInputError
+    from autopar.planner.calibration import calibrate_cluster
+    from autopar.units import console, fmt_bytes, fmt_seconds
+
+    if args.world < 2:
+        raise InvalidInputError("calibration needs at least two processes",
+                                expected="--world >= 2", found=str(args.world),
+                                fix="pass --world 2 (or more)")
+    cluster, raw = calibrate_cluster(args.world, quick=args.quick, name=args.name)
+    cluster.save(args.out)
+    if args.raw:
+        with open(args.raw, "w") as fh:
+            json.dump(raw, fh, indent=1)
+    d = cluster.device
+    table = Table(title=f"{cluster.name}: {args.world} processes -> {args.out}")
+    table.add_column("quantity")
+    table.add_column("measured", justify="right")
+    table.add_row("GEMM fp32", f"{d.peak_flops['fp32'] / 1e9:.2f} GFLOP/s")
+    table.add_row("GEMM bf16", f"{d.peak_flops['bf16'] / 1e9:.2f} GFLOP/s")
+    table.add_row("memory bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s")
+    table.add_row("kernel floor", fmt_seconds(d.kernel_floor_s))
+    table.add_row("attention / GEMM rate", f"{d.attention_efficiency:.2f}")
+    ar = raw["all_reduce"]
+    table.add_row("all-reduce latency", fmt_seconds(ar["latency_s"]))
+    table.add_row("all-reduce bus bandwidth", f"{fmt_bytes(ar['bus_bandwidth'])}/s")
+    table.add_row("p2p latency / bandwidth", f"{fmt_seconds(raw['p2p']['latency_s'])} / "
+                                             f"{fmt_bytes(raw['p2p']['bandwidth'])}/s")
+    console().print(table)
+    return 0

@@ -1,0 +1,133 @@
+"""``autopar explain plan.json``: why this plan, and what the alternatives would cost."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="why a plan was chosen and what the alternatives cost",
+                       description="Read a plan document (autopar plan --out) and explain it: "
+                                   "where the step time goes, how close memory is to the "
+                                   "limit, how each alternative differs and what it costs, and "
+                                   "why other candidates were rejected.")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.set_defaults(run=run)
+
+
+_AXES = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
+         "schedule", "recompute", "zero", "sequence_parallel")
+
+
+def explain_lines(doc) -> list[str]:
+    """The explanation as plain lines (the CLI prints them with rich markup)."""
+    from autopar.units import fmt_bytes, fmt_seconds
+
+    plan, pred = doc["plan"], doc["prediction"]
+    t = pred["step_time_s"]
+    limit = doc["cluster"]["device"]["memory_bytes"] - doc["cluster"]["device"].get(
+        "reserved_memory_bytes", 0)
+    lines = [f"{doc['model']['name']} on {doc['cluster']['nodes'] * doc['cluster']['devices_per_node']}"
+             f" x {doc['cluster']['device']['name']}: dp={plan['dp']} tp={plan['tp']} "
+             f"pp={plan['pp']}" + (f" (v={plan['virtual_stages']})" if plan['virtual_stages'] > 1
+                                  else "")
+             + f", {plan['num_micro_batches']} micro-batches of {plan['micro_batch_size']}, "
+               f"{plan['schedule']}, recompute {plan['recompute']}, ZeRO-{plan['zero']}"
+             + (", sequence parallel" if plan["sequence_parallel"] else ""),
+             f"predicted step {fmt_seconds(t)}, {pred['tokens_per_s']:,.0f} tokens/s, "
+             f"MFU {pred['mfu']:.1%} (HFU {pred['hfu']:.1%})", "", "Where the time goes:"]
+    for k, v in sorted(pred["breakdown"].items(), key=lambda kv: -kv[1]):
+        if v > 0:
+            lines.append(f"  {k.removesuffix('_s').replace('_', ' '):<10} {fmt_seconds(v):>10}"
+                         f"  {v / t:6.1%}")
+    mem = pred["memory"]
+    lines += ["", f"Memory: peak {fmt_bytes(pred['peak_memory_bytes'])} of "
+                  f"{fmt_bytes(limit)} usable ({1 - pred['peak_memory_bytes'] / limit:.0%} "
+                  f"headroom): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()
+                                             if v)]
+    lines += ["", "Why this plan:"]
+    reasons = _reasons(doc)
+    lines += [f"  - {r}" for r in reasons]
+    if doc["alternatives"]:
+        lines += ["", "Alternatives (what changes, and what it costs):"]
+        for alt in doc["alternatives"]:
+            lines.append(f"  {alt['label']}: {fmt_seconds(alt['prediction']['step_time_s'])} "
+                         f"(+{alt['slower_than_best']:.1%}); {_diff(plan, pred, alt)}")
+    meshes = [m for m in doc["best_per_mesh"]
+              if (m["plan"]["dp"], m["plan"]["tp"], m["plan"]["pp"])
+              != (plan["dp"], plan["tp"], plan["pp"])]
+    if meshes:
+        lines += ["", "Best plan of each other mesh that was priced:"]
+        for alt in meshes[:8]:
+            lines.append(f"  dp={alt['plan']['dp']} tp={alt['plan']['tp']} pp={alt['plan']['pp']}"
+                         f": {fmt_seconds(alt['prediction']['step_time_s'])} "
+                         f"(+{alt['slower_than_best']:.1%}); {_diff(plan, pred, alt)}")
+    s = doc["search"]
+    lines += ["", f"Search: {s['candidates']} candidates, {s['candidates_evaluated']} priced; "
+                  f"rejected as malformed {s['pruned']['structure']}, not fitting memory "
+                  f"{s['pruned']['memory']}, bounded out {s['pruned']['bound']} (their compute "
+                  f"alone exceeds the best plans)."]
+    for ex in s.get("infeasible_examples", [])[:6]:
+        lines.append(f"  rejected {ex['candidate']}: {ex['reason']}")
+    comps = s.get("components", {})
+    if comps:
+        lines += ["", "Models used: " + "; ".join(f"{k}: {v}" for k, v in comps.items())]
+    return lines
+
+
+def _reasons(doc) -> list[str]:
+    plan, pred = doc["plan"], doc["prediction"]
+    b = pred["breakdown"]
+    t = pred["step_time_s"]
+    out = []
+    comm = b.get("tp_comm_s", 0) + b.get("pp_comm_s", 0) + b.get("dp_comm_s", 0)
+    out.append(f"compute is {b['compute_s'] / t:.0%} of the step; communication "
+               f"{comm / t:.0%}, pipeline bubble {b['bubble_s'] / t:.0%}, recompute "
+               f"{b['recompute_s'] / t:.0%}")
+    if plan["tp"] > 1:
+        out.append(f"tp={plan['tp']} splits each layer's GEMMs over NVLink peers (costing "
+                   f"{b['tp_comm_s'] / t:.0%} in all-reduces) so the weights and activations fit")
+    if plan["pp"] > 1:
+        out.append(f"pp={plan['pp']} cuts the layers into {len(plan['stages'])} stages; "
+                   f"{plan['num_micro_batches']} micro-batches keep the bubble at "
+                   f"{b['bubble_s'] / t:.0%}")
+    if plan["recompute"] != "none":
+        out.append(f"recompute={plan['recompute']} trades {b['recompute_s'] / t:.0%} of the "
+                   f"step for activation memory (no cheaper plan fits)")
+    if plan["zero"]:
+        out.append(f"ZeRO-{plan['zero']} shards optimizer state"
+                   + (" and gradients" if plan["zero"] >= 2 else "")
+                   + (" and weights" if plan["zero"] >= 3 else "")
+                   + f" over dp={plan['dp']}")
+    alts = doc["alternatives"]
+    if alts:
+        out.append(f"the next best plan is {alts[0]['slower_than_best']:.1%} slower")
+    return out
+
+
+def _diff(plan, pred, alt) -> str:
+    from autopar.units import fmt_bytes, fmt_seconds
+
+    changes = [f"{k} {plan[k]}->{alt['plan'][k]}" for k in _AXES
+               if k in alt["plan"] and alt["plan"][k] != plan[k]]
+    deltas = []
+    for k, v in alt["prediction"]["breakdown"].items():
+        d = v - pred["breakdown"].get(k, 0.0)
+        if abs(d) > 0.005 * pred["step_time_s"]:
+            deltas.append((abs(d), f"{k.removesuffix('_s').replace('_', ' ')} "
+                                   f"{'+' if d > 0 else '-'}{fmt_seconds(abs(d))}"))
+    deltas = [s for _, s in sorted(deltas, reverse=True)[:3]]
+    mem = alt["prediction"]["peak_memory_bytes"] - pred["peak_memory_bytes"]
+    return (", ".join(changes) or "same shape") + ("; " + ", ".join(deltas) if deltas else "") \
+        + f"; memory {'+' if mem >= 0 else '-'}{fmt_bytes(abs(mem))}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.planner.planning import read_document
+    from autopar.units import console
+
+    doc = read_document(args.plan)
+    out = console()
+    for line in explain_lines(doc):
+        out.print(line, markup=False, highlight=False)
+    return 0

@@ -1,0 +1,149 @@
+"""``autopar plan MODEL --cluster C --gpus N --global-batch B``: the fastest plan that fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from autopar.commands._model_args import add_model_args, model_overrides
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="search the fastest parallel plan for a model on a cluster",
+        description="Capture MODEL on the meta device, price every plan (dp, tp, pp, virtual "
+                    "stages, micro-batch, schedule, recompute, ZeRO, sequence parallel) with "
+                    "the hardware cost model, and print the fastest one that fits in memory. "
+                    "Pinned flags fix that choice; the rest is searched.")
+    add_model_args(p)
+    p.add_argument("--cluster", required=True, metavar="PRESET|FILE",
+                   help="a100-80g, h100-80g, h200, cpu, or a JSON/YAML cluster file")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
+    p.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, metavar="G",
+                   help="devices per node (default: the preset's node)")
+    p.add_argument("--global-batch", dest="global_batch", type=int, required=True, metavar="B",
+                   help="sequences per optimizer step")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's maximum)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="training precision (default: the cluster's, bf16 on GPUs)")
+    pins = p.add_argument_group("pinned choices (searched when absent)")
+    pins.add_argument("--tp", type=int)
+    pins.add_argument("--pp", type=int)
+    pins.add_argument("--dp", type=int)
+    pins.add_argument("--virtual-stages", dest="virtual_stages", type=int)
+    pins.add_argument("--micro-batch", dest="micro_batch", type=int)
+    pins.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    pins.add_argument("--recompute", choices=["none", "selective", "full"])
+    pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    pins.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",
+                      default=None)
+    p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
+                   help="attention kernel the model is captured with (default sdpa)")
+    p.add_argument("--top", type=int, default=5, help="alternatives kept (default 5)")
+    p.add_argument("--json", action="store_true", help="print the plan document as JSON")
+    p.add_argument("--out", metavar="FILE", help="also write the plan document to FILE")
+    p.set_defaults(run=run)
+
+
+def space_from_args(args: argparse.Namespace):
+    from autopar.planner.search import SearchSpace
+
+    try:
+        return SearchSpace(dp=args.dp, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages,
+                           micro_batch_size=args.micro_batch, schedule=args.schedule,
+                           recompute=args.recompute, zero=args.zero,
+                           sequence_parallel=args.sequence_parallel)
+    except ValueError as exc:
+        from autopar.errors import InvalidInputError
+
+        raise InvalidInputError(f"bad pinned choice: {exc}", fix="see autopar plan --help") \
+            from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.cluster import Cluster
+    from autopar.planner.planning import plan_model
+
+    cluster = Cluster.load(args.cluster).with_devices(args.gpus, args.gpus_per_node)
+    report = plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq,
+                        dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
+                        attention=args.attention, overrides=model_overrides(args))
+    doc = report.document()
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print_plan(doc)
+    return 0
+
+
+def print_plan(doc) -> None:
+    from rich.table import Table
+
+    from autopar.units import console, fmt_bytes, fmt_seconds
+
+    out = console()
+    plan, pred, model, cl = doc["plan"], doc["prediction"], doc["model"], doc["cluster"]
+    train = doc["training"]
+    mesh = Table(title=f"{model['name']} on {cl['nodes']} x {cl['devices_per_node']} "
+                       f"{cl['device']['name']}  (global batch {train['global_batch']} x "
+                       f"{train['seq']} tokens, {train['dtype']})")
+    for col in ("dp", "tp", "pp", "virtual", "micro-batch", "micro-batches", "schedule",
+                "recompute", "ZeRO", "seq. parallel"):
+        mesh.add_column(col, justify="right")
+    mesh.add_row(*(str(plan[k]) for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
+                                          "num_micro_batches", "schedule", "recompute", "zero")),
+                 "yes" if plan["sequence_parallel"] else "no")
+    out.print(mesh)
+
+    stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")
+    for col in ("stage", "pp rank", "chunk", "layers", "from", "to", "forward", "backward",
+                "rank memory"):
+        stages.add_column(col, justify="right" if col not in ("from", "to") else "left")
+    for s in plan["stages"]:
+        stages.add_row(str(s["index"]), str(s["pp_rank"]), str(s["chunk"]),
+                       f"{s['layers'][0]}-{s['layers'][1]}", s["names"][0], s["names"][1],
+                       fmt_seconds(s["forward_s"]), fmt_seconds(s["backward_s"]),
+                       fmt_bytes(s["rank_memory_bytes"]))
+    out.print(stages)
+
+    if doc["tp_placement"]:
+        tp = Table(title=f"tensor-parallel placement (tp={plan['tp']}, Megatron column/row)")
+        for col in ("layers", "GEMM", "split"):
+            tp.add_column(col)
+        for row in doc["tp_placement"]:
+            first, last = row["layers"]
+            where = f"{first}" if first == last else f"{first}-{last} (x{row['count']})"
+            tp.add_row(where, row["module"] or "(root)", row["sharding"])
+        out.print(tp)
+
+    t = pred["step_time_s"]
+    summary = Table(title="predicted step")
+    for col in ("step time", "tokens/s", "TFLOP/s per device", "MFU", "HFU", "peak memory"):
+        summary.add_column(col, justify="right")
+    summary.add_row(fmt_seconds(t), f"{pred['tokens_per_s']:,.0f}", f"{pred['tflops_per_gpu']:.1f}",
+                    f"{pred['mfu']:.1%}", f"{pred['hfu']:.1%}",
+                    fmt_bytes(pred["peak_memory_bytes"]))
+    out.print(summary)
+    parts = Table(title="step time breakdown (bottleneck pipeline rank)")
+    parts.add_column("part")
+    parts.add_column("time", justify="right")
+    parts.add_column("share", justify="right")
+    for k, v in pred["breakdown"].items():
+        parts.add_row(k.removesuffix("_s").replace("_", " "), fmt_seconds(v), f"{v / t:.1%}")
+    out.print(parts)
+    if doc["alternatives"]:
+        alt = Table(title="next best plans")
+        for col in ("plan", "step time", "MFU", "peak memory", "vs best"):
+            alt.add_column(col, justify="right" if col != "plan" else "left")
+        for a in doc["alternatives"]:
+            p = a["prediction"]
+            alt.add_row(a["label"], fmt_seconds(p["step_time_s"]), f"{p['mfu']:.1%}",
+                        fmt_bytes(p["peak_memory_bytes"]), f"+{a['slower_than_best']:.1%}")
+        out.print(alt)
+    s = doc["search"]
+    out.print(f"searched {s['candidates']} candidates ({s['candidates_evaluated']} priced; "
+              f"pruned: {s['pruned']}) in {s['search_s']:.1f} s; total {s['time_s']:.1f} s "
+              f"(capture {s['capture_s']:.1f} s)")

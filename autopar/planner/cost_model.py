@@ -1,0 +1,1162 @@
+"""The cost model: what one training step of a plan costs on a cluster.
+
+Written as math first; every factor below comes from the :class:`~autopar.cluster.Cluster`
+(datasheet numbers times documented efficiencies) or from the captured graph, never fitted to
+end-to-end throughput. docs/cost-model.md has the same formulas with their sources.
+
+**Per node** (graph node of the analysis pass, one micro-batch of ``b`` sequences of ``s``):
+
+- GEMM ``(batch, M, N, K)``: ``t = max(2 batch M N K / (peak * e_gemm * e_wave),
+  bytes / (bw * e_mem), floor)``; ``e_wave`` is wave quantization (NVIDIA's *Matrix
+  Multiplication Background* guide): the output's ``ceil(M/tm) ceil(N/tn)`` tiles run in waves of
+  ``sm_count``, the best of the 256x128, 128x256 and 128x128 tiles (shrunk to a power of two
+  >= 16 for a dimension shorter than the tile). A device with a measured ``gemm_table``
+  (``autopar calibrate``) uses ``t = max(2 batch M N K / rate(batch M, N, K), floor)`` instead,
+  the rate interpolated between measured shapes; likewise ``attention_table`` for attention. Backward: the input-gradient
+  GEMM ``(batch, M, K, N)`` and, for weights, the weight-gradient GEMM ``(1, N, K, batch M)``.
+- fused attention: ``t = max(F / (peak * e_attn), bytes / (bw * e_mem), floor)``, backward
+  ``2.5 F`` (FlashAttention-2 recomputes the scores: 5 matmuls to the forward's 2).
+- everything else is memory-bound: ``t = max(bytes / (bw * e_mem), floor)``, backward twice the
+  bytes (gradient in, saved input, gradient out), and only for ops on the gradient path.
+
+Bytes are the analysis pass's, re-priced at the training precision.
+
+**Tensor parallel** (``t``; layout from :mod:`autopar.planner.tp_pattern` until the sharding
+search lands): split nodes do ``1/t`` of the work (column GEMMs ``N/t``, row GEMMs ``K/t``,
+attention ``heads/t``); with sequence parallelism the replicated activations are split along
+the sequence too. Communication per micro-batch: each column group's input, all-reduce backward
+(SP: all-gather forward, reduce-scatter backward); each row output and the vocab-parallel
+embedding, all-reduce forward (SP: reduce-scatter forward, all-gather backward); the
+vocab-parallel loss, three all-reduces of ``b s`` floats. Megatron does not overlap these.
+
+**Recompute**: full re-runs each block's forward (with its TP communication) in backward and
+keeps only the block's input; selective re-runs the attention core (the nodes whose saved tensors
+grow as ``s^2``) and drops those tensors (Korthikanti et al. 2022).
+
+**Step** = pipeline time (schedule model, :mod:`autopar.planner.schedule_model`) + exposed
+data-parallel communication + optimizer step. Data-parallel gradients are reduced in 25 MB
+buckets (PyTorch DDP's default) overlapped with the backward of the last micro-batch; the last
+bucket and anything beyond the overlap window are exposed, and while a collective overlaps
+compute it holds ``collective_sms`` of the ``sm_count`` SMs (one per NCCL channel), slowing that
+compute by the same fraction of the overlapped time. ZeRO-1/2 add an all-gather of the
+updated weights after the step (exposed); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3
+gathers weights before each forward and backward and reduce-scatters gradients every micro-batch,
+prefetched so only the excess over the compute it overlaps is exposed. The optimizer step is
+memory-bound: 28 bytes moved per parameter of the local optimizer shard (Adam reads weights,
+gradients, two moments and writes three, plus the low-precision copy).
+
+**Reported**: MFU = model FLOPs / (step x devices x peak), model FLOPs = 3 x forward GEMM FLOPs
+of the graph (6 P per token + attention, as Megatron-LM counts); the hardware FLOP rate also
+counts recomputation (what Narayanan et al. 2021 report as "achieved teraFLOP/s").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import sympy
+import torch.fx
+
+from autopar.cluster import Cluster, LinkKind
+from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, op_name
+from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_time
+from autopar.planner.components import Components, default_components
+from autopar.planner.memory import STATE_BYTES, RankMemory, model_state_bytes
+from autopar.planner.schedule_model import PipelineTime, PipelineWork, in_flight_micro_batches
+from autopar.planner.tp_pattern import LayerSharding, Role, SiteKind, seq_degree
+
+__all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "StageCost",
+           "TrainingSetup", "price_layer", "lower_bound_step",
+           "gemm_time", "wave_efficiency", "DDP_BUCKET_BYTES", "OPTIMIZER_BYTES_PER_PARAM"]
+
+#: PyTorch DDP's default gradient bucket (bucket_cap_mb=25).
+DDP_BUCKET_BYTES = 25 * 2**20
+#: Bytes the Adam step moves per parameter of the local shard (see module docstring).
+OPTIMIZER_BYTES_PER_PARAM = 28
+#: Thread-block tiles cuBLAS uses for large GEMMs (NVIDIA Matrix Multiplication Background).
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+#: FlashAttention-2's backward does 5 matmuls to the forward's 2.
+ATTENTION_BACKWARD_FACTOR = 2.5
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel times
+# ---------------------------------------------------------------------------------------------
+
+def wave_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
+    """Useful fraction of the tile waves a GEMM's output needs (1 when sm_count is 0).
+
+    A dimension shorter than the tile gets a tile shrunk to it (at least 16, the tensor-core
+    MMA granule), as cuBLAS's kernels for skinny matrices do."""
+    if sm_count <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tm = min(tm, max(16, 2 ** math.ceil(math.log2(max(m, 1)))))
+        tn = min(tn, max(16, 2 ** math.ceil(math.log2(max(n, 1)))))
+        tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / sm_count)
+        best = max(best, batch * m * n / (waves * sm_count * tm * tn))
+    return min(best, 1.0)
+
+
+def table_rate(table: Sequence[Sequence[float]], point: Sequence[float]) -> float:
+    """Rate at ``point`` from measured rows (coordinates..., rate): inverse-distance weighting
+    (power 4) in log2 space, each coordinate clamped to the measured range (exact at measured
+    points, smooth between, flat outside)."""
+    logs = []
+    for i, x in enumerate(point):  # outside the measured range: the nearest measured size
+        lo = min(row[i] for row in table)
+        hi = max(row[i] for row in table)
+        logs.append(math.log2(min(max(x, lo), hi)))
+    num = den = 0.0
+    for row in table:
+        d2 = sum((math.log2(c) - x) ** 2 for c, x in zip(row, logs))
+        if d2 < 1e-12:
+            return row[len(point)]
+        w = 1.0 / (d2 * d2)
+        num += w * row[len(point)]
+        den += w
+    return num / den
+
+
+def gemm_time(cluster: Cluster, dtype: str, batch: float, m: float, n: float, k: float) -> float:
+    d = cluster.device
+    esize = PRECISION_BYTES[dtype]
+    flops = 2.0 * batch * m * n * k
+    if d.gemm_table and dtype == d.default_dtype:  # measured rates by shape
+        return max(flops / table_rate(d.gemm_table, (batch * m, n, k)), d.kernel_floor_s)
+    rate = d.peak(dtype) * d.gemm_efficiency * wave_efficiency(batch, m, n, d.sm_count)
+    nbytes = esize * batch * (m * k + k * n + m * n)
+    return max(flops / rate, nbytes / (d.memory_bandwidth * d.memory_efficiency),
+               d.kernel_floor_s)
+
+
+def memory_time(cluster: Cluster, nbytes: float) -> float:
+    d = cluster.device
+    return max(nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer templates: everything the graph says about a layer, as expressions in b and s
+# ---------------------------------------------------------------------------------------------
+
+class _Kind(enum.Enum):
+    GEMM = "gemm"
+    ATTENTION = "attention"
+    MEMORY = "memory"
+
+
+class _Split(enum.Enum):
+    NONE = 0
+    COLUMN = 1  # N / t
+    ROW = 2  # K / t
+    BATCH = 3  # batch (heads) / t
+    ALL = 4  # memory-bound or attention node on split tensors: everything / t
+
+
+@dataclass(slots=True)
+class _Term:
+    kind: _Kind
+    name: str
+    split: _Split
+    replicated_activation: bool  # a replicated non-GEMM node: split by SP
+    backward: bool
+    weight_grad: bool  # a GEMM whose second operand is a trainable weight
+    input_grads: int  # activation inputs that need a gradient (GEMM backward count)
+    core: bool
+    index: int  # first of this term's values (GEMM: batch, m, n, k; others: flops, bytes)
+
+
+@dataclass(slots=True)
+class _Template:
+    signature: str
+    kind: LayerKind
+    representative: int
+    terms: list[_Term]
+    exprs: list[sympy.Expr]
+    #: value indices: saved float elements / other bytes, by (replicated?, core?)
+    act_float: dict[tuple[bool, bool], int]
+    act_other: dict[tuple[bool, bool], int]
+    ckpt_float: int
+    ckpt_other: int
+    boundary_float: int
+    boundary_other: int
+    gemm_flops: int
+    core_flops: int
+    sites: list[tuple[SiteKind, int]]  # (kind, index of the tensor's element count)
+    params: dict[str, tuple[int, bool]]  # fqn -> (numel, split over tp)
+    split_dims: list[tuple[str, int]]
+    sharding: LayerSharding
+    #: True when several layers use this template (repeated blocks).
+    shared: bool = False
+    fn: Any = None
+    cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
+
+    def values(self, b: int, s: int) -> tuple[float, ...]:
+        key = (b, s)
+        out = self.cache.get(key)
+        if out is None:
+            if self.fn is None:
+                self.fn = sympy.lambdify((BATCH, SEQ), self.exprs, modules="math")
+            out = tuple(float(v) for v in self.fn(b, s))
+            self.cache[key] = out
+        return out
+
+
+def _spec(a: Any) -> TensorSpec | None:
+    return info(a).spec if isinstance(a, torch.fx.Node) else None
+
+
+def _prod(dims: Iterable[Any]) -> sympy.Expr:
+    out = sympy.Integer(1)
+    for d in dims:
+        out = out * d
+    return out
+
+
+def _gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
+    """(batch, M, N, K) of a GEMM node, or None for shapes the model does not handle."""
+    name, args = op_name(node), node.args
+    if name == "linear":
+        x, w = _spec(args[0]), _spec(args[1])
+        return 1, _prod(x.shape[:-1]), w.shape[0], x.shape[-1]
+    if name in ("mm", "addmm"):
+        a, b = (_spec(args[0]), _spec(args[1])) if name == "mm" else (_spec(args[1]),
+                                                                       _spec(args[2]))
+        return 1, a.shape[0], b.shape[1], a.shape[1]
+    if name in ("bmm", "baddbmm"):
+        a, b = (_spec(args[0]), _spec(args[1])) if name == "bmm" else (_spec(args[1]),
+                                                                       _spec(args[2]))
+        return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
+    if name == "matmul":
+        a, b, out = _spec(args[0]), _spec(args[1]), info(node).spec
+        if a.ndim >= 2 and b.ndim >= 2 and out is not None and out.ndim >= 2:
+            return _prod(out.shape[:-2]), out.shape[-2], out.shape[-1], a.shape[-1]
+    return None
+
+
+def _is_weight(a: Any) -> bool:
+    from autopar.passes.analyze import _view_root
+
+    return isinstance(a, torch.fx.Node) and info(_view_root(a)).kind is NodeKind.PARAMETER \
+        and info(a).requires_grad
+
+
+class ModelCosts:
+    """A captured model's costs as per-layer templates (repeated blocks share one).
+
+    Independent of the cluster and the plan: :class:`CostModel` prices the templates.
+    """
+
+    def __init__(self, captured: Any, profile: Any = None, *, components: Components | None
+                 = None, name: str | None = None, depth: int | None = None) -> None:
+        """``depth``: the number of repeated blocks the real model has, when ``captured`` is
+        a shallower copy of it (same shapes, fewer blocks: capture time grows with depth).
+        Blocks are identical computations, so the last captured block stands for the rest."""
+        from autopar.passes.analyze import analyze
+
+        self.captured = captured
+        self.profile = profile if profile is not None else analyze(captured)
+        self.components = components or default_components()
+        self.name = name
+        self.graph_float_bytes = self.profile.layers[0].graph_float_bytes
+        layers = captured.layers
+        self._vocab = self._vocab_embedding()
+        self._param_numel = {}
+        for p in captured.params.values():
+            for fqn in (p.fqn, *p.aliases):
+                self._param_numel[fqn] = int(p.spec.numel)
+        self._canonical = {a: p.fqn for p in captured.params.values() for a in (p.fqn, *p.aliases)}
+        saved = self._saved_entries()
+        # one template per signature, built from its last layer (the first block may carry
+        # tables made before the blocks; later ones are the repeated steady state)
+        last_of: dict[str, int] = {}
+        for layer in layers:
+            last_of[layer.signature] = layer.index
+        built: dict[str, _Template] = {}
+        self.templates: list[_Template] = []
+        for layer in layers:
+            key = f"{layer.kind.value}:{layer.signature}"
+            if key not in built:
+                built[key] = self._template(layers[last_of[layer.signature]], saved)
+            self.templates.append(built[key])
+        self.layer_names = [layer.name for layer in layers]
+        self.kinds = [layer.kind for layer in layers]
+        blocks = [layer.index for layer in layers if layer.kind is LayerKind.BLOCK]
+        self.extended = bool(depth and blocks and depth > len(blocks))
+        if depth is not None and depth < len(blocks):
+            raise ValueError(f"depth={depth} is below the {len(blocks)} blocks captured")
+        if self.extended:
+            last = blocks[-1]
+            extra = depth - len(blocks)
+            self.templates[last + 1:last + 1] = [self.templates[last]] * extra
+            prefix, _, tail = layers[last].name.rpartition(".")
+            start = int(tail) + 1 if tail.isdigit() else len(blocks)
+            names = [f"{prefix}.{start + i}" if prefix else f"block{start + i}"
+                     for i in range(extra)]
+            self.layer_names[last + 1:last + 1] = names
+            self.kinds[last + 1:last + 1] = [LayerKind.BLOCK] * extra
+        uses: dict[int, int] = {}
+        for t in self.templates:
+            uses[id(t)] = uses.get(id(t), 0) + 1
+        for t in self.templates:
+            t.shared = uses[id(t)] > 1
+        self.num_layers = len(self.templates)
+        self.vocab_size = None if self._vocab is None else self._param_rows(self._vocab)
+
+    # -- construction -------------------------------------------------------------------------
+    def _param_rows(self, fqn: str) -> int:
+        for p in self.captured.params.values():
+            if fqn in (p.fqn, *p.aliases):
+                return int(p.spec.shape[0])
+        raise KeyError(fqn)
+
+    def _vocab_embedding(self) -> str | None:
+        """The embedding table with the most rows (the vocabulary), if any."""
+        best: tuple[int, str] | None = None
+        for node in self.captured.gm.graph.nodes:
+            if node.op == "call_function" and op_name(node) == "embedding":
+                from autopar.planner.tp_pattern import _param_root
+
+                table = _param_root(node.args[0])
+                if table is not None:
+                    rows = int(info(table).spec.shape[0])
+                    if best is None or rows > best[0]:
+                        best = (rows, info(table).fqn)
+        return best[1] if best else None
+
+    def _saved_entries(self) -> dict[str, list[tuple[TensorSpec, str]]]:
+        """Per layer name: (saved tensor, node it belongs to), charged exactly as the analysis
+        pass charges them (a tensor saved by several ops once; tables made before the blocks
+        and read by all of them to their maker)."""
+        from autopar.passes.analyze import _saved
+
+        captured = self.captured
+        index = {layer.name: layer.index for layer in captured.layers}
+        kind = {layer.name: layer.kind for layer in captured.layers}
+        nodes = {n.name: n for n in captured.gm.graph.nodes}
+        charged: set[Any] = set()
+        out: dict[str, list[tuple[TensorSpec, str]]] = {layer.name: [] for layer in captured.layers}
+        for node in captured.gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            for key, spec in _saved(node, op_name(node)):
+                if key in charged:
+                    continue
+                charged.add(key)
+                target = node
+                owner = key if isinstance(key, str) else key[0]
+                producer = nodes.get(key) if isinstance(key, str) else None
+                if producer is not None:
+                    p_layer = info(producer).layer
+                    if (kind.get(p_layer) is LayerKind.PRE
+                            and index.get(info(node).layer, 0) > index.get(p_layer, 0) + 1):
+                        target = producer
+                layer = info(target).layer
+                if layer in out:
+                    out[layer].append((spec, owner))
+        return out
+
+    def _template(self, layer: Any, saved: Mapping[str, list[tuple[TensorSpec, str]]]
+                  ) -> _Template:
+        from autopar.passes.analyze import GEMM_OPS, VIEW_OPS
+
+        captured = self.captured
+        sharding = self.components.sharding.shard_layer(captured, layer,
+                                                        vocab_embedding=self._vocab)
+        exprs: list[sympy.Expr] = []
+
+        def add(expr: Any) -> int:
+            exprs.append(sympy.sympify(expr))
+            return len(exprs) - 1
+
+        terms: list[_Term] = []
+        gemm_flops = sympy.Integer(0)
+        core_flops = sympy.Integer(0)
+        core_nodes = self._core_nodes(layer)
+        for name in layer.nodes:
+            node = captured.node(name)
+            if node.op != "call_function":
+                continue
+            meta = info(node)
+            op = op_name(node)
+            moved = meta.bytes_read + meta.bytes_written
+            role = sharding.role(name)
+            if op in GEMM_OPS:
+                gemm_flops = gemm_flops + meta.flops
+                if name in core_nodes:
+                    core_flops = core_flops + meta.flops
+            if op in VIEW_OPS or (moved == 0 and meta.flops == 0):
+                continue
+            core = name in core_nodes
+            grads = sum(1 for a in node.all_input_nodes
+                        if info(a).requires_grad and not _is_weight(a)
+                        and info(a).kind not in (NodeKind.PARAMETER,))
+            if op == "scaled_dot_product_attention":
+                terms.append(_Term(_Kind.ATTENTION, name,
+                                   _Split.ALL if role is Role.SHARDED else _Split.NONE,
+                                   False, meta.requires_grad, False, grads, core,
+                                   add(meta.flops)))
+                add(moved)
+                q = info(node.args[0]).spec
+                add(q.shape[-2])  # sequence
+                add(q.shape[-1])  # head dim
+                continue
+            dims = _gemm_dims(node) if op in GEMM_OPS else None
+            if dims is not None:
+                gs = sharding.gemms.get(name)
+                weighted = op == "linear" and _is_weight(node.args[1])
+                if gs is GemmSharding.COLUMN:
+                    split = _Split.COLUMN
+                elif gs is GemmSharding.ROW:
+                    split = _Split.ROW
+                elif gs is None and role is Role.SHARDED:
+                    split = _Split.BATCH
+                else:
+                    split = _Split.NONE
+                idx = add(dims[0])
+                for d in dims[1:]:
+                    add(d)
+                terms.append(_Term(_Kind.GEMM, name, split, False, meta.requires_grad, weighted,
+                                   grads, core, idx))
+                continue
+            # memory-bound (including GEMM-like ops the model has no shape rule for)
+            terms.append(_Term(_Kind.MEMORY, name,
+                               _Split.ALL if role is Role.SHARDED else _Split.NONE,
+                               role is Role.REPLICATED, meta.requires_grad, False, grads, core,
+                               add(meta.flops)))
+            add(moved)
+
+        # saved activations by layout and attention-core membership
+        act_f = {(r, c): sympy.Integer(0) for r in (True, False) for c in (True, False)}
+        act_o = dict(act_f)
+        owner_layer = {n: layer for n in layer.nodes}
+        for spec, owner in saved.get(layer.name, ()):
+            replicated = self._role_of(owner, sharding, owner_layer) is Role.REPLICATED
+            core = seq_degree(spec.numel) >= 2
+            if spec.is_float:
+                act_f[(replicated, core)] += spec.numel
+            else:
+                act_o[(replicated, core)] += spec.nbytes
+        act_float = {k: add(v) for k, v in act_f.items()}
+        act_other = {k: add(v) for k, v in act_o.items()}
+
+        # the block's input (all full recomputation keeps)
+        ckpt_f, ckpt_o = sympy.Integer(0), sympy.Integer(0)
+        inside = set(layer.nodes)
+        prev = layer.index - 1
+        seen: set[str] = set()
+        for name in layer.nodes:
+            for a in captured.node(name).all_input_nodes:
+                if a.name in inside or a.name in seen or info(a).spec is None:
+                    continue
+                if info(a).kind in (NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT):
+                    continue
+                src = captured.layer(info(a).layer).index if info(a).layer else -1
+                if src != prev:
+                    continue
+                seen.add(a.name)
+                if info(a).spec.is_float:
+                    ckpt_f += info(a).spec.numel
+                else:
+                    ckpt_o += info(a).spec.nbytes
+        # what a pipeline cut after this layer sends
+        lc = self.profile.layers[layer.index]
+        bnd_f, bnd_o = sympy.Integer(0), sympy.Integer(0)
+        for name in lc.boundary_tensors:
+            spec = info(captured.node(name)).spec
+            if spec.is_float:
+                bnd_f += spec.numel
+            else:
+                bnd_o += spec.nbytes
+        sites = []
+        for site in sharding.sites:
+            if site.kind is SiteKind.CE:
+                spec = info(captured.node(site.tensor)).spec
+                sites.append((site.kind, add(_prod(spec.shape[:-1]))))
+            else:
+                sites.append((site.kind, add(info(captured.node(site.tensor)).spec.numel)))
+        # parameters the layer reads (a tied table is read by two layers)
+        params: dict[str, tuple[int, bool]] = {}
+        for name in layer.nodes:
+            for fqn in info(captured.node(name)).reads:
+                canon = self._canonical.get(fqn)
+                if canon is None:
+                    continue
+                split = fqn in sharding.sharded_params or canon in sharding.sharded_params
+                numel = self._param_numel[canon]
+                old = params.get(canon)
+                params[canon] = (numel, split or (old[1] if old else False))
+        for fqn in layer.params:  # owned but not read directly (rare)
+            canon = self._canonical.get(fqn, fqn)
+            if canon in self._param_numel and canon not in params:
+                params[canon] = (self._param_numel[canon], canon in sharding.sharded_params)
+        split_dims = []
+        for node_name, size in sharding.split_dims:
+            try:
+                split_dims.append((node_name, int(size)))
+            except TypeError:
+                continue
+        return _Template(
+            signature=layer.signature, kind=layer.kind, representative=layer.index,
+            terms=terms, exprs=exprs, act_float=act_float, act_other=act_other,
+            ckpt_float=add(ckpt_f), ckpt_other=add(ckpt_o), boundary_float=add(bnd_f),
+            boundary_other=add(bnd_o), gemm_flops=add(gemm_flops), core_flops=add(core_flops),
+            sites=sites, params=params, split_dims=split_dims, sharding=sharding)
+
+    def _role_of(self, owner: str, sharding: LayerSharding, owner_layer: Mapping[str, Any]
+                 ) -> Role:
+        if owner in owner_layer:
+            return sharding.role(owner)
+        return Role.REPLICATED  # produced in an earlier layer: a replicated block input
+
+    def _core_nodes(self, layer: Any) -> set[str]:
+        """The attention core: fused attention, and the nodes whose output grows as s^2
+        (scores, softmax, their dropout), plus the GEMMs that read or make them."""
+        captured = self.captured
+        out: set[str] = set()
+        for name in layer.nodes:
+            node = captured.node(name)
+            if node.op != "call_function":
+                continue
+            spec = info(node).spec
+            if op_name(node) == "scaled_dot_product_attention":
+                out.add(name)
+            elif spec is not None and spec.is_float and info(node).requires_grad \
+                    and seq_degree(spec.numel) >= 2:
+                out.add(name)
+        for name in list(out):  # the matmul that turns the probabilities into the output
+            for user in captured.node(name).users:
+                if op_name(user) in ("matmul", "bmm") and user.name in set(layer.nodes):
+                    out.add(user.name)
+        return out
+
+    # -- queries ------------------------------------------------------------------------------
+    def template(self, layer: int) -> _Template:
+        return self.templates[layer]
+
+    @property
+    def layer_kinds(self) -> list[LayerKind]:
+        return list(self.kinds)
+
+    def tp_placement(self) -> list[dict[str, Any]]:
+        """Each GEMM's tensor-parallel split, once per distinct layer: layers, module, op node,
+        split."""
+        rows = []
+        seen: dict[int, list[int]] = {}
+        for i, t in enumerate(self.templates):
+            seen.setdefault(id(t), []).append(i)
+        for ident, idxs in seen.items():
+            t = self.templates[idxs[0]]
+            rep = self.captured.layers[t.representative]
+            for name in rep.nodes:
+                g = t.sharding.gemms.get(name)
+                if g is None:
+                    continue
+                module = info(self.captured.node(name)).module_path
+                if rep.kind is LayerKind.BLOCK:
+                    module = module.replace(rep.name + ".", "", 1)
+                rows.append({"layers": [idxs[0], idxs[-1]], "count": len(idxs),
+                             "module": module, "sharding": g.value})
+        return rows
+
+    def tp_problem(self, tp: int) -> str | None:
+        """Why tensor parallelism of ``tp`` does not fit the model (None if it does)."""
+        if tp == 1:
+            return None
+        for template in {id(t): t for t in self.templates}.values():
+            for node_name, size in template.split_dims:
+                if size % tp and size != self.vocab_size:  # the vocabulary is padded
+                    return f"{node_name} splits a dimension of {size}, not divisible by tp={tp}"
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pricing a layer on a cluster
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class LayerCosts:
+    """One layer, one micro-batch, on one tensor-parallel rank."""
+
+    forward_s: float  # compute only
+    backward_s: float  # input gradients (and memory-bound backward)
+    weight_s: float  # weight gradients
+    core_forward_s: float  # attention core forward (selective recomputation)
+    tp_forward_s: float
+    tp_backward_s: float
+    act_bytes: float  # saved activations, no recomputation
+    act_selective_bytes: float
+    ckpt_bytes: float  # the input full recomputation keeps
+    boundary_bytes: float  # what a pipeline cut after it sends (per tp rank)
+    gemm_flops: float  # forward GEMM FLOPs of the whole layer (unsplit)
+    core_flops: float
+
+
+def price_layer(template: _Template, cluster: Cluster, dtype: str, tp: int, sp: bool,
+                b: int, s: int, graph_float_bytes: int, tp_span: Any) -> LayerCosts:
+    v = template.values(b, s)
+    esize = PRECISION_BYTES[dtype]
+    scale = esize / graph_float_bytes
+    fwd = bwd = wgt = core = 0.0
+    for term in template.terms:
+        i = term.index
+        if term.kind is _Kind.GEMM:
+            batch, m, n, k = v[i], v[i + 1], v[i + 2], v[i + 3]
+            if term.split is _Split.COLUMN:
+                n = math.ceil(n / tp)
+            elif term.split is _Split.ROW:
+                k = k / tp
+            elif term.split is _Split.BATCH:
+                batch = batch / tp
+            f = gemm_time(cluster, dtype, batch, m, n, k)
+            fwd += f
+            if term.core:
+                core += f
+            if term.backward:
+                if term.weight_grad:
+                    bwd += gemm_time(cluster, dtype, batch, m, k, n)
+                    wgt += gemm_time(cluster, dtype, 1, n, k, batch * m)
+                else:
+                    if term.input_grads >= 1:
+                        bwd += gemm_time(cluster, dtype, batch, m, k, n)
+                    if term.input_grads >= 2:
+                        bwd += gemm_time(cluster, dtype, batch, k, n, m)
+            continue
+        flops, moved = v[i], v[i + 1] * scale
+        div = tp if (term.split is _Split.ALL or (sp and term.replicated_activation)) else 1
+        flops, moved = flops / div, moved / div
+        d = cluster.device
+        if term.kind is _Kind.ATTENTION and d.attention_table and dtype == d.default_dtype:
+            seq, head = v[i + 2], v[i + 3]
+            rows_f = [(r[0], r[1], r[2]) for r in d.attention_table]
+            rows_b = [(r[0], r[1], r[3]) for r in d.attention_table]
+            f = max(flops / table_rate(rows_f, (seq, head)), d.kernel_floor_s)
+            fb = max(ATTENTION_BACKWARD_FACTOR * flops / table_rate(rows_b, (seq, head)),
+                     d.kernel_floor_s)
+        elif term.kind is _Kind.ATTENTION:
+            rate = d.peak(dtype) * d.attention_efficiency
+            bw = d.memory_bandwidth * d.memory_efficiency
+            f = max(flops / rate, moved / bw, d.kernel_floor_s)
+            fb = max(ATTENTION_BACKWARD_FACTOR * flops / rate, 2 * moved / bw, d.kernel_floor_s)
+        else:
+            f = memory_time(cluster, moved)
+            fb = memory_time(cluster, 2 * moved)
+        fwd += f
+        if term.core:
+            core += f
+        if term.backward:
+            bwd += fb
+    # tensor-parallel communication
+    tp_f = tp_b = 0.0
+    if tp > 1:
+        for kind, idx in template.sites:
+            nbytes = v[idx] * esize
+            if kind is SiteKind.CE:
+                tp_f += 3 * collective_time(cluster, Collective.ALL_REDUCE, v[idx] * 4,
+                                            tp_span).seconds
+                continue
+            if sp:
+                ag = collective_time(cluster, Collective.ALL_GATHER, nbytes, tp_span).seconds
+                rs = collective_time(cluster, Collective.REDUCE_SCATTER, nbytes, tp_span).seconds
+                tp_f += ag if kind is SiteKind.F else rs
+                tp_b += rs if kind is SiteKind.F else ag
+            else:
+                ar = collective_time(cluster, Collective.ALL_REDUCE, nbytes, tp_span).seconds
+                if kind is SiteKind.F:
+                    tp_b += ar
+                else:
+                    tp_f += ar
+    # activations
+    def act(include_core: bool) -> float:
+        total = 0.0
+        for (replicated, is_core), idx in template.act_float.items():
+            if is_core and not include_core:
+                continue
+            div = (tp if sp else 1) if replicated else tp
+            total += (v[idx] * esize + v[template.act_other[(replicated, is_core)]]) / div
+        return total
+
+    sp_div = tp if sp else 1
+    ckpt = (v[template.ckpt_float] * esize + v[template.ckpt_other]) / sp_div
+    boundary = v[template.boundary_float] * esize / tp + v[template.boundary_other]
+    return LayerCosts(
+        forward_s=fwd, backward_s=bwd, weight_s=wgt, core_forward_s=core,
+        tp_forward_s=tp_f, tp_backward_s=tp_b, act_bytes=act(True),
+        act_selective_bytes=act(False), ckpt_bytes=ckpt, boundary_bytes=boundary,
+        gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops])
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates and their evaluation
+# ---------------------------------------------------------------------------------------------
+
+class Candidate(NamedTuple):
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    micro_batch_size: int
+    schedule: ScheduleKind
+    recompute: RecomputeKind
+    zero: int
+    sequence_parallel: bool
+
+    def key(self) -> tuple:
+        """Deterministic order for ties."""
+        return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
+                self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel)
+
+    def label(self) -> str:
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
+                f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One stage, one micro-batch (what the schedule model and `simulate` consume)."""
+
+    index: int
+    layers: tuple[int, int]
+    pp_rank: int
+    chunk: int
+    forward_s: float  # compute + TP communication
+    backward_s: float  # input gradients + recomputation + TP communication
+    weight_s: float
+    recompute_s: float
+    tp_comm_s: float
+    p2p_s: float  # send to the next stage
+    activation_bytes: float  # per micro-batch
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "layers": list(self.layers), "pp_rank": self.pp_rank,
+                "chunk": self.chunk, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "weight_s": self.weight_s, "recompute_s": self.recompute_s,
+                "tp_comm_s": self.tp_comm_s, "p2p_s": self.p2p_s,
+                "activation_bytes": self.activation_bytes}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "StageCost":
+        return cls(index=d["index"], layers=tuple(d["layers"]), pp_rank=d["pp_rank"],
+                   chunk=d["chunk"], forward_s=d["forward_s"], backward_s=d["backward_s"],
+                   weight_s=d["weight_s"], recompute_s=d["recompute_s"],
+                   tp_comm_s=d["tp_comm_s"], p2p_s=d["p2p_s"],
+                   activation_bytes=d["activation_bytes"])
+
+
+@dataclass(frozen=True, slots=True)
+class _RankSums:
+    params: float
+    largest_layer_params: float
+    layers: int
+    activations: float  # per micro-batch, at the recompute setting
+    working: float  # one block re-materialized (recompute)
+    forward: float
+    backward: float
+    backward_chunk0: float
+    recompute: float
+    tp_comm: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Staging:
+    stages: tuple[StageCost, ...]
+    ranks: tuple[_RankSums, ...]
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    p2p: tuple[float, ...]
+    recompute_flops: float  # per micro-batch
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    candidate: Candidate
+    #: None when the candidate fits; else why not (kept by the search).
+    infeasible: str | None
+    plan: Plan | None = None
+    prediction: Prediction | None = None
+    ranks: tuple[RankMemory, ...] = ()
+    stages: tuple[StageCost, ...] = ()
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.infeasible is None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.step_time_s if self.prediction else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSetup:
+    """What the user fixed: the global batch (sequences), the sequence length, precision."""
+
+    global_batch: int
+    seq: int
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.seq < 1:
+            raise ValueError(f"seq must be >= 1, got {self.seq}")
+        if self.dtype not in PRECISION_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(PRECISION_BYTES)}, got {self.dtype!r}")
+
+
+class CostModel:
+    """Prices candidates of one model on one cluster at one global batch."""
+
+    def __init__(self, model: ModelCosts, cluster: Cluster, setup: TrainingSetup,
+                 components: Components | None = None) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.setup = setup
+        self.components = components or model.components
+        self._layer_cache: dict[tuple, list[LayerCosts]] = {}
+        self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        self._staging_cache: dict[tuple, _Staging] = {}
+        self._gemm_cache: dict[str, GemmSharding] | None = None
+        self.device_peak = cluster.peak_flops(setup.dtype)
+        t = [model.template(i) for i in range(model.num_layers)]
+        self.model_flops_per_sequence = 3 * sum(
+            tt.values(1, setup.seq)[tt.gemm_flops] for tt in t)
+        self.is_block = [k is LayerKind.BLOCK for k in model.layer_kinds]
+
+    # -- per-layer ---------------------------------------------------------------------------
+    def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1
+                    ) -> list[LayerCosts]:
+        span = mesh_span(self.cluster, dp, pp, tp, "tp")
+        key = (tp, sp, mbs, span)
+        out = self._layer_cache.get(key)
+        if out is None:
+            priced: dict[int, LayerCosts] = {}
+            out = []
+            for i in range(self.model.num_layers):
+                tmpl = self.model.template(i)
+                lc = priced.get(id(tmpl))
+                if lc is None:
+                    lc = price_layer(tmpl, self.cluster, self.setup.dtype, tp, sp, mbs,
+                                     self.setup.seq, self.model.graph_float_bytes, span)
+                    priced[id(tmpl)] = lc
+                out.append(lc)
+            self._layer_cache[key] = out
+        return out
+
+    def _layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind
+                     ) -> list[tuple[float, float, float, float, float]]:
+        """(forward, backward, weight, recompute, tp) per layer, forward/backward incl. TP."""
+        out = []
+        for lc, block in zip(costs, self.is_block):
+            r = 0.0
+            if block and recompute is RecomputeKind.FULL:
+                r = lc.forward_s + lc.tp_forward_s
+            elif block and recompute is RecomputeKind.SELECTIVE:
+                r = lc.core_forward_s
+            tp = lc.tp_forward_s + lc.tp_backward_s
+            out.append((lc.forward_s + lc.tp_forward_s, lc.backward_s + lc.tp_backward_s + r,
+                        lc.weight_s, r, tp))
+        return out
+
+    def split(self, times: Sequence[float], num_stages: int, key: tuple
+              ) -> tuple[tuple[int, int], ...]:
+        k = (key, num_stages)
+        out = self._split_cache.get(k)
+        if out is None:
+            out = self.components.partitioner.split(times, num_stages)
+            self._split_cache[k] = out
+        return out
+
+    # -- a candidate ---------------------------------------------------------------------------
+    def check(self, c: Candidate) -> str | None:
+        """Structural problems (no pricing needed); None if the candidate is well formed."""
+        n = self.cluster.num_devices
+        if c.dp * c.tp * c.pp != n:
+            return f"dp x tp x pp = {c.dp * c.tp * c.pp}, not the {n} devices"
+        if self.setup.global_batch % (c.dp * c.micro_batch_size):
+            return (f"global batch {self.setup.global_batch} is not divisible by dp x "
+                    f"micro-batch = {c.dp * c.micro_batch_size}")
+        m = self.setup.global_batch // (c.dp * c.micro_batch_size)
+        if c.tp > self.cluster.devices_per_node or self.cluster.devices_per_node % c.tp:
+            return (f"tp={c.tp} does not fit inside a node of "
+                    f"{self.cluster.devices_per_node} devices")
+        problem = self.model.tp_problem(c.tp)
+        if problem:
+            return problem
+        if c.sequence_parallel and (c.tp == 1 or self.setup.seq % c.tp):
+            return f"sequence parallel needs tp > 1 dividing seq={self.setup.seq}"
+        if c.pp * c.virtual_stages > self.model.num_layers:
+            return (f"{c.pp * c.virtual_stages} stages but only {self.model.num_layers} "
+                    f"layers to place")
+        if c.schedule is ScheduleKind.INTERLEAVED_1F1B:
+            if c.virtual_stages < 2 or c.pp < 2:
+                return "interleaved 1F1B needs pp >= 2 and virtual stages >= 2"
+            if m % c.pp:
+                return f"interleaved 1F1B needs micro-batches ({m}) divisible by pp ({c.pp})"
+        elif c.virtual_stages != 1:
+            return f"virtual stages need the interleaved-1f1b schedule"
+        return None
+
+    def evaluate(self, c: Candidate) -> Evaluation:
+        problem = self.check(c)
+        if problem:
+            return Evaluation(c, problem)
+        m = self.setup.global_batch // (c.dp * c.micro_batch_size)
+        st = self._staging(c)
+        work = PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
+                            st.weight, st.p2p)
+        return self._finish(c, m, st, self.components.schedule_model.pipeline_time(work))
+
+    def reprice(self, ev: Evaluation, schedule_model: Any) -> Evaluation:
+        """The same candidate with its pipeline time from another schedule model (the
+        simulator)."""
+        if ev.plan is None:
+            return ev
+        c = ev.candidate
+        m = ev.plan.num_micro_batches
+        st = self._staging(c)
+        work = PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
+                            st.weight, st.p2p)
+        return self._finish(c, m, st, schedule_model.pipeline_time(work))
+
+    def _staging(self, c: Candidate) -> "_Staging":
+        """Stage cut and per-stage, per-rank sums of a candidate (cached: many candidates share
+        them; only m, ZeRO and the schedule's shape differ)."""
+        zero_bubble = c.schedule is ScheduleKind.ZB_H1
+        key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
+               c.virtual_stages, zero_bubble)
+        hit = self._staging_cache.get(key)
+        if hit is not None:
+            return hit
+        p, v = c.pp, c.virtual_stages
+        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, p)
+        times = self._layer_times(costs, c.recompute)
+        cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v, key[:6])
+        stages: list[StageCost] = []
+        for s, (first, last) in enumerate(cuts):
+            rng = range(first, last + 1)
+            f = sum(times[i][0] for i in rng)
+            b = sum(times[i][1] for i in rng)
+            w = sum(times[i][2] for i in rng)
+            r = sum(times[i][3] for i in rng)
+            tpc = sum(times[i][4] for i in rng)
+            if not zero_bubble:
+                b, w = b + w, 0.0
+            act = 0.0
+            for i in rng:
+                lc = costs[i]
+                if self.is_block[i] and c.recompute is RecomputeKind.FULL:
+                    act += lc.ckpt_bytes
+                elif self.is_block[i] and c.recompute is RecomputeKind.SELECTIVE:
+                    act += lc.act_selective_bytes
+                else:
+                    act += lc.act_bytes
+            p2p = 0.0
+            if s < len(cuts) - 1:
+                inter = self._stage_node(s % p, c.tp) != self._stage_node((s + 1) % p, c.tp)
+                p2p = p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter)
+            stages.append(StageCost(s, (first, last), s % p, s // p, f, b, w, r, tpc, p2p, act))
+        ranks = []
+        for rank in range(p):
+            mine = [st for st in stages if st.pp_rank == rank]
+            held, largest = self._rank_params(mine, c.tp)
+            working = 0.0
+            if c.recompute is not RecomputeKind.NONE:  # one block re-materialized at a time
+                for st in mine:
+                    for i in range(st.layers[0], st.layers[1] + 1):
+                        if self.is_block[i]:
+                            lc = costs[i]
+                            kept = lc.ckpt_bytes if c.recompute is RecomputeKind.FULL \
+                                else lc.act_selective_bytes
+                            working = max(working, lc.act_bytes - kept)
+            ranks.append(_RankSums(
+                params=held, largest_layer_params=largest,
+                layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
+                activations=sum(st.activation_bytes for st in mine), working=working,
+                forward=sum(st.forward_s for st in mine),
+                backward=sum(st.backward_s + st.weight_s for st in mine),
+                backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
+                recompute=sum(st.recompute_s for st in mine),
+                tp_comm=sum(st.tp_comm_s for st in mine)))
+        rec_flops = 0.0
+        for lc, block in zip(costs, self.is_block):
+            if block and c.recompute is RecomputeKind.FULL:
+                rec_flops += lc.gemm_flops
+            elif block and c.recompute is RecomputeKind.SELECTIVE:
+                rec_flops += lc.core_flops
+        out = _Staging(tuple(stages), tuple(ranks),
+                       tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
+                       tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
+                       rec_flops)
+        self._staging_cache[key] = out
+        return out
+
+    def _stage_node(self, pp_rank: int, tp: int) -> int:
+        return (pp_rank * tp) // self.cluster.devices_per_node
+
+    def _rank_params(self, mine: Sequence[StageCost], tp: int) -> tuple[float, float]:
+        """(parameters held, largest layer's parameters) of one tp rank of a pipeline rank."""
+        seen: dict[Any, float] = {}
+        largest = 0.0
+        for st in mine:
+            for i in range(st.layers[0], st.layers[1] + 1):
+                layer_total = 0.0
+                tmpl = self.model.template(i)
+                for fqn, (numel, split) in tmpl.params.items():
+                    share = numel / tp if split else numel
+                    layer_total += share
+                    # a repeated block's template names its representative's parameters
+                    seen[(i, fqn) if tmpl.shared else fqn] = share
+                largest = max(largest, layer_total)
+        return sum(seen.values()), largest
+
+    def _finish(self, c: Candidate, m: int, st: "_Staging", pipe: PipelineTime) -> Evaluation:
+        cl, setup = self.cluster, self.setup
+        p, v = c.pp, c.virtual_stages
+        dtype = setup.dtype
+        w_bytes, g_bytes, _ = STATE_BYTES[dtype]
+        usable = cl.device.usable_memory_bytes
+        dp_span = mesh_span(cl, c.dp, p, c.tp, "dp") if c.dp > 1 else None
+        d = cl.device
+        interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
+        if cl.intra_node.kind is LinkKind.LOOPBACK:
+            interference = 1.0  # local processes: gloo runs on the cores the compute uses
+        ranks: list[RankMemory] = []
+        dp_exposed = optimizer_s = slack = 0.0
+        for r, rs in enumerate(st.ranks):
+            # -- memory
+            states = model_state_bytes(rs.params, c.dp, c.zero, dtype)
+            acts = rs.activations * in_flight_micro_batches(c.schedule, p, v, m, r) + rs.working
+            buffers = 2 * rs.largest_layer_params * w_bytes if c.zero == 3 else 0.0
+            ranks.append(RankMemory(r, states.weights, states.gradients, states.optimizer, acts,
+                                    buffers))
+            # -- data-parallel communication, overlapped with the last micro-batch's backward;
+            #    rank r's backward ends `slack` before rank 0's (the drain of the pipeline)
+            grads, weights = rs.params * g_bytes, rs.params * w_bytes
+            window = rs.backward
+            if dp_span is not None:
+                def coll(op: Collective, nbytes: float, unit: float) -> float:
+                    """``nbytes`` moved as collectives of ``unit`` bytes (buckets, layers)."""
+                    if nbytes <= 0:
+                        return 0.0
+                    whole, rest = divmod(nbytes, unit)
+                    t = whole * collective_time(cl, op, unit, dp_span).seconds
+                    return t + collective_time(cl, op, rest, dp_span).seconds
+
+                reduce_op = Collective.ALL_REDUCE if c.zero == 0 else Collective.REDUCE_SCATTER
+                bucket = DDP_BUCKET_BYTES
+                last_bucket = coll(reduce_op, min(grads, bucket), bucket)
+                if c.zero <= 1:
+                    t = coll(reduce_op, grads, bucket)
+                    exposed = max(last_bucket, t - window)
+                    overlapped = min(t, window)
+                elif c.zero == 2:  # a reduce-scatter after every micro-batch's backward
+                    t = coll(Collective.REDUCE_SCATTER, grads, bucket)
+                    exposed = (m - 1) * max(0.0, t - window) + max(last_bucket, t - window)
+                    overlapped = m * min(t, window)
+                else:  # ZeRO-3 (FSDP): per layer, gather for forward and backward,
+                    #     reduce-scatter after backward, prefetched one layer ahead
+                    unit = max(rs.params / max(rs.layers, 1), 1.0)
+                    ag = coll(Collective.ALL_GATHER, weights, unit * w_bytes)
+                    rs_t = coll(Collective.REDUCE_SCATTER, grads, unit * g_bytes)
+                    exposed = (m * (max(0.0, ag - rs.forward) + max(0.0, ag + rs_t - window))
+                               + coll(Collective.ALL_GATHER, rs.largest_layer_params * w_bytes,
+                                      rs.largest_layer_params * w_bytes))
+                    overlapped = m * (min(ag, rs.forward) + min(ag + rs_t, window))
+                # overlapped communication takes SMs from the compute it hides behind
+                exposed += overlapped * interference
+                exposed = max(0.0, exposed - slack)
+                if c.zero in (1, 2):  # updated weights gathered after the step
+                    exposed += coll(Collective.ALL_GATHER, weights, bucket)
+                dp_exposed = max(dp_exposed, exposed)
+            local = rs.params / c.dp if c.zero >= 1 else rs.params
+            optimizer_s = max(optimizer_s, memory_time(cl, OPTIMIZER_BYTES_PER_PARAM * local))
+            slack += rs.backward_chunk0
+        peak_rank = max(ranks, key=lambda x: x.total)
+        step = pipe.total_s + dp_exposed + optimizer_s
+        # -- breakdown from the bottleneck rank
+        b = st.ranks[pipe.bottleneck_rank]
+        unit = b.forward + b.backward
+        scale = pipe.busy_s / unit if unit > 0 else 0.0
+        breakdown = {
+            "compute_s": (unit - b.recompute - b.tp_comm) * scale,
+            "tp_comm_s": b.tp_comm * scale,
+            "pp_comm_s": pipe.p2p_s,
+            "dp_comm_s": dp_exposed,
+            "bubble_s": pipe.total_s - pipe.busy_s - pipe.p2p_s,
+            "recompute_s": b.recompute * scale,
+            "optimizer_s": optimizer_s,
+        }
+        tokens = setup.global_batch * setup.seq
+        model_flops = self.model_flops_per_sequence * setup.global_batch
+        hw_flops = model_flops + st.recompute_flops * setup.global_batch / c.micro_batch_size
+        n = cl.num_devices
+        prediction = Prediction(
+            step_time_s=step, tokens_per_s=tokens / step,
+            tflops_per_gpu=model_flops / step / n / 1e12,
+            mfu=model_flops / (step * n * self.device_peak),
+            peak_memory_bytes=int(peak_rank.total), breakdown=breakdown,
+            memory={k: val for k, val in peak_rank.to_json().items() if k != "total"})
+        plan = Plan(dp=c.dp, tp=c.tp, pp=p, virtual_stages=v, micro_batch_size=c.micro_batch_size,
+                    num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
+                    sequence_parallel=c.sequence_parallel,
+                    stages=tuple(StagePlan(s.index, s.layers, s.pp_rank, s.chunk)
+                                 for s in st.stages))
+        extra = {"hfu": hw_flops / (step * n * self.device_peak),
+                 "hardware_tflops_per_gpu": hw_flops / step / n / 1e12,
+                 "model_flops_per_step": model_flops, "memory_limit_bytes": usable,
+                 "tokens_per_s_per_gpu": tokens / step / n}
+        infeasible = None
+        if peak_rank.total > usable:
+            infeasible = (f"needs {peak_rank.total / 2**30:.1f} GiB on pp rank "
+                          f"{peak_rank.pp_rank} (weights {peak_rank.weights / 2**30:.1f}, "
+                          f"grads {peak_rank.gradients / 2**30:.1f}, optimizer "
+                          f"{peak_rank.optimizer / 2**30:.1f}, activations "
+                          f"{peak_rank.activations / 2**30:.1f}); {usable / 2**30:.1f} GiB "
+                          f"usable")
+        return Evaluation(c, infeasible, plan, prediction, tuple(ranks), st.stages, extra)
+
+    def with_sharding(self, ev: Evaluation) -> Evaluation:
+        """``ev`` with its plan's per-GEMM tensor-parallel choices filled in (by node name of
+        the captured graph; left empty when the graph is a shallower copy of the model)."""
+        if ev.plan is None or ev.candidate.tp == 1 or self.model.extended:
+            return ev
+        if self._gemm_cache is None:
+            self._gemm_cache = self._gemm_sharding()
+        return dataclasses.replace(ev, plan=ev.plan.replace(gemm_sharding=self._gemm_cache))
+
+    def _gemm_sharding(self) -> dict[str, GemmSharding]:
+        out: dict[str, GemmSharding] = {}
+        captured = self.model.captured
+        for layer in captured.layers:
+            tmpl = self.model.template(layer.index)
+            rep = captured.layers[tmpl.representative]
+            if rep.index == layer.index:
+                out.update(tmpl.sharding.gemms)
+            else:  # same structure: map by position
+                pos = {n: i for i, n in enumerate(rep.nodes)}
+                for name, g in tmpl.sharding.gemms.items():
+                    out[layer.nodes[pos[name]]] = g
+        return out
+
+
+def lower_bound_step(cm: CostModel, c: Candidate) -> float:
+    """A step time no candidate with this (dp, tp, pp, micro-batch, sp) can beat: its compute
+    and tensor-parallel communication spread perfectly over the pipeline, without bubble,
+    pipeline or data-parallel communication, recompute or optimizer step."""
+    costs = cm.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp)
+    m = cm.setup.global_batch // (c.dp * c.micro_batch_size)
+    work = sum(lc.forward_s + lc.backward_s + lc.weight_s + lc.tp_forward_s + lc.tp_backward_s
+               for lc in costs)
+    return m * work / c.pp

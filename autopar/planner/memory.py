@@ -1,0 +1,85 @@
+"""Memory per rank: model states by precision and ZeRO stage, activations by schedule position.
+
+Model states (Rajbhandari et al. 2020, ZeRO, section 3; MISSION.md). With ``P`` the parameters a
+rank holds after tensor and pipeline splitting, ``d`` the data-parallel degree, and per-parameter
+bytes ``(w, g, o)`` = (2, 2, 12) for mixed-precision Adam (bf16/fp16 weights and gradients; fp32
+master weights, momentum and variance) or (4, 4, 8) for fp32 Adam:
+
+=======  =============  =============  =============  ============================
+ZeRO     weights        gradients      optimizer      total, mixed precision
+=======  =============  =============  =============  ============================
+0        w P            g P            o P            16 P
+1        w P            g P            o P / d        4 P + 12 P / d
+2        w P            g P / d        o P / d        2 P + 14 P / d
+3        w P / d        g P / d        o P / d        16 P / d
+=======  =============  =============  =============  ============================
+
+ZeRO-3 also holds the gathered parameters of the layer it runs and of the one it prefetches.
+
+Activations: a rank holds the activations of ``in_flight`` micro-batches (see
+:func:`autopar.planner.schedule_model.in_flight_micro_batches`) at the recompute setting's size,
+plus, with recomputation, one layer's full activations while that layer's backward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "RankMemory"]
+
+#: bytes per parameter (weights, gradients, optimizer states) by training precision.
+STATE_BYTES: dict[str, tuple[int, int, int]] = {
+    "bf16": (2, 2, 12),
+    "fp16": (2, 2, 12),
+    "fp32": (4, 4, 8),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStateBytes:
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def model_state_bytes(params: float, dp: int, zero: int, dtype: str) -> ModelStateBytes:
+    """Weights, gradients and optimizer states of ``params`` parameters on one rank."""
+    if dtype not in STATE_BYTES:
+        raise ValueError(f"unknown training precision {dtype!r}; expected one of "
+                         f"{sorted(STATE_BYTES)}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    w, g, o = STATE_BYTES[dtype]
+    return ModelStateBytes(
+        weights=w * params / (dp if zero >= 3 else 1),
+        gradients=g * params / (dp if zero >= 2 else 1),
+        optimizer=o * params / (dp if zero >= 1 else 1),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Peak memory of one pipeline rank (bytes)."""
+
+    pp_rank: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    #: ZeRO-3 gathered parameters, and other transient buffers.
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def to_json(self) -> dict[str, int]:
+        return {"weights": int(self.weights), "gradients": int(self.gradients),
+                "optimizer": int(self.optimizer), "activations": int(self.activations),
+                "buffers": int(self.buffers), "total": int(self.total)}

@@ -1,0 +1,282 @@
+"""Joint plan search: the fastest plan that fits, its prediction, and the next best.
+
+The space (every axis can be pinned):
+
+- mesh: ``dp x tp x pp = N``, ``tp`` dividing the devices per node (tensor parallel stays on
+  NVLink), ``pp * v <= layers``;
+- micro-batch size ``b`` dividing ``B / dp`` (so ``m = B / (dp b)`` micro-batches), up to
+  ``max_micro_batch``;
+- schedule: GPipe, 1F1B, interleaved 1F1B with ``v = 2..max_virtual_stages`` (``m`` divisible
+  by ``pp``), ZB-H1; with ``pp = 1`` only 1F1B (plain gradient accumulation);
+- recompute none / selective / full; ZeRO 0-3 (only 0 when ``dp = 1``: nothing to shard);
+  sequence parallel when ``tp > 1``.
+
+Each candidate gets its stage cut from the stage partitioner and its TP layout from the sharding
+model (:mod:`autopar.planner.components`), and is priced by :class:`CostModel`. Candidates that
+do not fit memory are kept with the reason.
+
+Exact branch and bound: candidates are grouped by (tp, pp, dp, micro-batch, sp); a group's lower
+bound is its compute alone spread evenly over the pipeline (``m * sum(F + B + W) / pp``; no
+bubble, communication or recompute can make a step shorter). Groups are visited by increasing
+bound and skipped once the bound reaches the ``k``-th best step found, so the top ``k`` equal
+those of exhaustive enumeration (``exhaustive=True``, which the tests compare against). The top
+``k`` are then re-priced by the schedule simulator and re-ranked. Ties break on the candidate's
+key, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from autopar.errors import InfeasiblePlanError
+from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.planner.cost_model import Candidate, CostModel, Evaluation, lower_bound_step
+
+__all__ = ["SearchSpace", "SearchResult", "search", "enumerate_candidates"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """Axes of the search; a non-None field pins that axis."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    virtual_stages: int | None = None
+    micro_batch_size: int | None = None
+    schedule: ScheduleKind | None = None
+    recompute: RecomputeKind | None = None
+    zero: int | None = None
+    sequence_parallel: bool | None = None
+    max_virtual_stages: int = 8
+    max_micro_batch: int = 32
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", RecomputeKind(self.recompute))
+        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.max_virtual_stages < 1 or self.max_micro_batch < 1:
+            raise ValueError("max_virtual_stages and max_micro_batch must be >= 1")
+
+    def pins(self) -> dict[str, object]:
+        out = {}
+        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "schedule",
+                     "recompute", "zero", "sequence_parallel"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = getattr(value, "value", value)
+        return out
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Evaluation
+    #: The next best feasible candidates, best first.
+    alternatives: tuple[Evaluation, ...]
+    #: Best feasible candidate of each (dp, tp, pp) mesh that was priced.
+    best_per_mesh: tuple[Evaluation, ...]
+    candidates: int  # in the space
+    evaluated: int  # priced by the cost model
+    pruned: Mapping[str, int]  # reason -> count (structure, memory, bound)
+    infeasible_examples: tuple[tuple[str, str], ...]
+    time_s: float
+    components: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {"time_s": round(self.time_s, 3), "candidates": self.candidates,
+                "candidates_evaluated": self.evaluated, "pruned": dict(self.pruned),
+                "infeasible_examples": [{"candidate": c, "reason": r}
+                                        for c, r in self.infeasible_examples],
+                "components": dict(self.components)}
+
+
+def enumerate_candidates(cm: CostModel, space: SearchSpace = SearchSpace()) -> list[Candidate]:
+    """Every candidate of the space, in a deterministic order."""
+    n = cm.cluster.num_devices
+    batch = cm.setup.global_batch
+    layers = cm.model.num_layers
+    out: list[Candidate] = []
+    pin = space
+    for tp in _divisors(n):
+        if pin.tp is not None and tp != pin.tp:
+            continue
+        for pp in _divisors(n // tp):
+            if pin.pp is not None and pp != pin.pp:
+                continue
+            if pin.tp is None and cm.cluster.devices_per_node % tp:
+                break  # tensor parallelism stays inside a node (pin it to see why not)
+            dp = n // (tp * pp)
+            if pin.dp is not None and dp != pin.dp:
+                continue
+            if batch % dp:
+                continue
+            mbs_options = [b for b in _divisors(batch // dp) if b <= space.max_micro_batch]
+            if pin.micro_batch_size is not None:
+                mbs_options = [pin.micro_batch_size]
+            for mbs in mbs_options:
+                schedules: list[tuple[ScheduleKind, int]] = []
+                if pp == 1:
+                    schedules = [(ScheduleKind.ONE_F_ONE_B, 1)]
+                else:
+                    schedules = [(ScheduleKind.GPIPE, 1), (ScheduleKind.ONE_F_ONE_B, 1),
+                                 (ScheduleKind.ZB_H1, 1)]
+                    top = min(space.max_virtual_stages, layers // pp)
+                    if pin.virtual_stages is not None:
+                        top = max(top, pin.virtual_stages)
+                    schedules += [(ScheduleKind.INTERLEAVED_1F1B, v) for v in range(2, top + 1)]
+                for sched, v in schedules:
+                    if pin.schedule is not None and sched is not pin.schedule:
+                        continue
+                    if pin.virtual_stages is not None and v != pin.virtual_stages:
+                        continue
+                    for rec in RecomputeKind:
+                        if pin.recompute is not None and rec is not pin.recompute:
+                            continue
+                        zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+                        if pin.zero is not None:
+                            zeros = (pin.zero,)
+                        for zero in zeros:
+                            sps = (False, True) if tp > 1 else (False,)
+                            if pin.sequence_parallel is not None:
+                                sps = (pin.sequence_parallel,)
+                            for sp in sps:
+                                out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp))
+    return out
+
+
+def _rank_key(ev: Evaluation) -> tuple:
+    return (ev.step_time_s, ev.candidate.key())
+
+
+def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
+           exhaustive: bool = False, refine: int = 3, progress: bool | None = None
+           ) -> SearchResult:
+    """The best feasible plan of ``space`` (see the module docstring)."""
+    start = time.perf_counter()
+    candidates = enumerate_candidates(cm, space)
+    pruned = {"structure": 0, "memory": 0, "bound": 0}
+    examples: list[tuple[str, str]] = []
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        problem = cm.check(c)
+        if problem:
+            pruned["structure"] += 1
+            if len(examples) < 4:
+                examples.append((c.label(), problem))
+            continue
+        groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel),
+                          []).append(c)
+    bounds = {g: lower_bound_step(cm, cs[0]) for g, cs in groups.items()}
+    order = sorted(groups, key=lambda g: (bounds[g], g))
+    k = max(top_k, refine, 1)
+    top: list[tuple] = []  # max-heap of the k best: (-time, negated key, evaluation)
+    evaluated = 0
+    memory_examples = 0
+    leanest: Evaluation | None = None
+    best_mesh: dict[tuple[int, int, int], Evaluation] = {}
+    show = progress if progress is not None else (len(candidates) > 20000 and sys.stderr.isatty())
+    bar = _progress(len(order)) if show else None
+    try:
+        for g in order:
+            if bar:
+                bar[0].advance(bar[1])
+            if not exhaustive and len(top) >= k and bounds[g] > -top[0][0]:
+                pruned["bound"] += len(groups[g])
+                continue
+            for c in groups[g]:
+                ev = cm.evaluate(c)
+                evaluated += 1
+                if not ev.feasible:
+                    pruned["memory"] += 1
+                    if ev.prediction is not None and (leanest is None or
+                                                      ev.prediction.peak_memory_bytes <
+                                                      leanest.prediction.peak_memory_bytes):
+                        leanest = ev
+                    if memory_examples < 8:
+                        memory_examples += 1
+                        examples.append((c.label(), ev.infeasible))
+                    continue
+                mesh = (c.dp, c.tp, c.pp)
+                if mesh not in best_mesh or _rank_key(ev) < _rank_key(best_mesh[mesh]):
+                    best_mesh[mesh] = ev
+                item = (-ev.step_time_s, _neg(c.key()), ev)
+                if len(top) < k:
+                    heapq.heappush(top, item)
+                elif item[:2] > top[0][:2]:
+                    heapq.heapreplace(top, item)
+    finally:
+        if bar:
+            bar[0].stop()
+    if not top:
+        raise _nothing_fits(cm, candidates, pruned, examples, leanest)
+    ranked = sorted((item[2] for item in top), key=_rank_key)
+    if refine:
+        refined = [cm.reprice(ev, cm.components.simulator) for ev in ranked[:refine]]
+        ranked = sorted(refined, key=_rank_key) + ranked[refine:]
+    meshes = sorted(best_mesh.values(), key=_rank_key)
+    ranked[0] = cm.with_sharding(ranked[0])
+    return SearchResult(best=ranked[0], alternatives=tuple(ranked[1:top_k]),
+                        best_per_mesh=tuple(meshes), candidates=len(candidates),
+                        evaluated=evaluated, pruned=pruned, infeasible_examples=tuple(examples),
+                        time_s=time.perf_counter() - start,
+                        components=cm.components.describe())
+
+
+class _neg(tuple):
+    """A tuple ordered backwards (so the heap keeps the smallest key among equal times)."""
+
+    def __lt__(self, other):  # type: ignore[override]
+        return tuple.__gt__(self, other)
+
+    def __gt__(self, other):  # type: ignore[override]
+        return tuple.__lt__(self, other)
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.completed}/"
+                   "{task.total} meshes"), TimeElapsedColumn(), transient=True,
+                   console=__import__("rich.console").console.Console(stderr=True))
+    bar.start()
+    return bar, bar.add_task("search", total=total)
+
+
+def _nothing_fits(cm: CostModel, candidates: Sequence[Candidate], pruned: Mapping[str, int],
+                  examples: Sequence[tuple[str, str]], leanest: Evaluation | None
+                  ) -> InfeasiblePlanError:
+    n = cm.cluster.num_devices
+    if not candidates:
+        return InfeasiblePlanError(
+            "no candidate plan matches the pinned choices",
+            expected=f"dp x tp x pp = {n} devices with the global batch "
+                     f"({cm.setup.global_batch}) divisible by dp x micro-batch",
+            found="an empty search space",
+            fix="drop or change a pinned flag (--tp/--pp/--dp/--micro-batch)")
+    if leanest is None:
+        reasons = "; ".join(f"{c}: {r}" for c, r in examples[:3])
+        return InfeasiblePlanError(
+            f"none of the {len(candidates)} candidate plans is well formed",
+            expected="a mesh and micro-batch the model and cluster allow",
+            found=reasons, fix="change the pinned flags, the device count or the batch")
+    return InfeasiblePlanError(
+        f"no plan fits in memory ({pruned['memory']} candidates priced, none fits)",
+        expected=f"a plan within {leanest.extra['memory_limit_bytes'] / 2**30:.1f} GiB per device",
+        found=f"the leanest, {leanest.candidate.label()}, {leanest.infeasible}",
+        fix="use more devices, a smaller micro-batch or sequence, full recompute and ZeRO-3, "
+            "or devices with more memory")

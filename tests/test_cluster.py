@@ -1,0 +1,145 @@
+"""Cluster specs: datasheet presets with sourced efficiencies, files with units, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar import Cluster, ClusterSpecError
+from autopar.cluster import PRESET_NAMES, GroupSpan, parse_quantity
+from autopar.planner.comm import mesh_span
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("name, flops, hbm, mem, link, nic", [
+    # datasheets: A100 SXM4 80GB, H100 SXM5, H200; NVLink 3/4 per direction; HDR/NDR NICs
+    ("a100-80g", 312e12, 2.039e12, 80 * GiB, 300e9, 200e9 / 8),
+    ("h100-80g", 989.4e12, 3.35e12, 80 * GiB, 450e9, 400e9 / 8),
+    ("h200", 989.4e12, 4.8e12, 141e9, 450e9, 400e9 / 8),
+])
+def test_gpu_presets_carry_datasheet_numbers(name, flops, hbm, mem, link, nic):
+    c = Cluster.load(name)
+    assert c.devices_per_node == 8 and c.inter_node.count == 8
+    assert c.device.peak("bf16") == pytest.approx(flops)
+    assert c.device.memory_bandwidth == pytest.approx(hbm)
+    assert c.device.memory_bytes == pytest.approx(mem)
+    assert c.intra_node.bandwidth == pytest.approx(link)
+    assert c.inter_node.bandwidth == pytest.approx(nic)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_number_has_a_source(name):
+    c = Cluster.load(name)
+    for key in ("device.peak_flops", "device.memory_bandwidth", "intra_node", "inter_node"):
+        assert key in c.sources and c.sources[key], (name, key)
+    if name != "cpu":  # efficiency factors of the GPU presets name their microbenchmark
+        for key in ("device.gemm_efficiency", "device.attention_efficiency",
+                    "device.memory_efficiency", "device.kernel_floor_s"):
+            assert len(c.sources[key]) > 20, (name, key)
+
+
+def test_with_devices_fills_nodes():
+    c = Cluster.load("a100-80g").with_devices(1024)
+    assert (c.nodes, c.devices_per_node, c.num_devices) == (128, 8, 1024)
+    assert Cluster.load("a100-80g").with_devices(4).nodes == 1
+    assert Cluster.load("a100-80g").with_devices(16, 4).nodes == 4
+    assert Cluster.load("cpu").with_devices(4).devices_per_node == 4  # one host
+
+
+@pytest.mark.parametrize("gpus, per_node, match", [
+    (1020, None, "do not fill whole nodes of 8"),
+    (32, 16, "has nodes of 8 devices"),
+    (0, None, "positive integer"),
+])
+def test_with_devices_errors(gpus, per_node, match):
+    with pytest.raises(ClusterSpecError, match=match) as info:
+        Cluster.load("a100-80g").with_devices(gpus, per_node)
+    assert info.value.fix
+
+
+@pytest.mark.parametrize("text, base, value", [
+    ("200 Gb/s", "bytes/s", 25e9), ("80 GiB", "bytes", 80 * GiB), ("2.5 us", "s", 2.5e-6),
+    ("312 TFLOP/s", "flop/s", 312e12), ("2.039 TB/s", "bytes/s", 2.039e12), ("3 ms", "s", 3e-3),
+    ("141 GB", "bytes", 141e9), (12.5, "bytes", 12.5), ("1e9", "bytes/s", 1e9),
+])
+def test_quantities(text, base, value):
+    assert parse_quantity(text, base) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text, base", [("80 GiB", "bytes/s"), ("fast", "bytes/s"),
+                                        ("3 parsecs", "s"), (True, "s")])
+def test_bad_quantities(text, base):
+    with pytest.raises(ClusterSpecError):
+        parse_quantity(text, base)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_file_round_trip(tmp_path, suffix):
+    c = Cluster.load("h100-80g").with_devices(64)
+    path = str(tmp_path / f"c{suffix}")
+    c.save(path)
+    assert Cluster.load(path) == c
+
+
+def _spec(**changes):
+    d = Cluster.load("a100-80g").to_json()
+    for dotted, value in changes.items():
+        target = d
+        *head, last = dotted.split(".")
+        for k in head:
+            target = target[k]
+        if value is None:
+            del target[last]
+        else:
+            target[last] = value
+    return d
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"device.gemm_efficiency": 1.5}, "efficiency factor"),
+    ({"intra_node.bandwidth": -1}, "must be a positive number"),
+    ({"device.peak_flops": {"int4": 1e15}}, "unknown dtype"),
+    ({"device.memory_bytes": None}, "lacks key"),
+    ({"device.hbm": 1}, "unknown key"),
+    ({"nodes": 0}, "positive integer"),
+    ({"inter_node.kind": "carrier-pigeon"}, "unknown link kind"),
+    ({"device.default_dtype": "fp8"}, "has no peak"),
+    ({"backend": "mpi"}, "unknown backend"),
+])
+def test_bad_specs_name_the_problem(tmp_path, changes, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_spec(**changes)))
+    with pytest.raises(ClusterSpecError, match=match) as info:
+        Cluster.load(str(path))
+    assert info.value.expected is not None and info.value.fix is not None
+
+
+def test_unknown_preset_and_bad_syntax(tmp_path):
+    with pytest.raises(ClusterSpecError, match="no cluster preset or file"):
+        Cluster.load("a100")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ClusterSpecError, match="cannot parse"):
+        Cluster.load(str(bad))
+
+
+def test_group_spans_follow_the_mesh_layout():
+    """Brute force: place every rank (tp innermost, then pp, then dp) and count."""
+    c = Cluster.load("a100-80g").with_devices(128)
+    dp, pp, tp = 4, 4, 8
+
+    def ranks(axis, fixed):
+        d, p, t = fixed
+        if axis == "tp":
+            return [(d * pp + p) * tp + i for i in range(tp)]
+        if axis == "pp":
+            return [(d * pp + i) * tp + t for i in range(pp)]
+        return [(i * pp + p) * tp + t for i in range(dp)]
+
+    for axis in ("tp", "pp", "dp"):
+        assert mesh_span(c, dp, pp, tp, axis) == c.span(ranks(axis, (1, 2, 3)))
+    assert mesh_span(c, dp, pp, tp, "tp") == GroupSpan(8, 1, 8)
+    assert mesh_span(c, dp, pp, tp, "dp") == GroupSpan(4, 4, 1)
+    assert mesh_span(c, 16, 2, 4, "pp") == GroupSpan(2, 1, 2)

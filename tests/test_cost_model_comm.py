@@ -1,0 +1,89 @@
+"""Collective and point-to-point costs, against nccl-tests' bus-bandwidth convention and NCCL's
+tuning model (latency terms)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autopar import Cluster
+from autopar.cluster import GroupSpan
+from autopar.planner.comm import (TREE_BANDWIDTH_FACTOR, Algorithm, Collective,
+                                  collective_time, mesh_span, p2p_time)
+
+A100 = Cluster.load("a100-80g").with_devices(1024)
+GiB = 2**30
+
+
+def busbw(op, nbytes, n, seconds):
+    """nccl-tests (doc/PERFORMANCE.md): algbw = S / t; busbw = algbw x 2(n-1)/n for
+    all-reduce, x (n-1)/n for all-gather and reduce-scatter."""
+    factor = 2 * (n - 1) / n if op is Collective.ALL_REDUCE else (n - 1) / n
+    return nbytes / seconds * factor
+
+
+@pytest.mark.parametrize("op", list(Collective))
+def test_large_collectives_in_a_node_reach_the_nvlink_bus_bandwidth(op):
+    span = GroupSpan(8, 1, 8)
+    t = collective_time(A100, op, 4 * GiB, span)
+    # within 0.2%: the latency terms (tens of us) against ~30 ms of transfer
+    assert busbw(op, 4 * GiB, 8, t.seconds) == pytest.approx(300e9 * 0.8, rel=2e-3)
+
+
+def test_data_parallel_groups_across_nodes_use_one_nic_each():
+    """tp=8 inside each node: a dp group has one rank per node, so its ring runs at one NIC."""
+    span = mesh_span(A100, 128, 1, 8, "dp")
+    assert span == GroupSpan(128, 128, 1)
+    t = collective_time(A100, Collective.ALL_REDUCE, 4 * GiB, span)
+    assert busbw(Collective.ALL_REDUCE, 4 * GiB, 128, t.seconds) == pytest.approx(
+        25e9 * 0.9, rel=2e-3)
+    assert t.algorithm is Algorithm.RING
+
+
+def test_latency_terms_follow_the_nccl_tuning_model():
+    """Empty-ish message: base latency + (intra steps x NVLink hop) + (inter steps x net hop)."""
+    one = 4.0
+    span = GroupSpan(16, 2, 8)
+    t = collective_time(A100, Collective.ALL_REDUCE, one, span, Algorithm.RING).seconds
+    lat = 3.6e-6 + 2 * (16 - 2) * 2.5e-6 + 2 * (2 - 1) * 2.5e-6
+    assert t == pytest.approx(lat, rel=1e-3)
+    tree = collective_time(A100, Collective.ALL_REDUCE, one, GroupSpan(1024, 128, 8),
+                           Algorithm.TREE).seconds
+    assert tree == pytest.approx(3.6e-6 + 2 * (7 * 2.5e-6 + math.ceil(math.log2(128)) * 2.5e-6),
+                                 rel=1e-3)
+
+
+def test_cheapest_algorithm_wins():
+    wide = GroupSpan(1024, 128, 8)
+    small = collective_time(A100, Collective.ALL_REDUCE, 1024, wide)
+    big = collective_time(A100, Collective.ALL_REDUCE, 8 * GiB, wide)
+    assert small.algorithm in (Algorithm.TREE, Algorithm.HIERARCHICAL)
+    assert big.algorithm is Algorithm.RING
+    for nbytes in (1024, 2**20, 2**30):
+        best = collective_time(A100, Collective.ALL_REDUCE, nbytes, wide).seconds
+        for algo in Algorithm:
+            assert best <= collective_time(A100, Collective.ALL_REDUCE, nbytes, wide,
+                                           algo).seconds + 1e-15
+    tree = collective_time(A100, Collective.ALL_REDUCE, 8 * GiB, GroupSpan(8, 1, 8),
+                           Algorithm.TREE)
+    assert tree.bus_bandwidth == pytest.approx(240e9 * TREE_BANDWIDTH_FACTOR)
+
+
+def test_hierarchical_is_its_three_phases():
+    span = GroupSpan(64, 8, 8)
+    s = 2**28
+    h = collective_time(A100, Collective.ALL_REDUCE, s, span, Algorithm.HIERARCHICAL).seconds
+    rs = collective_time(A100, Collective.REDUCE_SCATTER, s, GroupSpan(8, 1, 8)).seconds
+    ar = collective_time(A100, Collective.ALL_REDUCE, s / 8, GroupSpan(8, 8, 1),
+                         Algorithm.RING).seconds
+    ag = collective_time(A100, Collective.ALL_GATHER, s, GroupSpan(8, 1, 8)).seconds
+    assert h == pytest.approx(rs + ar + ag)
+
+
+def test_single_rank_and_p2p():
+    assert collective_time(A100, Collective.ALL_REDUCE, GiB, GroupSpan(1, 1, 1)).seconds == 0
+    intra = p2p_time(A100, 2**30, inter_node=False)
+    inter = p2p_time(A100, 2**30, inter_node=True)
+    assert intra == pytest.approx(2.5e-6 + 2**30 / 240e9)
+    assert inter == pytest.approx(2.5e-6 + 2**30 / 22.5e9)

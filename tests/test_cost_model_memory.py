@@ -1,0 +1,164 @@
+"""Memory model: model states against the ZeRO formulas (MISSION.md) and torch's own parameter
+count; activations against Korthikanti et al. 2022 and against the analysis pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import Cluster, capture, models
+from autopar.ir import evaluate
+from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
+                                        price_layer)
+from autopar.planner.comm import mesh_span
+from autopar.planner.memory import model_state_bytes
+
+A100 = Cluster.load("a100-80g")
+
+
+@pytest.mark.parametrize("params", [1, 124_439_808, 175e9])
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_model_states_equal_the_zero_formulas(params, n):
+    """16 bytes per parameter; ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N."""
+    P = params
+    want = {0: 16 * P, 1: 4 * P + 12 * P / n, 2: 2 * P + 14 * P / n, 3: 16 * P / n}
+    for zero, total in want.items():
+        assert model_state_bytes(P, n, zero, "bf16").total == pytest.approx(total)
+    assert model_state_bytes(P, n, 0, "bf16").weights == 2 * P
+    assert model_state_bytes(P, n, 1, "bf16").optimizer == pytest.approx(12 * P / n)
+
+
+def _capture(name, **kw):
+    zm = models.build(name, device="meta", **kw)
+    inputs, targets = zm.example_inputs(batch=2, seq=16)
+    return zm, capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+
+
+@pytest.fixture(scope="module")
+def gpt2_small():
+    zm, captured = _capture("gpt2-small")
+    return zm, captured, ModelCosts(captured)
+
+
+def _megatron_split_params(model, tp):
+    """Independent count from torch's parameters: Megatron splits the QKV/FC1 weights and biases
+    (columns), the projection weights (rows, biases replicated) and the vocabulary table."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        split = (name.endswith(("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight",
+                                "mlp.c_fc.bias", "attn.c_proj.weight", "mlp.c_proj.weight"))
+                 or name == "transformer.wte.weight")
+        total += p.numel() / tp if split else p.numel()
+    return total
+
+
+@pytest.mark.parametrize("tp, zero", [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 3), (4, 1)])
+def test_rank_model_states_from_the_graph(gpt2_small, tp, zero):
+    zm, _, costs = gpt2_small
+    dp = 8 // tp
+    cm = CostModel(costs, A100.with_devices(8), TrainingSetup(64, 1024))
+    ev = cm.evaluate(Candidate(dp, tp, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL,
+                               zero, False))
+    rank = ev.ranks[0]
+    P = _megatron_split_params(zm.model, tp)
+    assert P == pytest.approx(sum(p.numel() for p in zm.model.parameters()) if tp == 1 else P)
+    states = rank.weights + rank.gradients + rank.optimizer
+    want = {0: 16 * P, 1: 4 * P + 12 * P / dp, 2: 2 * P + 14 * P / dp, 3: 16 * P / dp}[zero]
+    assert states == pytest.approx(want, rel=1e-9)
+
+
+def test_graph_activations_equal_the_analysis_pass(gpt2_small):
+    """At tp=1 and the graph's own precision the activation model is the analysis pass's
+    saved bytes (which tests/test_analyze.py holds to torch's saved tensors)."""
+    _, captured, costs = gpt2_small
+    profile = costs.profile
+    span = mesh_span(A100, 1, 1, 1, "tp")
+    for index in (0, 5, 12, 13):
+        t = costs.template(index)
+        lc = price_layer(t, A100, "fp32", 1, False, 3, 256, 4, span)
+        want = evaluate(profile.layers[t.representative].saved_bytes, b=3, s=256)
+        assert lc.act_bytes == pytest.approx(want), index
+
+
+@pytest.fixture(scope="module")
+def eager_gpt():
+    """A GPT-3-style block with explicit softmax and dropout: what Korthikanti et al. assume."""
+    spec = dict(layers=2, hidden=1024, heads=16, vocab=1000, seq=2048)
+    _, captured = _capture("gpt", attention="eager", dropout=0.1, **spec)
+    return spec, ModelCosts(captured)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("b, s", [(1, 2048), (4, 512)])
+def test_activations_reproduce_korthikanti(eager_gpt, tp, b, s):
+    """Korthikanti et al. 2022, Table 2, per layer at 16-bit precision:
+
+    none            s b h (34 + 5 a s / h)            TP: s b h (10 + 24/t + 5 a s/(h t))
+    TP + SP         s b h (34/t + 5 a s/(h t))
+    selective       TP: s b h (10 + 24/t)             TP + SP: 34 s b h / t
+    full            2 s b h                           (+SP: 2 s b h / t)
+
+    Tolerance 0.1%: the graph also keeps LayerNorm's fp32 mean and rstd (2 x 2 b s floats per
+    layer, 8/(34 h) of the total at 16 bits) and the 0-d attention scale, which the paper leaves
+    out."""
+    spec, costs = eager_gpt
+    h, a = spec["hidden"], spec["heads"]
+    block = costs.template(2)
+    span = mesh_span(A100, 1, 1, tp, "tp")
+    sbh = s * b * h
+    core = 5 * a * s * s * b
+    for sp in ([False, True] if tp > 1 else [False]):
+        lc = price_layer(block, A100, "fp16", tp, sp, b, s, 4, span)
+        if sp:
+            none, selective = 34 * sbh / tp + core / tp, 34 * sbh / tp
+            full = 2 * sbh / tp
+        else:
+            none = sbh * (10 + 24 / tp) + core / tp
+            selective = sbh * (10 + 24 / tp)
+            full = 2 * sbh
+        assert lc.act_bytes == pytest.approx(none, rel=1e-3), ("none", sp)
+        assert lc.act_selective_bytes == pytest.approx(selective, rel=1e-3), ("selective", sp)
+        assert lc.ckpt_bytes == pytest.approx(full, rel=1e-3), ("full", sp)
+
+
+def test_recompute_and_schedule_set_the_peak(gpt2_small):
+    """1F1B's first rank holds p micro-batches, GPipe all m; full recompute keeps 2 s b h per
+    block plus one block being recomputed."""
+    _, _, costs = gpt2_small
+    cm = CostModel(costs, A100.with_devices(4), TrainingSetup(32, 1024))
+
+    def acts(sched, rec):
+        ev = cm.evaluate(Candidate(1, 1, 4, 1, 1, sched, rec, 0, False))
+        return ev, [r.activations for r in ev.ranks]
+
+    ev, one = acts(ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE)
+    _, gpipe = acts(ScheduleKind.GPIPE, RecomputeKind.NONE)
+    per_mb = [sum(st.activation_bytes for st in ev.stages if st.pp_rank == r) for r in range(4)]
+    assert one == pytest.approx([per_mb[r] * (4 - r) for r in range(4)])
+    assert gpipe == pytest.approx([x * 32 for x in per_mb])
+    ev_full, full = acts(ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL)
+    lc = cm.layer_costs(1, False, 1)[5]
+    assert lc.ckpt_bytes == pytest.approx(2 * 1024 * 768)  # 2 s b h at b = 1
+    # the last rank holds one micro-batch: its input plus the block being recomputed = all
+    assert all(f <= o * (1 + 1e-12) for f, o in zip(full, one)) and full[0] < one[0] / 4
+
+
+def test_shallow_capture_extended_equals_full_capture(gpt2_small):
+    """Capturing 2 blocks and repeating the last is the same as capturing all 12."""
+    _, _, full = gpt2_small
+    _, shallow_captured = _capture("gpt2-small", layers=2)
+    shallow = ModelCosts(shallow_captured, depth=12)
+    assert shallow.num_layers == full.num_layers == 14
+    assert shallow.layer_names == full.layer_names
+    cluster = A100.with_devices(16)
+    a = CostModel(full, cluster, TrainingSetup(64, 1024))
+    b = CostModel(shallow, cluster, TrainingSetup(64, 1024))
+    for cand in [Candidate(16, 1, 1, 1, 4, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 1, False),
+                 Candidate(2, 2, 4, 1, 2, ScheduleKind.ZB_H1, RecomputeKind.SELECTIVE, 0, True),
+                 Candidate(1, 4, 4, 3, 1, ScheduleKind.INTERLEAVED_1F1B, RecomputeKind.FULL, 0,
+                           False)]:
+        x, y = a.evaluate(cand), b.evaluate(cand)
+        assert x.infeasible == y.infeasible
+        assert x.prediction.step_time_s == pytest.approx(y.prediction.step_time_s, rel=1e-12)
+        assert x.prediction.peak_memory_bytes == y.prediction.peak_memory_bytes
+        assert x.plan.stages == y.plan.stages

@@ -1,0 +1,120 @@
+"""Plan search: branch and bound equals exhaustive enumeration; pins, errors, determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar import Cluster, InfeasiblePlanError
+from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.planner.cost_model import CostModel, TrainingSetup
+from autopar.planner.planning import capture_model_costs
+from autopar.planner.search import SearchSpace, enumerate_candidates, search
+
+A100 = Cluster.load("a100-80g")
+CPU = Cluster.load("tests/fixtures/calibration/cpu-2proc.json")
+
+
+def small_gpu(memory_gib: float) -> Cluster:
+    """A fake 4-device-per-node GPU with little memory, so memory decides."""
+    d = A100.to_json()
+    d["name"] = "fake-small"
+    d["devices_per_node"] = 4
+    d["device"]["memory_bytes"] = memory_gib * 2**30
+    d["device"]["reserved_memory_bytes"] = 0
+    d["inter_node"]["count"] = 4
+    return Cluster.from_json(d)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return {
+        "gpt2-small": capture_model_costs("gpt2-small")[0],
+        "bert-base": capture_model_costs("bert-base")[0],
+        "gpt-tiny": capture_model_costs("gpt", layers=6, hidden=128, heads=4, vocab=512,
+                                        seq=256)[0],
+    }
+
+
+def _top(result):
+    return [e.candidate for e in (result.best, *result.alternatives)]
+
+
+CASES = [
+    ("gpt2-small", A100, 8, 64, 1024),
+    ("gpt2-small", A100, 16, 32, 1024),
+    ("bert-base", A100, 16, 256, 512),
+    ("gpt2-small", "small4", 8, 16, 1024),
+    ("gpt-tiny", CPU, 4, 8, 256),
+]
+
+
+@pytest.mark.parametrize("name, cluster, n, batch, seq", CASES)
+def test_branch_and_bound_equals_exhaustive(costs, name, cluster, n, batch, seq):
+    cluster = small_gpu(4) if cluster == "small4" else cluster
+    cm = CostModel(costs[name], cluster.with_devices(n), TrainingSetup(batch, seq,
+                                                                      cluster.device.default_dtype))
+    fast = search(cm, top_k=5, refine=0)
+    full = search(cm, top_k=5, refine=0, exhaustive=True)
+    assert _top(fast) == _top(full)
+    assert full.evaluated > fast.evaluated or fast.pruned["bound"] == 0
+    # and exhaustive search is the minimum over every candidate, priced one by one
+    priced = [cm.evaluate(c) for c in enumerate_candidates(cm)]
+    feasible = [e for e in priced if e.feasible]
+    best = min(feasible, key=lambda e: (e.step_time_s, e.candidate.key()))
+    assert full.best.candidate == best.candidate
+    assert full.candidates == len(priced)
+
+
+def test_memory_decides_on_a_small_device(costs):
+    cm = CostModel(costs["gpt2-small"], small_gpu(4).with_devices(8), TrainingSetup(128, 1024))
+    result = search(cm, exhaustive=True, refine=0)
+    assert result.pruned["memory"] > 0
+    assert result.best.prediction.peak_memory_bytes <= 4 * 2**30
+    assert any("GiB usable" in reason for _, reason in result.infeasible_examples)
+
+
+def test_search_is_deterministic_and_refines_with_the_simulator(costs):
+    cm = CostModel(costs["gpt2-small"], A100.with_devices(16), TrainingSetup(64, 1024))
+    a = search(cm, SearchSpace(pp=4))
+    cm2 = CostModel(costs["gpt2-small"], A100.with_devices(16), TrainingSetup(64, 1024))
+    b = search(cm2, SearchSpace(pp=4))
+    assert _top(a) == _top(b)
+    assert a.best.prediction == b.best.prediction
+    closed = cm.evaluate(a.best.candidate)  # re-priced by the event simulator: never slower
+    assert a.best.step_time_s <= closed.step_time_s * (1 + 1e-12)
+
+
+def test_pins_are_respected(costs):
+    cm = CostModel(costs["gpt2-small"], A100.with_devices(16), TrainingSetup(64, 1024))
+    space = SearchSpace(tp=2, pp=2, schedule="interleaved-1f1b", recompute="selective", zero=1,
+                        sequence_parallel=True)
+    best = search(cm, space).best
+    plan = best.plan
+    assert (plan.tp, plan.pp, plan.schedule, plan.recompute, plan.zero, plan.sequence_parallel) \
+        == (2, 2, ScheduleKind.INTERLEAVED_1F1B, RecomputeKind.SELECTIVE, 1, True)
+    assert plan.dp == 4 and plan.virtual_stages >= 2
+    assert len(plan.stages) == plan.pp * plan.virtual_stages
+    assert all(c.tp <= 8 for c in enumerate_candidates(cm))  # tp stays inside a node
+
+
+def test_impossible_pins_and_models_raise(costs):
+    cm = CostModel(costs["gpt2-small"], A100.with_devices(16), TrainingSetup(64, 1024))
+    with pytest.raises(InfeasiblePlanError, match="matches the pinned choices") as info:
+        search(cm, SearchSpace(tp=3))
+    assert info.value.fix
+    with pytest.raises(InfeasiblePlanError, match="well formed"):
+        search(cm, SearchSpace(tp=16))  # tp larger than a node
+    tiny = CostModel(costs["gpt2-small"], small_gpu(0.05).with_devices(4), TrainingSetup(8, 1024))
+    with pytest.raises(InfeasiblePlanError, match="no plan fits in memory") as info:
+        search(tiny)
+    assert "leanest" in info.value.found and "GiB" in info.value.expected
+
+
+def test_search_space_validates():
+    with pytest.raises(ValueError, match="zero must be"):
+        SearchSpace(zero=5)
+    with pytest.raises(ValueError, match="positive integer"):
+        SearchSpace(tp=0)
+    assert dataclasses.replace(SearchSpace(), tp=2).pins() == {"tp": 2}

@@ -1,0 +1,129 @@
+"""`autopar plan / explain / simulate / calibrate` end to end."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from autopar import Cluster
+from autopar.cli import main
+from autopar.planner.calibration import fit_ring
+
+PLAN_KEYS = {"dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
+             "schedule", "recompute", "zero", "sequence_parallel", "stages"}
+BREAKDOWN = {"compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "recompute_s"}
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert main(["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "16",
+                 "--global-batch", "64", "--pp", "2", "--out", str(path)]) == 0
+    return path
+
+
+def test_plan_json_has_the_documented_fields(capsys):
+    assert main(["plan", "gpt", "--layers", "4", "--hidden", "256", "--heads", "8", "--vocab",
+                 "1000", "--max-seq", "512", "--seq", "256", "--cluster", "h100-80g", "--gpus",
+                 "8", "--global-batch", "32", "--tp", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert PLAN_KEYS <= set(doc["plan"]) and doc["plan"]["tp"] == 2
+    assert all(len(s["layers"]) == 2 for s in doc["plan"]["stages"])
+    pred = doc["prediction"]
+    assert {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"} <= set(pred)
+    assert BREAKDOWN <= set(pred["breakdown"])
+    assert sum(pred["breakdown"].values()) == pytest.approx(pred["step_time_s"])
+    assert {"time_s", "candidates_evaluated"} <= set(doc["search"])
+    assert pred["tokens_per_s"] == pytest.approx(32 * 256 / pred["step_time_s"])
+    assert doc["tp_placement"] and doc["model"]["layers"] == 4
+
+
+def test_human_output_tables(plan_file, capsys):
+    assert main(["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8",
+                 "--global-batch", "32", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    for title in ("pipeline stages", "tensor-parallel placement", "predicted step",
+                  "step time breakdown", "next best plans", "MFU"):
+        assert title in out
+
+
+def test_explain(plan_file, capsys):
+    assert main(["explain", str(plan_file)]) == 0
+    out = capsys.readouterr().out
+    for part in ("Where the time goes", "Why this plan", "Alternatives", "Search:",
+                 "pp=2 cuts the layers"):
+        assert part in out
+
+
+def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
+    trace, png = tmp_path / "t.json", tmp_path / "g.png"
+    assert main(["simulate", str(plan_file), "--trace", str(trace), "--png", str(png)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    doc = json.loads(plan_file.read_text())
+    slices = [e for e in events if e.get("ph") == "X" and e["cat"] in ("forward", "backward")]
+    m, stages = doc["plan"]["num_micro_batches"], len(doc["plan"]["stages"])
+    assert len(slices) == 2 * m * stages  # one forward and one backward per stage and micro-batch
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pipeline = doc["prediction"]["step_time_s"] - doc["prediction"]["breakdown"]["dp_comm_s"] \
+        - doc["prediction"]["breakdown"]["optimizer_s"]
+    end = max(e["ts"] + e["dur"] for e in slices) / 1e6
+    assert end == pytest.approx(pipeline, rel=1e-6)  # the plan's prediction is the simulator's
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "12", "--global-batch", "8"],
+     "ClusterSpecError"),
+    (["plan", "gpt2-small", "--cluster", "tpu-v9", "--gpus", "8", "--global-batch", "8"],
+     "ClusterSpecError"),
+    (["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
+      "--tp", "3"], "InfeasiblePlanError"),
+    (["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
+      "--seq", "4096"], "InvalidInputError"),
+    (["simulate", "nope.json", "--png", "x.png"], "InvalidInputError"),
+])
+def test_bad_input_is_a_named_error(argv, error, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert error in err and "fix:" in err
+
+
+def test_explain_rejects_other_json(tmp_path, capsys):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"dp": 2}))
+    assert main(["explain", str(path)]) == 1
+    assert "PlanMismatchError" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpt3_175b_on_1024_a100_in_under_a_minute(capsys):
+    start = time.perf_counter()
+    assert main(["plan", "gpt3-175b", "--cluster", "a100-80g", "--gpus", "1024",
+                 "--global-batch", "1536", "--json"]) == 0
+    elapsed = time.perf_counter() - start
+    doc = json.loads(capsys.readouterr().out)
+    assert elapsed < 60, elapsed
+    plan = doc["plan"]
+    assert plan["dp"] * plan["tp"] * plan["pp"] == 1024 and plan["tp"] <= 8
+    assert doc["prediction"]["peak_memory_bytes"] < 78 * 2**30
+    assert doc["search"]["candidates_evaluated"] > 1000
+
+
+def test_ring_fit_recovers_latency_and_bandwidth():
+    sizes = [2**k for k in range(10, 25, 2)]
+    times = [150e-6 + 2 * 3 / 4 * s / 1.5e9 for s in sizes]
+    lat, bw = fit_ring(sizes, times, 2 * 3 / 4)
+    assert lat == pytest.approx(150e-6) and bw == pytest.approx(1.5e9)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
+    out = tmp_path / "me.json"
+    assert main(["calibrate", "--quick", "--world", "2", "--out", str(out)]) == 0
+    cluster = Cluster.load(str(out))
+    assert cluster.backend == "gloo" and cluster.device.peak_flops["fp32"] > 1e8
+    assert 0 < cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7
+    assert main(["plan", "gpt", "--cluster", str(out), "--gpus", "2", "--global-batch", "4",
+                 "--json"]) == 0
