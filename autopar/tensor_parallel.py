@@ -131,7 +131,8 @@ def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
             expected=f"attention heads and vocabulary divisible by {tp}",
             found="; ".join(sorted(set(problems))),
             fix="choose a tp that divides them, pad the vocabulary to a multiple of tp (e.g. "
-                "GPT-2's 50257 -> 50304), or pass strict=False to run those parts replicated")
+                "GPT-2's 50257 -> 50304), or pass strict=False (CLI: --no-strict) to run those "
+                "parts replicated")
     if sequence_parallel and sizes.get("s", 0) % tp:
         raise ShardingError("sequence parallelism splits the sequence over the tp ranks",
                             expected=f"a sequence length divisible by tp={tp}",
@@ -266,12 +267,19 @@ class TPProgram:
                                        sympy.sympify(elems) * 4, f"inside {strategy.name} {op_name(n)}"))
         return tuple(LayerComm(name, tuple(cs)) for name, cs in calls.items())
 
-    def summary(self) -> list[str]:
-        """A few lines for reports and the generated source's docstring."""
+    def summary(self, *, timing: bool = False) -> list[str]:
+        """A few lines for reports and the generated source's docstring (which stays
+        deterministic: no timings unless asked)."""
         sp = "on" if self.sequence_parallel else "off"
-        lines = [f"Sequence parallel: {sp}. Search: {self.solution.num_variables} variables, "
-                 f"solved in {self.solution.solve_s:.2f} s at "
+        solved = f", solved in {self.solution.solve_s:.2f} s" if timing else ""
+        lines = [f"Sequence parallel: {sp}. Sharding search: {self.solution.num_variables} ILP "
+                 f"variables{solved}, costs at "
                  + ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items())) + "."]
+        gemms: dict[str, int] = {}
+        for kind in self.gemm_sharding.values():
+            gemms[kind.value] = gemms.get(kind.value, 0) + 1
+        lines.append("GEMMs: " + ", ".join(f"{v} {k}" for k, v in sorted(gemms.items())) + ".")
+        lines.append("Collectives per micro-batch:")
         for lc in self.layer_comm:
             fwd = lc.select(direction=Direction.FORWARD)
             bwd = lc.select(direction=Direction.BACKWARD)

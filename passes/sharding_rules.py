@@ -10,9 +10,10 @@ Rules, by op family (the dims named are those of the output unless said otherwis
 - GEMMs (linear, mm, addmm, bmm, matmul): *replicate*; *column* (weight split on its output
   features, output sharded on the last dim; a StridedShard when the output is later split into
   equal parts, e.g. fused QKV); *row* (weight split on its input features, input sharded on the
-  last dim, output Partial); and a leading dim (the sequence under sequence parallelism, the
-  batch of bmm) sharded with the weight replicated. A GEMM's bias is split off before the search
-  (passes/shard.py) because it must be added after a row-parallel reduction.
+  last dim, output Partial); for bmm / matmul also a batch dim (heads). Splitting the tokens
+  (rows) of a GEMM with the weight replicated is data parallelism, left to the dp axis. A
+  GEMM's bias is split off before the search (passes/shard.py) because it must be added after a
+  row-parallel reduction.
 - Pointwise ops: any placement of the output, the same one required of every input (a broadcast
   dim is required replicated). Partial passes through ops linear in it: add/sub of partials,
   mul/div by a replicated factor, neg, casts, clones.
@@ -509,12 +510,6 @@ def _linear(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
             if bias is not None:
                 reqs[bias] = _with_dim(p, 0)
             strategies.append(_strategy(node, "column", p, reqs, ctx, gemm=GemmSharding.COLUMN))
-        elif num_blocks(p) == 1:  # a leading dim (sequence parallel): weight replicated
-            reqs = {x: p, w: REPLICATE}
-            if bias is not None:
-                reqs[bias] = REPLICATE
-            strategies.append(_strategy(node, f"tokens S({p.dim})", p, reqs, ctx,
-                                        gemm=GemmSharding.REPLICATE))
     k = tensor_spec(x).shape[-1]
     if bias is None and _shardable(k, ctx) and _shardable(w_spec.shape[1], ctx):
         strategies.append(_strategy(node, "row", PARTIAL,
@@ -540,12 +535,9 @@ def _mm(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
         if d == so.ndim - 1:  # columns of b
             reqs = {a: REPLICATE, b: _with_dim(p, sb.ndim - 1)}
             kind = GemmSharding.COLUMN
-        elif d == so.ndim - 2:  # rows of a
-            if num_blocks(p) > 1:
-                continue
-            reqs = {a: Shard(sa.ndim - 2), b: REPLICATE}
-            kind = GemmSharding.REPLICATE
-        else:  # a batch dim (bmm / matmul)
+        elif d == so.ndim - 2:  # rows of a: splitting tokens is data parallelism, not TP
+            continue
+        else:  # a batch dim (bmm / matmul: heads)
             if num_blocks(p) > 1:
                 continue
             ra = _broadcast_requirement(p, sa, so)

@@ -27,7 +27,7 @@ import torch.fx
 from autopar.errors import UnsupportedOpError
 from autopar.ir import META_KEY, NodeKind, TensorSpec, info
 from autopar.sharding import Replicate, is_sharded, placement_str, shard_slices
-from autopar.runtime.tp import TPGroup
+from autopar.runtime.tp import FUNCTIONS
 
 __all__ = ["emit_rank_source", "attribute_name", "ParamLayout"]
 
@@ -113,8 +113,7 @@ def _call(node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         return f"{args[0]} // {args[1]}"
     if target is operator.mul:
         return f"{args[0]} * {args[1]}"
-    if getattr(target, "__qualname__", "").startswith("TPGroup.") and \
-            getattr(TPGroup, target.__name__, None) is target:
+    if FUNCTIONS.get(getattr(target, "__name__", None)) is target:
         return f"tp.{target.__name__}({', '.join(args[1:] + kwargs)})"
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace

@@ -5,8 +5,9 @@ per-rank (local) tensors, rank-agnostic (the rank enters through the ``tp`` comm
 
 - a first placeholder ``tp`` (NodeKind.COMMUNICATOR), a :class:`autopar.runtime.tp.TPGroup`;
 - wherever a producer's placement differs from what a consumer requires, the steps of
-  :func:`autopar.sharding.redistribution`, as ``call_function`` nodes whose target is a
-  ``TPGroup`` method (``tp.all_reduce(x)``); each carries ``NodeInfo.collective`` and the
+  :func:`autopar.sharding.redistribution`, as ``call_function`` nodes whose target is one of
+  autopar.runtime.tp's functional collectives (``all_reduce(tp, x)``, ``tp.all_reduce(x)`` in
+  the generated source); each carries ``NodeInfo.collective`` and the
   layer of the consumer it serves, so a pipeline split by layer keeps them with their block.
   A replicated tensor whose consumers compute sharded results gets one Megatron f (identity
   forward, all-reduce backward) shared by all of them, so their partial gradients are summed
@@ -38,7 +39,7 @@ from autopar.errors import ShardingError
 from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name
 from autopar.passes.infra import PassContext, PassResult, graph_pass
 from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
-from autopar.runtime.tp import TPGroup
+from autopar.runtime.tp import FUNCTIONS
 from autopar.sharding import (
     REPLICATE,
     CollectiveStep,
@@ -60,10 +61,8 @@ _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_fo
             "sym_constrain_range", "_assert_async"}
 _SIZED_VIEWS = {"view", "reshape", "_unsafe_view", "expand"}
 
-#: TPGroup methods a per-rank graph calls, by name.
-TP_METHODS = {name: getattr(TPGroup, name) for name in (
-    "all_reduce", "copy_to_tp", "all_gather", "reduce_scatter", "shard", "all_to_all",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy")}
+#: What a per-rank graph calls (autopar.runtime.tp's functional forms: fn(tp, x, ...)).
+TP_METHODS = FUNCTIONS
 
 
 def _local_value(value: Any, placement: Any, tp: int) -> Any:
@@ -97,7 +96,9 @@ class _Builder:
         self.cache: dict[tuple, torch.fx.Node] = {}
         self.tp_node = self.graph.placeholder("tp")
         self.tp_node.meta[META_KEY] = NodeInfo(NodeKind.COMMUNICATOR)
-        self.demands: dict[torch.fx.Node, set[tuple]] = defaultdict(set)
+        #: What each tensor's consumers need of it, (placement, partial gradient), in
+        #: the order consumers appear.
+        self.demands: dict[torch.fx.Node, list[tuple]] = defaultdict(list)
         self.fused: dict[torch.fx.Node, torch.fx.Node] = {}
 
     # -- analysis before emitting ---------------------------------------------------------
@@ -122,8 +123,8 @@ class _Builder:
                 continue
             for u in n.all_input_nodes:
                 r = self.requirement(n, u)
-                if r is not None:
-                    self.demands[u].add((r[0], r[1], self._layer(n)))
+                if r is not None and r not in self.demands[u]:
+                    self.demands[u].append(r)
         for n in self.old.graph.nodes:  # a bias add that needs no collective fuses back
             bias_of = info(n).extra.get("bias_of") if n.op == "call_function" else None
             if not bias_of:
@@ -149,14 +150,16 @@ class _Builder:
                                    extra=dict(base.extra), **changes)
 
     def redistribute(self, u: torch.fx.Node, req: Any, partial: bool, layer: str) -> torch.fx.Node:
+        """``u`` as ``req`` (once per producer; a parameter's or input's conversions are made
+        per consuming layer, so they stay with the layer that uses them)."""
         src = info(u).placement
         if src is None:
             raise ShardingError(f"{u.name} has no placement", fix="run shard_graph first")
-        key = (u, req, partial, layer)
+        key = (u, req, partial, layer if u.op == "placeholder" else None)
         if key in self.cache:
             return self.cache[key]
         if partial and isinstance(req, Replicate) and not (
-                is_sharded(src) and (req, False, layer) not in self.demands[u]):
+                is_sharded(src) and (req, False) not in self.demands[u]):
             # f on the replicated value: one backward all-reduce for every partial consumer
             base = self.redistribute(u, req, False, layer)
             steps = redistribution(REPLICATE, REPLICATE, True)
@@ -169,6 +172,12 @@ class _Builder:
             out = self.emit_steps(self.env[u], u, steps, src, layer)
         self.cache[key] = out
         return out
+
+    def emit_conversions(self, u: torch.fx.Node) -> None:
+        """Right after an op, every placement its consumers need, in the op's own layer (a
+        pipeline boundary then carries the converted, usually smaller, tensor)."""
+        for req, partial in self.demands.get(u, ()):
+            self.redistribute(u, req, partial, self._layer(u))
 
     def emit_steps(self, x: torch.fx.Node, u: torch.fx.Node, steps, placement: Any,
                    layer: str) -> torch.fx.Node:
@@ -286,6 +295,7 @@ class _Builder:
         self.env[n] = new
         if out_node is not n:
             self.env[out_node] = new
+        self.emit_conversions(out_node)
 
     def local_args(self, n: torch.fx.Node, s: Strategy, args: tuple) -> tuple:
         """Global sizes in a view's, expand's or split's arguments, made local."""

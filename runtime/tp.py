@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from autopar.errors import ShardingError
 
-__all__ = ["TPGroup"]
+__all__ = ["TPGroup", "FUNCTIONS"]
 
 
 def _ag_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
@@ -308,3 +308,47 @@ class TPGroup:
         return _VocabParallelCrossEntropy.apply(logits, target, start, int(reduction),
                                                 int(ignore_index),
                                                 self.group if self.size > 1 else None, self.size)
+
+
+# -- functional forms: the call_function targets of per-rank fx graphs (tp.<method>(x) in the
+#    generated source). Plain module-level functions, so fx can print, pickle and re-import them.
+
+def all_reduce(tp: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    return tp.all_reduce(x)
+
+
+def copy_to_tp(tp: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    return tp.copy_to_tp(x)
+
+
+def all_gather(tp: TPGroup, x: torch.Tensor, dim: int, blocks: int = 1,
+               grad: str = "slice") -> torch.Tensor:
+    return tp.all_gather(x, dim, blocks, grad)
+
+
+def reduce_scatter(tp: TPGroup, x: torch.Tensor, dim: int) -> torch.Tensor:
+    return tp.reduce_scatter(x, dim)
+
+
+def shard(tp: TPGroup, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    return tp.shard(x, dim, blocks)
+
+
+def all_to_all(tp: TPGroup, x: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
+    return tp.all_to_all(x, src_dim, dst_dim)
+
+
+def vocab_parallel_embedding(tp: TPGroup, weight: torch.Tensor, indices: torch.Tensor,
+                             padding_idx: int = -1) -> torch.Tensor:
+    return tp.vocab_parallel_embedding(weight, indices, padding_idx)
+
+
+def vocab_parallel_cross_entropy(tp: TPGroup, logits: torch.Tensor, target: torch.Tensor,
+                                 reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    return tp.vocab_parallel_cross_entropy(logits, target, reduction, ignore_index)
+
+
+#: The functional forms by name.
+FUNCTIONS = {f.__name__: f for f in (all_reduce, copy_to_tp, all_gather, reduce_scatter, shard,
+                                     all_to_all, vocab_parallel_embedding,
+                                     vocab_parallel_cross_entropy)}
