@@ -21,9 +21,21 @@ import torch
 from autopar.runtime.local_pool import LocalPool
 from autopar.tensor_parallel import tensor_parallelize
 from conftest import build_tiny
-from tp_helpers import TINY_COST, run_rank_programs
+from tp_helpers import TINY_COST, check_collectives, run_rank_programs
 
 pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with LocalPool(2, timeout_s=300) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with LocalPool(4, timeout_s=300) as pool:
+        yield pool
 
 ABS = 1e-5
 REL = 1e-4
@@ -79,14 +91,25 @@ def _check(results, programs, refs, tp):
     print("\n".join(report))
 
 
-def test_tp2_matches_single_process(tiny_models):
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_forward_and_backward(world, pool2, pool4):
+    """Each TPGroup collective and its backward (Megatron's f and g, all-gather / reduce-scatter
+    / all-to-all, the block-interleaved layout of fused QKV, vocab-parallel embedding and
+    cross-entropy) against the full computation on one rank: rounding-level agreement."""
+    pool = pool2 if world == 2 else pool4
+    for rank, errs in enumerate(pool.run(check_collectives, timeout_s=120)):
+        assert len(errs) == 25
+        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert not bad, (rank, bad)
+
+
+def test_tp2_matches_single_process(tiny_models, pool2):
     configs, programs, refs = _configs(tiny_models, 2, with_graph={("gpt", False), ("llama", True)})
-    with LocalPool(2, timeout_s=300) as pool:
-        results = pool.run(run_rank_programs, configs, timeout_s=300)
+    results = pool2.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 2)
 
 
-def test_tp4_matches_single_process(tiny_models):
+def test_tp4_matches_single_process(tiny_models, pool4):
     """tp=4: GPT-2, BERT and the own GPT as in the fixture (4 heads); LLaMA twice: the
     fixture's kv_heads=2 < tp (keys and values cannot be split by head: the search replicates
     or gathers them) and heads=8, kv_heads=4 (grouped-query attention split by kv head)."""
@@ -99,8 +122,7 @@ def test_tp4_matches_single_process(tiny_models):
     models["llama_kv4"] = (zm.model, zm.loss_fn, inputs, targets,
                            capture(zm.model, inputs, zm.loss_fn, example_targets=targets))
     configs, programs, refs = _configs(models, 4, with_graph={("bert", True)})
-    with LocalPool(4, timeout_s=300) as pool:
-        results = pool.run(run_rank_programs, configs, timeout_s=300)
+    results = pool4.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 4)
     kv4 = programs[("llama_kv4", False)]
     kv_weights = [p.placement for p in kv4.layouts if p.fqn.endswith(("k_proj.weight", "v_proj.weight"))]
