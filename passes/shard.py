@@ -190,7 +190,7 @@ def split_gemm_bias(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
 # Search
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardingSolution:
     """The search's answer: a strategy per node (every node of the graph, blocks included)."""
 

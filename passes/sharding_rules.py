@@ -38,7 +38,6 @@ the sequence only with sequence parallelism on.
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -46,7 +45,7 @@ import sympy
 import torch
 import torch.fx
 
-from autopar.ir import BATCH, SEQ, NodeKind, TensorSpec, info, op_name
+from autopar.ir import SEQ, NodeKind, TensorSpec, info, op_name
 from autopar.plan import GemmSharding
 from autopar.sharding import (
     PARTIAL,
@@ -59,10 +58,11 @@ from autopar.sharding import (
     is_sharded,
     make_shard,
     num_blocks,
+    placement_str,
 )
 
-__all__ = ["Strategy", "Rewrite", "Item", "RuleContext", "node_strategies", "tensor_spec",
-           "is_tensor_node", "is_elementwise", "UNRULED"]
+__all__ = ["Strategy", "Rewrite", "Item", "RuleContext", "node_strategies",
+           "placeholder_strategies", "tensor_spec", "is_tensor_node", "is_elementwise"]
 
 INT_MAX = 9223372036854775807
 
@@ -270,8 +270,6 @@ def _pointwise(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 
 def _pname(p: Any) -> str:
-    from autopar.sharding import placement_str
-
     return "replicate" if isinstance(p, Replicate) else placement_str(p)
 
 
@@ -598,7 +596,6 @@ def _reduction(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 def _along_dim_op(node: torch.fx.Node, ctx: RuleContext, whole: Sequence[int]) -> list[Strategy]:
     """An op that needs dims ``whole`` of its first input intact and maps others 1:1."""
     src = node.args[0]
-    in_spec = tensor_spec(src)
     params = [a for a in node.all_input_nodes if a is not src]
     strategies = [_strategy(node, "replicate", REPLICATE, {}, ctx)]
     for p in _candidates(node, ctx):
@@ -639,6 +636,12 @@ def _embedding(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     w, idx = node.args[0], node.args[1]
     ws, ids, out = tensor_spec(w), tensor_spec(idx), info(node).spec
     strategies = [_strategy(node, "replicate", REPLICATE, {}, ctx)]
+    by_frequency = any(bool(a) for a in node.args[3:5]) or node.kwargs.get("scale_grad_by_freq")
+    if by_frequency:  # gradient scaled by token counts: only splits that see every token
+        if _shardable(ws.shape[1], ctx):
+            strategies.append(_strategy(node, "hidden", Shard(out.ndim - 1),
+                                        {w: Shard(1), idx: REPLICATE}, ctx))
+        return strategies
     if _shardable(ws.shape[0], ctx):
         strategies.append(_strategy(node, "vocab", PARTIAL, {w: Shard(0), idx: REPLICATE}, ctx,
                                     compute_scale=1.0 / ctx.tp, rewrite=Rewrite.VOCAB_EMBEDDING))
@@ -681,9 +684,6 @@ _RULES: dict[str, Callable[[torch.fx.Node, RuleContext], list[Strategy] | None]]
     "getitem": _getitem, "cat": _cat,
 }
 
-#: Names of ops seen without a rule (filled per search; see RuleContext.unruled).
-UNRULED = "replicated: no sharding rule"
-
 
 def node_strategies(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     """Every strategy of a call_function node (at least one: replicated)."""
@@ -721,6 +721,3 @@ def placeholder_strategies(node: torch.fx.Node, ctx: RuleContext) -> list[Strate
         return [Strategy("replicate", REPLICATE, ())]
     return [Strategy(_pname(p), p, ()) for p in _candidates(node, ctx)]
 
-
-__all__ += ["placeholder_strategies"]
-_ = operator  # operator.getitem is matched by name through op_name

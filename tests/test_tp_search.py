@@ -78,7 +78,6 @@ def test_full_size_models_get_megatron_from_the_search(full_size, name, tp):
 def test_tiny_models_megatron_and_collective_counts(tiny_models, family, sp):
     captured = tiny_models[family][4]
     program = tensor_parallelize(captured, 2, sequence_parallel=sp, cost=TINY_COST)
-    act = activation_bytes(program)
     for comm in program.layer_comm:
         if comm.layer not in block_layers(program):
             continue
