@@ -56,6 +56,7 @@ class NodeKind(enum.Enum):
     TARGET = "target"  # an input of the loss function (labels)
     OP = "op"
     OUTPUT = "output"
+    COMMUNICATOR = "communicator"  # the tensor-parallel group handle of a per-rank program
 
 
 class LayerKind(enum.Enum):
@@ -157,7 +158,12 @@ class NodeInfo:
 
     # -- sharding (passes/shard.py) and stage split -------------------------------------------
     placement: Any = None
-    strategy: str | None = None
+    #: The chosen sharding strategy (passes/sharding_rules.Strategy; ``.name`` for display).
+    strategy: Any = None
+    #: Per-rank shape after tensor-parallel sharding (TensorSpec, or a tuple for multi-output).
+    local_value: Any = None
+    #: For a collective inserted by the tensor-parallel pass: its autopar.sharding.CollectiveStep.
+    collective: Any = None
     stage: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

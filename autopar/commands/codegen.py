@@ -1,0 +1,54 @@
+"""``autopar codegen MODEL --tp N [--rank R] --out DIR``: per-rank tensor-parallel source."""
+
+from __future__ import annotations
+
+import argparse
+
+from autopar.commands._model_args import add_model_args, model_overrides
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("codegen", help="write the per-rank tensor-parallel program of a model",
+                       description="Capture MODEL on the meta device, choose every tensor's "
+                                   "placement over N tensor-parallel ranks (ILP over "
+                                   "communication and memory), insert the collectives and "
+                                   "write each rank's module as Python source (rankR.py). The "
+                                   "output is deterministic.")
+    add_model_args(p)
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--rank", type=int, help="write only this rank (default: every rank)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--sequence-parallel", "--sp", dest="sequence_parallel", action="store_true",
+                   help="shard the norm and dropout regions along the sequence")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size costs are priced at")
+    p.add_argument("--seq", type=int, help="sequence length costs are priced at "
+                                           "(default: the model's maximum)")
+    p.add_argument("--no-strict", dest="strict", action="store_false",
+                   help="run heads / vocabulary tp does not divide replicated instead of failing")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.frontend import capture
+    from autopar.models import build
+    from autopar.tensor_parallel import tensor_parallelize
+
+    zm = build(args.model, device="meta", **model_overrides(args))
+    seq = args.seq or zm.spec.seq
+    inputs, targets = zm.example_inputs(batch=2, seq=min(16, zm.spec.seq))
+    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    program = tensor_parallelize(captured, args.tp, sequence_parallel=args.sequence_parallel,
+                                 sizes={"b": args.batch, "s": seq}, strict=args.strict)
+    ranks = None if args.rank is None else [args.rank]
+    if args.rank is not None and not 0 <= args.rank < args.tp:
+        from autopar.errors import InvalidInputError
+
+        raise InvalidInputError("--rank is outside the tensor-parallel group",
+                                expected=f"0 <= rank < {args.tp}", found=str(args.rank))
+    paths = program.write(args.out, ranks)
+    print(f"{zm.name}: tp={args.tp}")
+    for line in program.summary(timing=True):
+        print(line)
+    for path in paths:
+        print(f"wrote {path}")
+    return 0

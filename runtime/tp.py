@@ -1,0 +1,354 @@
+"""Autograd-aware tensor-parallel collectives, bound to one process group.
+
+Generated per-rank programs call these as ``tp.<name>(x, ...)`` on a :class:`TPGroup`. Each
+is a ``torch.autograd.Function`` whose backward is the collective's adjoint:
+
+=================  ==========================  ==========================================
+method             forward                      backward
+=================  ==========================  ==========================================
+``all_reduce``     sum over ranks (g)           identity
+``copy_to_tp``     identity (f)                 sum over ranks
+``all_gather``     concatenate along ``dim``    keep this rank's slice, or reduce-scatter
+                                                when the consumer's gradient is partial
+``reduce_scatter`` sum, keep this rank's chunk  all-gather
+``shard``          keep this rank's chunk       all-gather
+``all_to_all``     re-shard ``src -> dst``      re-shard ``dst -> src``
+=================  ==========================  ==========================================
+
+plus the two ops whose sharded form needs work of its own: the vocabulary-parallel embedding
+(masked lookup, partial result) and cross-entropy (one all-gather of each rank's log-sum-exp and
+target logit per token; the full-vocabulary logits never exist).
+
+Process groups come from :class:`autopar.runtime.mesh.ParallelMesh` (DeviceMesh-compatible,
+NCCL on GPUs, gloo on CPU) and carry its timeout, so a collective that a peer never joins
+raises instead of hanging. A group of size 1 makes every method the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ShardingError
+
+__all__ = ["TPGroup", "FUNCTIONS"]
+
+
+def _ag_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _rs_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
+def _check(size: int, n: int, what: str, dim: int) -> None:
+    if size % n:
+        raise ShardingError(f"{what}: dim {dim} has size {size}, which {n} ranks cannot split "
+                            f"evenly", expected=f"a multiple of the tensor-parallel size {n}",
+                            found=str(size),
+                            fix="choose a batch/sequence length (or model dims) divisible by tp")
+
+
+def _gather(x: torch.Tensor, dim: int, blocks: int, group, n: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; with blocks, re-interleave them."""
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * front.shape[0],) + tuple(front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    _ag_tensor(out, front, group)
+    if blocks > 1:  # [rank, block, piece] -> [block, rank, piece]
+        piece = front.shape[0] // blocks
+        out = out.view(n, blocks, piece, *front.shape[1:]).transpose(0, 1).reshape(out.shape)
+    return out.movedim(0, dim)
+
+
+def _slice(x: torch.Tensor, dim: int, blocks: int, rank: int, n: int) -> torch.Tensor:
+    size = x.shape[dim]
+    _check(size, n * blocks, "shard", dim)
+    if blocks == 1:
+        return x.narrow(dim, rank * (size // n), size // n).contiguous()
+    parts = [b.narrow(dim, rank * (b.shape[dim] // n), b.shape[dim] // n)
+             for b in x.chunk(blocks, dim=dim)]
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
+    _check(x.shape[dim], n, "reduce_scatter", dim)
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    _rs_tensor(out, front, group)
+    return out.movedim(0, dim)
+
+
+def _all_to_all(x: torch.Tensor, src: int, dst: int, group, n: int) -> torch.Tensor:
+    """x is sharded on ``src`` (full on ``dst``); return it sharded on ``dst`` (full on src)."""
+    _check(x.shape[dst], n, "all_to_all", dst)
+    send = torch.stack(x.chunk(n, dim=dst)).contiguous()  # [n, ...]: chunk j goes to rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=src)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, reduce_grad, group, rank, n):
+        ctx.args = (dim, blocks, reduce_grad, group, rank, n)
+        return _gather(x, dim, blocks, group, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, blocks, reduce_grad, group, rank, n = ctx.args
+        if reduce_grad:
+            if blocks > 1:  # sum over ranks, then keep this rank's pieces of every block
+                grad = grad.contiguous().clone()
+                dist.all_reduce(grad, group=group)
+                out = _slice(grad, dim, blocks, rank, n)
+            else:
+                out = _reduce_scatter(grad, dim, group, n)
+        else:
+            out = _slice(grad, dim, blocks, rank, n)
+        return out, None, None, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, n):
+        ctx.args = (dim, group, n)
+        return _reduce_scatter(x, dim, group, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, group, n = ctx.args
+        return _gather(grad, dim, 1, group, n), None, None, None
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, group, rank, n):
+        ctx.args = (dim, blocks, group, n)
+        return _slice(x, dim, blocks, rank, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, blocks, group, n = ctx.args
+        return _gather(grad, dim, blocks, group, n), None, None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, group, n):
+        ctx.args = (src, dst, group, n)
+        return _all_to_all(x, src, dst, group, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, dst, group, n = ctx.args
+        return _all_to_all(grad, dst, src, group, n), None, None, None, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits sharded along the class dim.
+
+    Each rank reduces its own classes to a log-sum-exp and the target's logit (zero when the
+    target is another rank's class); one all-gather of those two numbers per token gives the
+    global log-sum-exp (a stable log-sum-exp over ranks) and target logit. Megatron-LM does the
+    same with three all-reduces (max, sum of exponentials, target logit).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, start, reduction, ignore_index, group, n):
+        local = logits.float()
+        v_local = local.shape[1]
+        valid = target != ignore_index
+        in_range = (target >= start) & (target < start + v_local) & valid
+        local_target = torch.where(in_range, target - start, torch.zeros_like(target))
+        picked = local.gather(1, local_target.unsqueeze(1)).squeeze(1) * in_range
+        both = torch.stack([torch.logsumexp(local, dim=1), picked])  # [2, tokens]
+        if group is not None:
+            gathered = torch.empty((n * 2, both.shape[1]), dtype=both.dtype, device=both.device)
+            _ag_tensor(gathered, both.contiguous(), group)
+            gathered = gathered.view(n, 2, both.shape[1])
+            lse = torch.logsumexp(gathered[:, 0], dim=0)
+            picked = gathered[:, 1].sum(0)
+        else:
+            lse, picked = both[0], both[1]
+        loss = torch.where(valid, lse - picked, torch.zeros_like(lse))
+        count = valid.sum()
+        softmax = (local - lse.unsqueeze(1)).exp()
+        ctx.save_for_backward(softmax, local_target, in_range, valid, count)
+        ctx.reduction = reduction
+        ctx.dtype = logits.dtype
+        if reduction == 0:  # none
+            return loss.to(logits.dtype)
+        if reduction == 1:  # mean over non-ignored targets (nan when there are none, as torch)
+            return (loss.sum() / count).to(logits.dtype)
+        return loss.sum().to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, in_range, valid, count = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_target] -= in_range.to(g.dtype)
+        if ctx.reduction == 0:
+            scale = grad.float() * valid
+        elif ctx.reduction == 1:
+            scale = grad.float() * valid / count
+        else:
+            scale = grad.float() * valid
+        g = g * scale.unsqueeze(1)
+        return g.to(ctx.dtype), None, None, None, None, None, None
+
+
+class TPGroup:
+    """The tensor-parallel process group of this rank, and the collectives over it."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.size = 0, 1
+        else:
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> "TPGroup":
+        """The tp axis of an :class:`autopar.runtime.mesh.ParallelMesh`."""
+        return cls(mesh.tp_group)
+
+    def __repr__(self) -> str:
+        return f"TPGroup(rank={self.rank}, size={self.size})"
+
+    # -- placement changes ----------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Partial -> Replicate (Megatron's g): sum over ranks; backward identity."""
+        return x if self.size == 1 else _AllReduce.apply(x, self.group)
+
+    def copy_to_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicate -> Replicate whose gradient is partial (Megatron's f): identity; backward
+        sums the gradient over ranks."""
+        return x if self.size == 1 else _CopyToTP.apply(x, self.group)
+
+    def all_gather(self, x: torch.Tensor, dim: int, blocks: int = 1,
+                   grad: str = "slice") -> torch.Tensor:
+        """Shard(dim) -> Replicate. ``grad='reduce_scatter'`` when the consumer's gradient is
+        partial (sequence parallel before a column-parallel GEMM)."""
+        if grad not in ("slice", "reduce_scatter"):
+            raise ValueError(f"grad must be 'slice' or 'reduce_scatter', got {grad!r}")
+        if self.size == 1:
+            return x
+        return _AllGather.apply(x, dim, blocks, grad == "reduce_scatter", self.group, self.rank,
+                                self.size)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Partial -> Shard(dim); backward all-gather."""
+        return x if self.size == 1 else _ReduceScatter.apply(x, dim, self.group, self.size)
+
+    def shard(self, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+        """Replicate -> Shard(dim): keep this rank's chunk; backward all-gather."""
+        return x if self.size == 1 else _Shard.apply(x, dim, blocks, self.group, self.rank,
+                                                      self.size)
+
+    def all_to_all(self, x: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
+        """Shard(src_dim) -> Shard(dst_dim)."""
+        return x if self.size == 1 else _AllToAll.apply(x, src_dim, dst_dim, self.group,
+                                                        self.size)
+
+    # -- ops with a sharded form of their own -----------------------------------------------
+    def vocab_parallel_embedding(self, weight: torch.Tensor, indices: torch.Tensor,
+                                 padding_idx: int = -1) -> torch.Tensor:
+        """Lookup in this rank's rows of a vocabulary-sharded table; a Partial result (rows
+        owned by other ranks contribute zero here)."""
+        rows = weight.shape[0]
+        start = self.rank * rows
+        outside = (indices < start) | (indices >= start + rows)
+        local = torch.where(outside, torch.zeros_like(indices), indices - start)
+        pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
+        out = torch.ops.aten.embedding.default(weight, local, pad)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def vocab_parallel_cross_entropy(self, logits: torch.Tensor, target: torch.Tensor,
+                                     reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+        """``aten.cross_entropy_loss`` on logits sharded along the class dim (dim 1), without
+        gathering them; the result is replicated. reduction: 0 none, 1 mean, 2 sum."""
+        if logits.dim() != 2:
+            raise ShardingError("vocab-parallel cross-entropy takes [tokens, classes] logits",
+                                found=f"logits of shape {tuple(logits.shape)}")
+        start = self.rank * logits.shape[1]
+        return _VocabParallelCrossEntropy.apply(logits, target, start, int(reduction),
+                                                int(ignore_index),
+                                                self.group if self.size > 1 else None, self.size)
+
+
+# -- functional forms: the call_function targets of per-rank fx graphs (tp.<method>(x) in the
+#    generated source). Plain module-level functions, so fx can print, pickle and re-import them.
+
+def all_reduce(tp: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    return tp.all_reduce(x)
+
+
+def copy_to_tp(tp: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    return tp.copy_to_tp(x)
+
+
+def all_gather(tp: TPGroup, x: torch.Tensor, dim: int, blocks: int = 1,
+               grad: str = "slice") -> torch.Tensor:
+    return tp.all_gather(x, dim, blocks, grad)
+
+
+def reduce_scatter(tp: TPGroup, x: torch.Tensor, dim: int) -> torch.Tensor:
+    return tp.reduce_scatter(x, dim)
+
+
+def shard(tp: TPGroup, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    return tp.shard(x, dim, blocks)
+
+
+def all_to_all(tp: TPGroup, x: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
+    return tp.all_to_all(x, src_dim, dst_dim)
+
+
+def vocab_parallel_embedding(tp: TPGroup, weight: torch.Tensor, indices: torch.Tensor,
+                             padding_idx: int = -1) -> torch.Tensor:
+    return tp.vocab_parallel_embedding(weight, indices, padding_idx)
+
+
+def vocab_parallel_cross_entropy(tp: TPGroup, logits: torch.Tensor, target: torch.Tensor,
+                                 reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    return tp.vocab_parallel_cross_entropy(logits, target, reduction, ignore_index)
+
+
+#: The functional forms by name.
+FUNCTIONS = {f.__name__: f for f in (all_reduce, copy_to_tp, all_gather, reduce_scatter, shard,
+                                     all_to_all, vocab_parallel_embedding,
+                                     vocab_parallel_cross_entropy)}

@@ -1,0 +1,242 @@
+"""The sharding search, with no processes: Megatron's pattern found, not matched; collectives
+counted in the generated graph; communication volume against the closed form; speed on GPT-3."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar import InfeasiblePlanError, InvalidInputError, ShardingError, UnsupportedOpWarning
+from autopar import capture, models
+from autopar.ir import BATCH, SEQ, info, op_name
+from autopar.plan import GemmSharding
+from autopar.sharding import Collective, Partial, Replicate, Shard
+from autopar.tensor_parallel import Direction, TPCostSpec, tensor_parallelize
+from tp_helpers import TINY_COST, activation_bytes, block_layers, block_gemms, is_megatron_block
+
+FAMILIES = ("gpt", "bert", "llama", "own_gpt")
+
+
+@pytest.fixture(scope="module")
+def full_size():
+    """Published shapes, two layers, captured on the meta device (no weights)."""
+    out = {}
+    for name, over in (("gpt2-small", dict(vocab=50304)), ("bert-base", dict(vocab=30528)),
+                       ("llama-7b", dict(kv_heads=8))):
+        zm = models.build(name, device="meta", layers=2, **over)
+        inputs, targets = zm.example_inputs(batch=2, seq=16)
+        out[name] = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    return out
+
+
+def _no_full_vocab_collective(program, vocab: int) -> bool:
+    """No collective moves a tensor with a full-vocabulary dim (logits are never gathered)."""
+    for n in program.gm.graph.nodes:
+        meta = info(n) if "autopar" in n.meta else None
+        if meta is not None and meta.collective is not None and meta.spec is not None:
+            if any(d == vocab for d in meta.spec.shape) and meta.spec.ndim >= 2 and \
+                    meta.spec.shape[0] != vocab:
+                return False
+    return True
+
+
+def _loss_strategy(program) -> str:
+    return next(info(n).strategy.name for n in program.sharded.graph.nodes
+                if n.op == "call_function" and op_name(n) == "cross_entropy_loss")
+
+
+@pytest.mark.parametrize("name", ["gpt2-small", "bert-base", "llama-7b"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_full_size_models_get_megatron_from_the_search(full_size, name, tp):
+    """A100 costs at b=4, s=1024: the ILP alone arrives at column -> row pairs, heads, a
+    vocab-parallel LM head and loss (the logits never gathered)."""
+    program = tensor_parallelize(full_size[name], tp, sizes={"b": 4, "s": 1024})
+    for layer in block_layers(program):
+        assert is_megatron_block(program, layer), (layer, block_gemms(program, layer))
+    head = [n for n in program.sharded.graph.nodes if info(n).layer == "post"
+            and info(n).strategy is not None and info(n).strategy.gemm is not None][-1]
+    assert info(head).strategy.gemm is GemmSharding.COLUMN
+    assert _loss_strategy(program) == "vocab"
+    vocab = info(head).spec.shape[-1]
+    assert _no_full_vocab_collective(program, int(vocab))
+    # the embedding table is split (tied to the LM head: by vocabulary; LLaMA's untied table
+    # by hidden columns, whose all-gather moves half an all-reduce's bytes)
+    tables = {n.args[0].name: info(n.args[0]).placement for n in program.sharded.graph.nodes
+              if n.op == "call_function" and op_name(n) == "embedding"
+              and info(n.args[0]).spec.shape[0] == vocab}
+    assert len(tables) == 1 and all(isinstance(p, Shard) for p in tables.values()), tables
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_tiny_models_megatron_and_collective_counts(tiny_models, family, sp):
+    captured = tiny_models[family][4]
+    program = tensor_parallelize(captured, 2, sequence_parallel=sp, cost=TINY_COST)
+    for comm in program.layer_comm:
+        if comm.layer not in block_layers(program):
+            continue
+        assert is_megatron_block(program, comm.layer), block_gemms(program, comm.layer)
+        fwd = Direction.FORWARD
+        if not sp:  # exactly one all-reduce per attention block and one per MLP, each way
+            assert comm.count(direction=fwd) == 2
+            assert comm.count(Collective.ALL_REDUCE, fwd) == 2
+            assert comm.count(Collective.ALL_REDUCE, Direction.BACKWARD) == 2
+            assert comm.count() == 4
+        else:  # all-reduce -> all-gather + reduce-scatter
+            assert comm.count(Collective.ALL_GATHER, fwd) == 2
+            assert comm.count(Collective.REDUCE_SCATTER, fwd) == 2
+            assert comm.count(direction=fwd) == 4
+    assert _loss_strategy(program) == "vocab"
+    assert _no_full_vocab_collective(program, 128)
+
+
+def _closed_form_check(program, tp):
+    """Per layer and micro-batch: 4 all-reduces of b*s*h (2 forward, 2 backward); with
+    sequence parallelism 4 all-gathers and 4 reduce-scatters of b*s*h, the same bytes on the
+    wire, plus all-reduces of the replicated norm / bias gradients (h elements each)."""
+    act = activation_bytes(program)
+    ring_ar = sympy.Rational(2 * (tp - 1), tp)
+    for comm in program.layer_comm:
+        if comm.layer not in block_layers(program):
+            continue
+        activations = [c for c in comm.calls if sympy.simplify(c.message_bytes - act) == 0]
+        rest = [c for c in comm.calls if c not in activations]
+        assert sympy.simplify(sum(c.message_bytes for c in activations) - (
+            4 if not program.sequence_parallel else 8) * act) == 0
+        assert sympy.simplify(comm.ring_bytes(tp) - sum(c.ring_bytes(tp) for c in rest)
+                              - 4 * ring_ar * act) == 0
+        if not program.sequence_parallel:
+            assert not rest and {c.collective for c in activations} == {Collective.ALL_REDUCE}
+        else:
+            assert all(not (c.message_bytes.free_symbols & {BATCH, SEQ}) for c in rest)
+            assert all(c.direction is Direction.BACKWARD and c.collective is Collective.ALL_REDUCE
+                       for c in rest)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_comm_volume_per_layer_is_the_closed_form(full_size, sp):
+    for name in full_size:
+        for tp in (2, 4):
+            program = tensor_parallelize(full_size[name], tp, sequence_parallel=sp,
+                                         sizes={"b": 4, "s": 1024})
+            _closed_form_check(program, tp)
+
+
+def test_gpt3_175b_searched_in_seconds():
+    zm = models.build("gpt3-175b", device="meta", vocab=50304)
+    inputs, targets = zm.example_inputs(batch=2, seq=16)
+    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    start = time.perf_counter()
+    program = tensor_parallelize(captured, 8, sizes={"b": 1, "s": 2048})
+    elapsed = time.perf_counter() - start
+    assert program.solution.solve_s < 5.0 and elapsed < 30.0, (program.solution.solve_s, elapsed)
+    blocks = block_layers(program)
+    assert len(blocks) == 96
+    assert all(is_megatron_block(program, b) for b in blocks)
+    kinds = list(program.gemm_sharding.values())
+    assert kinds.count(GemmSharding.COLUMN) == 96 * 2 + 1 and kinds.count(GemmSharding.ROW) == 96 * 2
+    _closed_form_check(program, 8)
+    print(f"gpt3-175b tp=8: ILP {program.solution.num_variables} variables solved in "
+          f"{program.solution.solve_s:.2f} s; tensor_parallelize {elapsed:.1f} s")
+
+
+def test_tp1_is_the_captured_program(tiny_models):
+    from autopar.runtime.tp import TPGroup
+
+    model, loss_fn, inputs, targets, captured = tiny_models["gpt"]
+    program = tensor_parallelize(captured, 1)
+    assert all(c.count() == 0 for c in program.layer_comm)
+    module = program.module(0, TPGroup(None), full=model)
+    loss = module(*inputs, *targets)
+    loss.backward()
+    model.zero_grad()
+    ref = loss_fn(model(*inputs), *targets)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    grads = program.gather_state_dict([{k: p.grad for k, p in module.named_parameters()}])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+    model.zero_grad()
+
+
+def test_indivisible_heads_or_vocab_are_a_clear_error(tiny_models):
+    captured = tiny_models["gpt"][4]  # 4 heads, vocabulary 128
+    with pytest.raises(ShardingError, match="4 heads") as err:
+        tensor_parallelize(captured, 3)
+    assert "fix:" in str(err.value) and "128 rows" in str(err.value)
+    program = tensor_parallelize(captured, 3, strict=False, cost=TINY_COST)
+    attention = [info(n).strategy.name for n in program.sharded.graph.nodes
+                 if n.op == "call_function" and op_name(n) == "scaled_dot_product_attention"]
+    assert attention and set(attention) == {"replicate"}
+    with pytest.raises(ShardingError, match="sequence length"):
+        tensor_parallelize(tiny_models["gpt"][4], 2, sequence_parallel=True, sizes={"b": 2, "s": 15})
+
+
+def test_bad_arguments(tiny_models):
+    captured = tiny_models["gpt"][4]
+    with pytest.raises(InvalidInputError):
+        tensor_parallelize(captured, 0)
+    with pytest.raises(InvalidInputError, match="sequence parallelism needs tp > 1"):
+        tensor_parallelize(captured, 1, sequence_parallel=True)
+    with pytest.raises(InvalidInputError):
+        tensor_parallelize("not a graph", 2)
+    with pytest.raises(ValueError):
+        TPCostSpec(peak_flops=0)
+
+
+def test_pins_override_the_search(tiny_models):
+    captured = tiny_models["own_gpt"][4]
+    free = tensor_parallelize(captured, 2, cost=TINY_COST)
+    fc = next(k for k, v in free.gemm_sharding.items() if v is GemmSharding.COLUMN
+              and info(captured.node(k)).layer == "blocks.0" and "mlp" in info(captured.node(k)).module_path)
+    pinned = tensor_parallelize(captured, 2, cost=TINY_COST, pins={fc: "replicate"})
+    assert pinned.gemm_sharding[fc] is GemmSharding.REPLICATE
+    # blocks are solved once: the pin holds in every copy of the block
+    assert sum(v is GemmSharding.REPLICATE for v in pinned.gemm_sharding.values()) >= 2
+    assert pinned.solution.objective_s >= free.solution.objective_s
+    with pytest.raises(InfeasiblePlanError):
+        tensor_parallelize(captured, 2, cost=TINY_COST, pins={"no_such_node": "row"})
+    other = next(k for k in free.gemm_sharding if k != fc and info(captured.node(k)).layer ==
+                 "blocks.1" and info(captured.node(k)).module_path.endswith("mlp.fc"))
+    with pytest.raises(InfeasiblePlanError, match="conflicting"):
+        tensor_parallelize(captured, 2, cost=TINY_COST, pins={fc: "column", other: "row"})
+
+
+class _CumsumNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(F.gelu(self.up(x)), dim=1)).sum()
+
+
+def test_ops_without_a_rule_run_replicated_with_a_warning():
+    torch.manual_seed(0)
+    net = _CumsumNet()
+    x = torch.randn(2, 8, 16)
+    captured = capture(net, (x,))
+    with pytest.warns(UnsupportedOpWarning, match="cumsum"):
+        program = tensor_parallelize(captured, 2, cost=TINY_COST)
+    node = next(n for n in program.sharded.graph.nodes if n.op == "call_function"
+                and op_name(n) == "cumsum")
+    assert isinstance(info(node).placement, Replicate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        tensor_parallelize(captured, 1)  # nothing is sharded, nothing to warn about
+
+
+def test_placements_use_torch_vocabulary(tiny_models):
+    program = tensor_parallelize(tiny_models["gpt"][4], 2, cost=TINY_COST)
+    kinds = {type(p).__name__ for p in program.placements.values() if not isinstance(p, tuple)}
+    assert {"Replicate", "Shard", "_StridedShard", "Partial"} <= kinds
+    plan = program.plan()
+    assert plan.tp == 2 and plan.gemm_sharding == program.gemm_sharding
+    assert any(isinstance(p, Partial) for p in program.placements.values())
