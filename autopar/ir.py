@@ -214,7 +214,7 @@ def evaluate(expr: Any, **sizes: int) -> int | float:
         return expr
     if expr.is_Number:
         return int(expr) if expr.is_Integer else float(expr)
-    subs = {sym: sizes[sym.name] for sym in expr.free_symbols if sym.name in sizes}
+    subs = {sym: sympy.Integer(sizes[sym.name]) for sym in expr.free_symbols if sym.name in sizes}
     missing = [sym.name for sym in expr.free_symbols if sym.name not in sizes]
     if missing:
         raise KeyError(f"no size given for symbol(s) {sorted(missing)} in {expr}")

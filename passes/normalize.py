@@ -133,7 +133,8 @@ def fold_conv1d_into_linear(gm: torch.fx.GraphModule, ctx: PassContext) -> PassR
     return PassResult(gm, modified)
 
 
-NORMALIZE_PASSES = (drop_runtime_asserts, inline_no_grad_regions, fold_conv1d_into_linear)
+#: Inline first: the inlined regions bring their own asserts for the next pass to drop.
+NORMALIZE_PASSES = (inline_no_grad_regions, drop_runtime_asserts, fold_conv1d_into_linear)
 
 
 def normalize_graph(captured: Any) -> None:

@@ -196,3 +196,17 @@ def test_fx_fallback_for_ops_export_cannot_run():
     torch.testing.assert_close(got, want)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_no_runtime_asserts_remain(tiny_models):
+    """Normalize inlines no-grad regions before dropping asserts, so none survive (LLaMA)."""
+    for family in ("gpt", "llama"):
+        captured = tiny_models[family][4]
+        names = {str(n.target) for n in captured.gm.graph.nodes}
+        assert not any("_assert" in t for t in names), family
+
+
+def test_evaluate_bare_symbol():
+    from autopar.ir import evaluate
+
+    assert evaluate(BATCH, b=3) == 3 and evaluate(BATCH * SEQ + 1, b=2, s=5) == 11
