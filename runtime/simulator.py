@@ -126,6 +126,20 @@ class SimulationResult:
     def rank_events(self, rank: int) -> list[TimelineEvent]:
         return [e for e in self.events if e.rank == rank]
 
+    def to_chrome_trace(self, time_unit_s: float = 1.0) -> dict:
+        """The timeline in the Chrome trace format (chrome://tracing, Perfetto): one row per
+        rank, one complete event per action; times are multiplied by ``1e6 * time_unit_s`` to
+        microseconds."""
+        scale = 1e6 * time_unit_s
+        events = [{"name": str(e.action), "cat": e.action.kind.name.lower(), "ph": "X",
+                   "pid": 0, "tid": e.rank, "ts": e.start * scale,
+                   "dur": max(e.end - e.start, 0.0) * scale,
+                   "args": {"stage": e.action.stage, "microbatch": e.action.microbatch}}
+                  for e in self.events]
+        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                  "args": {"name": f"pp rank {r}"}} for r in range(self.num_ranks)]
+        return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
 
 def _message_key(action: Action) -> tuple[int, str, int]:
     """The message a send posts or a receive takes: (sending stage, direction, micro-batch)."""

@@ -3,6 +3,7 @@ bubbles, deadlock freedom, and golden action lists (AUTOPAR_REGEN_GOLDEN=1 rewri
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -186,6 +187,11 @@ def test_timeline_events_cover_the_step():
         assert result.busy[rank] == pytest.approx(m * 3.0)
     # p2p on the critical path: the first forward and the last backward cross 3 links each
     assert result.step_time >= (m + p - 1) * 3.0 + 2 * (p - 1) * 0.25 - 1e-9
+    trace = json.loads(json.dumps(result.to_chrome_trace()))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(result.events)
+    assert {e["tid"] for e in complete} == set(range(p))
+    assert max(e["ts"] + e["dur"] for e in complete) == pytest.approx(result.step_time * 1e6)
 
 
 GOLDEN_CASES = [(ScheduleKind.GPIPE, 2, 1, 4), (ScheduleKind.ONE_F_ONE_B, 4, 1, 8),

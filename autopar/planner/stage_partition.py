@@ -602,6 +602,9 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
         relaxed.lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False))
         if relaxed.lp.status == pulp.LpStatusOptimal:
             bound = float(pulp.value(relaxed.lp.objective))
+            step = modeled_step_time(problem, ranges)
+            if step < bound <= step * (1 + 1e-6):  # the LP solver's tolerance
+                bound = step
     result = _result(problem, ranges, bound, time.perf_counter() - start,
                      "optimal" if optimal else "time limit (feasible)", vectors,
                      model.num_integer_vars())
