@@ -217,7 +217,7 @@ class PipelineExecutor:
         self._grad_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self._to_send: dict[tuple[int, str, int], list[torch.Tensor]] = {}
         self._weight_todo: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any]]] = {}
-        self._pending_sends: list[tuple[Any, str]] = []
+        self._pending_sends: list[tuple[Any, str, torch.Tensor]] = []
         self._loss_sum: torch.Tensor | None = None
 
     def step(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
@@ -242,7 +242,7 @@ class PipelineExecutor:
                 self._communicate(batch)
             else:
                 self._compute(batch[0])
-        for work, what in self._pending_sends:
+        for work, what, _ in self._pending_sends:
             self._wait(work, what)
         leftovers = [d for d in (self._received, self._forward, self._grad_out, self._to_send,
                                  self._weight_todo) if d]
@@ -390,9 +390,9 @@ class PipelineExecutor:
                 landing.append((a, buffers))
         works = dist.batch_isend_irecv(ops) if ops else []
         if len(works) == len(ops):
-            for work, (is_send, what) in zip(works, kinds):
-                if is_send:
-                    self._pending_sends.append((work, what))
+            for work, op, (is_send, what) in zip(works, ops, kinds):
+                if is_send:  # keep the sent tensor alive until its send is waited
+                    self._pending_sends.append((work, what, op.tensor))
                 else:
                     self._wait(work, what)
         else:  # a coalescing backend (NCCL) returns one work for the whole batch
