@@ -11,7 +11,7 @@ when interleaved), and ``m`` micro-batches run through them under a schedule (GP
 interleaved 1F1B, ZB-H1). Each rank has ``M`` bytes of device memory.
 
 Repeated layers keep the program small: consecutive layers with equal costs form a segment
-``g = [α_g, α_g + K_g)`` (GPT-3 175B: embedding, 95 equal blocks, the last block, LM head), and a
+``g = [α_g, α_g + K_g)`` (GPT-3 175B: embedding, 96 equal blocks, LM head), and a
 cut is placed by choosing its segment and an offset inside it, instead of one binary per layer and
 stage. Stage sums are differences of prefix sums ``Q(c) = Σ_{l<c} q_l``, which are linear inside a
 segment.
@@ -66,9 +66,11 @@ other, so first and last stages take fewer blocks when that is better. On equal 
 transfer costs these are the published closed forms: the bubble is (p − 1)/m of the ideal time
 for GPipe and 1F1B, (p − 1)/(v m) interleaved, and ZB-H1 saves (p − 1)(2w) against 1F1B; the
 simulator (:mod:`autopar.runtime.simulator`) gives the same numbers. With transfers the loop
-constraints reproduce the simulator's 1F1B steady state (F + B + 2(p − 1)τ/p on equal stages)
-and the interleaved one within ~10% ((C5) for interleaved is fitted to the simulator, not
-derived). The simulator stays the reference for a chosen partition.
+constraints reproduce the simulator's 1F1B steady state (F + B + 2(p − 1)τ/p on equal stages,
+within 2%). For interleaved 1F1B with unequal chunks the model is conservative (C4 bounds the
+simulator from above; the simulator can be ~15% faster), and its (C5) is fitted to the simulator
+(2p − 1 micro-batch chunks share the loop), not derived. The simulator stays the reference for
+a chosen partition.
 
 Certificate: the LP relaxation (u, k continuous) is solved too; its value bounds the optimum from
 below, so ``(step_time − lp_bound) / step_time`` bounds how far the answer can be from optimal
