@@ -262,7 +262,6 @@ class PipelineSchedule:
                 if a.microbatch >= m:
                     raise ScheduleError(f"action {a} on rank {rank} names micro-batch "
                                         f"{a.microbatch}", expected=f"micro-batches 0..{m - 1}")
-                key = (a.stage, a.microbatch)
                 if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
                     if (a.stage, ActionKind.FORWARD, a.microbatch) not in seen:
                         raise ScheduleError(f"backward {a} on rank {rank} comes before its "

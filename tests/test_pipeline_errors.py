@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import sympy
 import torch
-import torch.distributed as dist
 
 from autopar.errors import InvalidInputError, PlanMismatchError
 from autopar.ir import TensorSpec

@@ -67,8 +67,9 @@ transfer costs these are the published closed forms: the bubble is (p − 1)/m o
 for GPipe and 1F1B, (p − 1)/(v m) interleaved, and ZB-H1 saves (p − 1)(2w) against 1F1B; the
 simulator (:mod:`autopar.runtime.simulator`) gives the same numbers. With transfers the loop
 constraints reproduce the simulator's 1F1B steady state (F + B + 2(p − 1)τ/p on equal stages,
-within 2%). For interleaved 1F1B with unequal chunks the model is conservative (C4 bounds the
-simulator from above; the simulator can be ~15% faster), and its (C5) is fitted to the simulator
+within 2%). For interleaved 1F1B with unequal chunks the model is conservative (C4 is above the
+simulator's steady state to within 0.2% on random chunk times, which can run ~15% faster), and
+its (C5) is fitted to the simulator
 (2p − 1 micro-batch chunks share the loop), not derived. The simulator stays the reference for
 a chosen partition.
 
@@ -283,7 +284,6 @@ def rank_memory(problem: PartitionProblem, ranges: Sequence[tuple[int, int]],
 def modeled_step_time(problem: PartitionProblem, ranges: Sequence[tuple[int, int]]) -> float:
     """The ILP's objective for a given partition (closed form, no solver)."""
     p, v, m = problem.num_ranks, problem.stages_per_rank, problem.num_microbatches
-    S = problem.num_stages
     f = _stage_sum(problem, ranges, "forward")
     b = _stage_sum(problem, ranges, "backward")
     w = _stage_sum(problem, ranges, "weight_grad")
