@@ -20,8 +20,9 @@ What crosses a cut between stage ``k`` and ``k + 1`` is every tensor made at or 
   transfer is between neighbours; its gradient flows back the same way.
 
 The result, :class:`StageSplit`, holds one :class:`StageGraph` per stage: the graph module (its
-placeholders are the parameters, buffers and constants it reads, then the received tensors, then
-the model inputs and targets it reads), the :class:`CutTensor` s it receives and sends (name,
+placeholders are any other objects it reads, such as a tensor-parallel communicator, bound by
+name at run time; the parameters, buffers and constants it reads; the received tensors; the model
+inputs and targets it reads), the :class:`CutTensor` s it receives and sends (name,
 symbolic shape, dtype, whether a gradient comes back), and which stages read each parameter (a
 tied weight read by two stages, like GPT-2's embedding and LM head, is held by both and its
 gradients must be summed).
@@ -70,6 +71,8 @@ class StageInputKind(enum.Enum):
     ACTIVATION = "activation"  # received from the previous stage
     INPUT = "input"  # a model input of the micro-batch (key: its index)
     TARGET = "target"  # a loss target of the micro-batch (key: its index)
+    #: Any other placeholder (a tensor-parallel communicator object): bound by name at run time.
+    OTHER = "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +303,9 @@ def split_into_stages(gm: torch.fx.GraphModule, layers: Sequence[Layer],
             specs.append(StageInput(new.name, kind, key))
 
         ordered = [p for p in placeholders if p in used_placeholders]
+        for p in ordered:
+            if info(p).kind not in kind_of:
+                add_placeholder(p, StageInputKind.OTHER, p.name)
         for kind in (NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT):
             for p in ordered:
                 if info(p).kind is kind:
@@ -357,7 +363,8 @@ def _graph_outputs(output: torch.fx.Node) -> list[Any]:
 
 
 def _cut_tensor(node: torch.fx.Node, producer: int) -> CutTensor:
-    spec = info(node).value
+    # a tensor-parallel graph records each rank's shard as local_value (the p2p buffer's shape)
+    spec = getattr(info(node), "local_value", None) or info(node).value
     if not isinstance(spec, TensorSpec):
         raise PassError(f"{node.name} ({op_name(node)}) crosses a stage cut but is not a tensor "
                         f"({spec})", expected="only tensors between stages",

@@ -124,8 +124,13 @@ class PipelineExecutor:
     """One pipeline rank: its stages, parameters and action list."""
 
     def __init__(self, split: Any, schedule: PipelineSchedule, mesh: Any, *,
-                 tensors: Mapping[str, torch.Tensor], timeout: timedelta | None = None) -> None:
+                 tensors: Mapping[str, torch.Tensor], bindings: Mapping[str, Any] | None = None,
+                 timeout: timedelta | None = None) -> None:
+        """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
+        parallelism); ``bindings``: values for the stage modules' other placeholders, by name
+        (e.g. ``{"tp": tp_group}`` for a tensor-parallel program)."""
         self.split = split
+        self.bindings = dict(bindings or {})
         self.schedule = add_communication(schedule)
         self.mesh = mesh
         self.timeout = timeout or mesh.timeout
@@ -159,6 +164,10 @@ class PipelineExecutor:
                     rg = bool(split.param_requires_grad.get(ph.key, True))
                     self.params[ph.key] = nn.Parameter(tensors[ph.key].detach().clone(),
                                                        requires_grad=rg)
+                elif kind == "other" and ph.key not in self.bindings:
+                    raise InvalidInputError(f"stage {stage.index} needs a value for its input "
+                                            f"{ph.key!r}",
+                                            fix=f"pass bindings={{{ph.key!r}: ...}}")
                 elif kind == "buffer" and ph.key not in self.buffers:
                     if ph.key not in tensors:
                         raise InvalidInputError(f"no value for buffer {ph.key}",
@@ -272,6 +281,8 @@ class PipelineExecutor:
                 args.append(self._micro_inputs[mb][ph.key])
             elif kind == "target":
                 args.append(self._micro_targets[mb][ph.key])
+            elif kind == "other":
+                args.append(self.bindings[ph.key])
             else:
                 raise PlanMismatchError(f"unknown stage input kind {kind!r}")
         return args

@@ -49,6 +49,21 @@ def test_schedule_must_match_mesh_and_split():
         PipelineExecutor(split, build_schedule("interleaved-1f1b", 2, 4, 2), mesh, tensors={})
 
 
+def test_other_placeholders_need_a_binding():
+    from autopar.passes.split_stages import StageInput, StageInputKind
+
+    stage = SimpleNamespace(index=0, returns_loss=True, inputs=(), outputs=(),
+                            placeholders=(StageInput("tp", StageInputKind.OTHER, "tp"),))
+    split = SimpleNamespace(stages=(stage,), input_specs=(), target_specs=(),
+                            shared_params=dict, param_requires_grad={}, constants={})
+    mesh = SimpleNamespace(pp=1, pp_rank=0, dp=1, tp=1, rank=0, timeout=timedelta(seconds=5))
+    with pytest.raises(InvalidInputError, match="bindings"):
+        PipelineExecutor(split, build_schedule("1f1b", 1, 1), mesh, tensors={})
+    executor = PipelineExecutor(split, build_schedule("1f1b", 1, 1), mesh, tensors={},
+                                bindings={"tp": object()})
+    assert executor.parameters() == []
+
+
 def _one_rank_stays_silent(split, tensors, inputs, targets):
     mesh = ParallelMesh(1, 2, 1)
     executor = PipelineExecutor(split, build_schedule("1f1b", 2, 2), mesh, tensors=tensors)

@@ -37,7 +37,7 @@ def deep_models():
     return out
 
 
-def run_chain(split, tensors, inputs, targets):
+def run_chain(split, tensors, inputs, targets, bindings=None):
     """Run the stages one after the other, then backward stage by stage through detached cuts
     (what the pipeline does across processes). Returns the loss and the parameter gradients."""
     params = {k: torch.nn.Parameter(v.detach().clone(), requires_grad=v.is_floating_point())
@@ -57,6 +57,8 @@ def run_chain(split, tensors, inputs, targets):
                 args.append(next(it))
             elif ph.kind is StageInputKind.INPUT:
                 args.append(inputs[ph.key])
+            elif ph.kind is StageInputKind.OTHER:
+                args.append(bindings[ph.key])
             else:
                 args.append(targets[ph.key])
         out = stage.gm(*args)
@@ -162,6 +164,34 @@ def test_a_pass_inserted_node_is_split_with_its_layer(deep_models):
                if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 1.0) == added > 0
     loss, _ = run_chain(split, _tensors(model), inputs, targets)
     torch.testing.assert_close(loss, loss_fn(model(*inputs), *targets).detach())
+
+
+def test_other_placeholders_are_bound_by_name(deep_models):
+    """A tensor-parallel program reads a communicator placeholder; the split passes any
+    placeholder it does not know through as OTHER, bound by name when the stage runs."""
+    import copy
+
+    model, loss_fn, inputs, targets, captured = deep_models["own_gpt"]
+    gm = copy.deepcopy(captured.gm)
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_before(first):
+        scale = gm.graph.placeholder("scale")
+    scale.meta[META_KEY] = NodeInfo("communicator", None)
+    block = captured.layers[3]
+    target = next(n for n in gm.graph.nodes if n.name == block.nodes[-1])
+    with gm.graph.inserting_after(target):
+        new = gm.graph.call_function(torch.ops.aten.mul.Tensor, (target, scale))
+    target.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+    new.meta[META_KEY] = NodeInfo(NodeKind.OP, info(target).value, layer=block.name,
+                                  requires_grad=True)
+    gm.recompile()
+    split = split_into_stages(gm, captured.layers, [(0, 2), (3, 5)], constants=captured.constants)
+    kinds = [[p.kind for p in s.placeholders] for s in split.stages]
+    assert StageInputKind.OTHER not in kinds[0] and kinds[1][0] is StageInputKind.OTHER
+    loss, _ = run_chain(split, _tensors(model), inputs, targets, bindings={"scale": 1.0})
+    torch.testing.assert_close(loss, loss_fn(model(*inputs), *targets).detach())
+    doubled, _ = run_chain(split, _tensors(model), inputs, targets, bindings={"scale": 2.0})
+    assert not torch.allclose(doubled, loss)
 
 
 def test_bad_stage_ranges_are_refused(deep_models):
