@@ -219,6 +219,8 @@ def evaluate(expr: Any, **sizes: int) -> int | float:
     if missing:
         raise KeyError(f"no size given for symbol(s) {sorted(missing)} in {expr}")
     value = expr.xreplace(subs)
+    if not isinstance(value, sympy.Basic):  # a bare symbol is replaced by the plain number
+        return value
     return int(value) if value.is_Integer else float(value)
 
 

@@ -31,11 +31,12 @@ def build_tiny(family: str, **overrides):
     return models.build(family, dropout=0.0, seed=0, **{**TINY[family], **overrides})
 
 
-def build_own_gpt():
+def build_own_gpt(**overrides):
     from examples.gpt import GPT, GPTConfig, gpt_loss
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=32)), gpt_loss
+    config = {**dict(layers=2, hidden=64, heads=4, vocab=128, seq=32), **overrides}
+    return GPT(GPTConfig(**config)), gpt_loss
 
 
 @pytest.fixture(scope="session")

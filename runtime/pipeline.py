@@ -1,0 +1,438 @@
+"""The pipeline executor: runs one rank's action list of a schedule on its stage modules.
+
+``PipelineExecutor(split, schedule, mesh, tensors=...)`` holds the stages the schedule puts on
+this rank (``schedule.stages_of(mesh.pp_rank)``; v of them when interleaved) as graph modules
+from the stage split, and the parameters and buffers they read (one ``nn.Parameter`` per name on
+a rank, shared by its stages). ``step(inputs, targets)`` splits the global batch into the
+schedule's m micro-batches and walks the rank's actions:
+
+- ``F``: run the stage on the received tensors (detached leaves that record their gradient) and
+  the micro-batch's inputs; the last stage computes the loss, scaled by 1/m so the accumulated
+  gradients are those of the mean loss over the batch.
+- ``B``: backward from the received output gradients; parameter gradients accumulate over the
+  micro-batches, the input gradients go to the previous stage.
+- ``I`` / ``W`` (zero-bubble): ``torch.autograd.grad`` over the stage inputs only, keeping the
+  graph (``retain_graph``), then later over the weights. W walks the graph again: simple and
+  exact, at the cost of running the input-gradient part twice.
+- runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the pipeline group, every
+  message tagged with (sending stage, direction, micro-batch, tensor) so that messages cannot be
+  confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
+  waited at the end of the step. Receive buffers take the crossing tensors' shapes with ``b``
+  and ``s`` evaluated at the micro-batch's sizes. Tensors between two stages of one rank are
+  handed over in memory.
+
+After the last action, parameters read by stages on several ranks (tied weights: GPT-2's
+embedding on the first stage and LM head on the last) get their gradients summed over those
+ranks (an all-reduce in a group of just those ranks, as Megatron-LM's embedding group), so every
+copy takes the same optimizer step. The executor knows nothing of tensor parallelism: on a
+tp x pp mesh each rank runs its own (sharded) stage modules and exchanges activations with the
+rank of the next stage in its tp column (``mesh.stage_rank``).
+
+The stage modules come from ``autopar.passes.split_stages`` (the runtime does not import the
+passes; the expected attributes are spelled out by :class:`StageProgram`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Mapping, Protocol, Sequence
+
+import sympy
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import (
+    CommunicationTimeoutError,
+    InvalidInputError,
+    PlanMismatchError,
+    ScheduleError,
+)
+from autopar.runtime.mesh import coordinates
+from autopar.runtime.schedules import (
+    Action,
+    ActionKind,
+    PipelineSchedule,
+    add_communication,
+    comm_batches,
+)
+
+__all__ = ["PipelineExecutor", "StageProgram", "bind_sizes", "split_microbatches"]
+
+
+class _Cut(Protocol):
+    name: str
+    spec: Any  # autopar.ir.TensorSpec
+    requires_grad: bool
+
+    def shape_at(self, **sizes: int) -> tuple[int, ...]: ...
+
+
+class _Placeholder(Protocol):
+    name: str
+    kind: Any  # an enum whose value is parameter/buffer/constant/activation/input/target
+    key: str | int
+
+
+class StageProgram(Protocol):
+    """What the executor needs of one stage (``autopar.passes.split_stages.StageGraph``)."""
+
+    index: int
+    gm: torch.fx.GraphModule
+    placeholders: Sequence[_Placeholder]
+    inputs: Sequence[_Cut]
+    outputs: Sequence[_Cut]
+    returns_loss: bool
+
+
+def split_microbatches(tensors: Sequence[Any], m: int) -> list[tuple[Any, ...]]:
+    """Split every tensor along dim 0 into m equal micro-batches (non-tensors are repeated)."""
+    out: list[list[Any]] = [[] for _ in range(m)]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            if t.shape[0] % m:
+                raise InvalidInputError("the batch does not split into equal micro-batches",
+                                        expected=f"batch size divisible by {m} micro-batches",
+                                        found=f"batch size {t.shape[0]}",
+                                        fix="change the batch size or the micro-batch count")
+            for i, chunk in enumerate(t.chunk(m, dim=0)):
+                out[i].append(chunk)
+        else:
+            for i in range(m):
+                out[i].append(t)
+    return [tuple(x) for x in out]
+
+
+def bind_sizes(specs: Sequence[Any], tensors: Sequence[Any]) -> dict[str, int]:
+    """Sizes of the shape symbols (``b``, ``s``) from tensors and their symbolic specs."""
+    sizes: dict[str, int] = {}
+    for spec, t in zip(specs, tensors):
+        if spec is None or not isinstance(t, torch.Tensor):
+            continue
+        if len(spec.shape) != t.dim():
+            raise InvalidInputError("an input has the wrong number of dims",
+                                    expected=str(spec), found=str(tuple(t.shape)))
+        for dim, size in zip(spec.shape, t.shape):
+            if isinstance(dim, sympy.Symbol):
+                if sizes.setdefault(dim.name, int(size)) != int(size):
+                    raise InvalidInputError(f"inputs disagree on the size of {dim.name}",
+                                            found=f"{sizes[dim.name]} and {int(size)}")
+    return sizes
+
+
+class PipelineExecutor:
+    """One pipeline rank: its stages, parameters and action list."""
+
+    def __init__(self, split: Any, schedule: PipelineSchedule, mesh: Any, *,
+                 tensors: Mapping[str, torch.Tensor], bindings: Mapping[str, Any] | None = None,
+                 timeout: timedelta | None = None) -> None:
+        """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
+        parallelism); ``bindings``: values for the stage modules' other placeholders, by name
+        (e.g. ``{"tp": tp_group}`` for a tensor-parallel program)."""
+        self.split = split
+        self.bindings = dict(bindings or {})
+        self.schedule = add_communication(schedule)
+        self.mesh = mesh
+        self.timeout = timeout or mesh.timeout
+        self.m = schedule.num_microbatches
+        stages = tuple(split.stages)
+        if schedule.num_ranks != mesh.pp:
+            raise PlanMismatchError("the schedule does not match the pipeline size",
+                                    expected=f"{mesh.pp} ranks (the mesh's pp)",
+                                    found=f"a schedule for {schedule.num_ranks} ranks")
+        if schedule.num_stages != len(stages):
+            raise PlanMismatchError("the schedule and the stage split disagree on the stages",
+                                    expected=f"{len(stages)} stages (the split)",
+                                    found=f"{schedule.num_stages} in the schedule",
+                                    fix="split into pp x virtual_stages stages")
+        self.stage_to_rank = self.schedule.stage_to_rank
+        self.pp_rank = mesh.pp_rank
+        self.local = {s: stages[s] for s in self.schedule.stages_of(self.pp_rank)}
+        self.num_stages = len(stages)
+        self.actions = self.schedule.ranks[self.pp_rank]
+
+        self.params: dict[str, nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        for stage in self.local.values():
+            for ph in stage.placeholders:
+                kind = _kind(ph)
+                if kind == "parameter" and ph.key not in self.params:
+                    if ph.key not in tensors:
+                        raise InvalidInputError(f"no value for parameter {ph.key}",
+                                                fix="pass tensors=dict(model.named_parameters("
+                                                    "remove_duplicate=False))")
+                    rg = bool(split.param_requires_grad.get(ph.key, True))
+                    self.params[ph.key] = nn.Parameter(tensors[ph.key].detach().clone(),
+                                                       requires_grad=rg)
+                elif kind == "other" and ph.key not in self.bindings:
+                    raise InvalidInputError(f"stage {stage.index} needs a value for its input "
+                                            f"{ph.key!r}",
+                                            fix=f"pass bindings={{{ph.key!r}: ...}}")
+                elif kind == "buffer" and ph.key not in self.buffers:
+                    if ph.key not in tensors:
+                        raise InvalidInputError(f"no value for buffer {ph.key}",
+                                                fix="include model.named_buffers() in tensors")
+                    self.buffers[ph.key] = tensors[ph.key].detach().clone()
+        self._tied = self._make_tied_groups()
+        self._reset()
+
+    # -- parameters ---------------------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.params.items())
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.params.values())
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    # -- tied weights ---------------------------------------------------------------------------
+    def _make_tied_groups(self) -> list[tuple[tuple[str, ...], Any]]:
+        """A process group per set of pipeline ranks sharing parameters, in every (dp, tp)
+        column (every rank creates every group, in the same order, as new_group requires)."""
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        for fqn, stages in sorted(self.split.shared_params().items()):
+            ranks = tuple(sorted({self.stage_to_rank[s] for s in stages}))
+            if len(ranks) > 1:
+                by_ranks.setdefault(ranks, []).append(fqn)
+        mesh = self.mesh
+        mine = []
+        for pp_ranks, fqns in sorted(by_ranks.items()):
+            for d in range(mesh.dp):
+                for t in range(mesh.tp):
+                    ranks = [d * mesh.pp * mesh.tp + q * mesh.tp + t for q in pp_ranks]
+                    group = dist.new_group(ranks, timeout=self.timeout)
+                    if mesh.rank in ranks:
+                        assert coordinates(mesh.rank, mesh.dp, mesh.pp, mesh.tp)[1] in pp_ranks
+                        mine.append((tuple(f for f in fqns if f in self.params), group))
+        return mine
+
+    def _sync_tied_gradients(self) -> None:
+        for fqns, group in self._tied:
+            for fqn in fqns:
+                p = self.params[fqn]
+                if not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                work = dist.all_reduce(p.grad, group=group, async_op=True)
+                self._wait(work, f"the gradient sum of tied parameter {fqn}")
+
+    # -- the step -------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._received: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._forward: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
+        self._grad_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._to_send: dict[tuple[int, str, int], list[torch.Tensor]] = {}
+        self._weight_todo: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any]]] = {}
+        self._pending_sends: list[tuple[Any, str, torch.Tensor]] = []
+        self._loss_sum: torch.Tensor | None = None
+
+    def step(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
+        """Forward and backward of one global batch; gradients accumulate into ``.grad``.
+
+        Returns the batch's mean loss on the rank that holds the last stage, None elsewhere.
+        """
+        inputs, targets = tuple(inputs), tuple(targets)
+        if len(inputs) != len(self.split.input_specs) or \
+                len(targets) != len(self.split.target_specs):
+            raise InvalidInputError("wrong number of inputs or targets",
+                                    expected=f"{len(self.split.input_specs)} inputs and "
+                                             f"{len(self.split.target_specs)} targets",
+                                    found=f"{len(inputs)} and {len(targets)}")
+        self._reset()
+        self._micro_inputs = split_microbatches(inputs, self.m)
+        self._micro_targets = split_microbatches(targets, self.m)
+        self._sizes = [bind_sizes(tuple(self.split.input_specs) + tuple(self.split.target_specs),
+                                  i + t) for i, t in zip(self._micro_inputs, self._micro_targets)]
+        for batch in comm_batches(self.actions):
+            if batch[0].kind.is_comm:
+                self._communicate(batch)
+            else:
+                self._compute(batch[0])
+        for work, what, _ in self._pending_sends:
+            self._wait(work, what)
+        leftovers = [d for d in (self._received, self._forward, self._grad_out, self._to_send,
+                                 self._weight_todo) if d]
+        if leftovers:
+            raise ScheduleError(f"rank {self.pp_rank} finished its actions with state left over",
+                                found=str([list(d)[:4] for d in leftovers]))
+        self._sync_tied_gradients()
+        loss = self._loss_sum
+        self._reset()
+        return loss
+
+    # -- compute ----------------------------------------------------------------------------------
+    def _args(self, stage: StageProgram, mb: int, acts: list[torch.Tensor]) -> list[Any]:
+        args: list[Any] = []
+        act = iter(acts)
+        for ph in stage.placeholders:
+            kind = _kind(ph)
+            if kind == "parameter":
+                args.append(self.params[ph.key])
+            elif kind == "buffer":
+                args.append(self.buffers[ph.key])
+            elif kind == "constant":
+                args.append(self.split.constants[ph.key])
+            elif kind == "activation":
+                args.append(next(act))
+            elif kind == "input":
+                args.append(self._micro_inputs[mb][ph.key])
+            elif kind == "target":
+                args.append(self._micro_targets[mb][ph.key])
+            elif kind == "other":
+                args.append(self.bindings[ph.key])
+            else:
+                raise PlanMismatchError(f"unknown stage input kind {kind!r}")
+        return args
+
+    def _compute(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        stage = self.local[s]
+        if a.kind is ActionKind.FORWARD:
+            received = self._received.pop((s, mb), []) if s > 0 else []
+            if len(received) != len(stage.inputs):
+                raise ScheduleError(f"{a} runs without its inputs on rank {self.pp_rank}",
+                                    expected=f"{len(stage.inputs)} received tensors",
+                                    found=str(len(received)))
+            leaves = [t.detach().requires_grad_(c.requires_grad)
+                      for t, c in zip(received, stage.inputs)]
+            with torch.enable_grad():
+                out = stage.gm(*self._args(stage, mb, leaves))
+            if stage.returns_loss:
+                self._loss_sum = out.detach() / self.m + (
+                    self._loss_sum if self._loss_sum is not None else 0.0)
+                outs: Any = out / self.m
+            else:
+                outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            self._forward[(s, mb)] = (leaves, outs)
+            if not stage.returns_loss:
+                sent = [o.detach() for o in outs]
+                if self.stage_to_rank[s + 1] == self.pp_rank:
+                    self._received[(s + 1, mb)] = sent
+                else:
+                    self._to_send[(s, "F", mb)] = sent
+            return
+        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            leaves, outs = (self._forward.pop((s, mb)) if a.kind is ActionKind.BACKWARD
+                            else self._forward[(s, mb)])
+            roots, grads = self._roots(stage, s, mb, outs)
+            wanted = [x for x, c in zip(leaves, stage.inputs) if c.requires_grad]
+            if a.kind is ActionKind.BACKWARD:
+                if roots:
+                    torch.autograd.backward(roots, grads)
+                input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
+                               for x in wanted]
+            else:
+                found: Sequence[torch.Tensor | None] = ()
+                if roots and wanted:
+                    found = torch.autograd.grad(roots, wanted, grads, retain_graph=True,
+                                                allow_unused=True)
+                input_grads = [g if g is not None else torch.zeros_like(x)
+                               for x, g in zip(wanted, found or [None] * len(wanted))]
+                self._weight_todo[(s, mb)] = (roots, grads)
+            if s > 0:
+                if self.stage_to_rank[s - 1] == self.pp_rank:
+                    prev = self.local[s - 1]
+                    it = iter(input_grads)
+                    self._grad_out[(s - 1, mb)] = [next(it) if c.requires_grad else None
+                                                   for c in prev.outputs]
+                else:
+                    self._to_send[(s, "B", mb)] = input_grads
+            return
+        # BACKWARD_WEIGHT
+        roots, grads = self._weight_todo.pop((s, mb))
+        self._forward.pop((s, mb))
+        params = [self.params[f] for f in dict.fromkeys(stage_params(stage))
+                  if self.params[f].requires_grad]
+        if roots and params:
+            found = torch.autograd.grad(roots, params, grads, allow_unused=True)
+            for p, g in zip(params, found):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _roots(self, stage: StageProgram, s: int, mb: int, outs: Any
+               ) -> tuple[list[torch.Tensor], list[Any]]:
+        """The tensors to differentiate and their incoming gradients."""
+        if stage.returns_loss:
+            return ([outs], [None]) if outs.requires_grad else ([], [])
+        grads = self._grad_out.pop((s, mb))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    # -- communication ------------------------------------------------------------------------
+    def _tag(self, sender: int, direction: str, mb: int, i: int) -> int:
+        return ((((0 if direction == "F" else 1) * self.num_stages + sender) * self.m + mb)
+                * 64 + i)
+
+    def _peer(self, stage: int) -> int:
+        return self.mesh.stage_rank(self.stage_to_rank[stage])
+
+    def _communicate(self, batch: list[Action]) -> None:
+        ops: list[dist.P2POp] = []
+        kinds: list[tuple[bool, str]] = []
+        landing: list[tuple[Action, list[torch.Tensor]]] = []
+        group = self.mesh.pp_group
+        for a in batch:
+            s, mb = a.stage, a.microbatch
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                direction = "F" if a.kind is ActionKind.SEND_F else "B"
+                tensors = self._to_send.pop((s, direction, mb))
+                peer = self._peer(s + 1 if direction == "F" else s - 1)
+                for i, t in enumerate(tensors):
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group,
+                                          tag=self._tag(s, direction, mb, i)))
+                    kinds.append((True, f"{a} to rank {peer}"))
+            else:
+                sizes = self._sizes[mb]
+                if a.kind is ActionKind.RECV_F:
+                    cuts = list(self.local[s].inputs)
+                    sender, direction = s - 1, "F"
+                else:
+                    cuts = [c for c in self.local[s].outputs if c.requires_grad]
+                    sender, direction = s + 1, "B"
+                peer = self._peer(sender)
+                buffers = [torch.empty(c.shape_at(**sizes), dtype=c.spec.dtype) for c in cuts]
+                for i, buf in enumerate(buffers):
+                    ops.append(dist.P2POp(dist.irecv, buf, peer, group,
+                                          tag=self._tag(sender, direction, mb, i)))
+                    kinds.append((False, f"{a} from rank {peer}"))
+                landing.append((a, buffers))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):
+            for work, op, (is_send, what) in zip(works, ops, kinds):
+                if is_send:  # keep the sent tensor alive until its send is waited
+                    self._pending_sends.append((work, what, op.tensor))
+                else:
+                    self._wait(work, what)
+        else:  # a coalescing backend (NCCL) returns one work for the whole batch
+            for work in works:
+                self._wait(work, ", ".join(str(a) for a in batch))
+        for a, buffers in landing:
+            if a.kind is ActionKind.RECV_F:
+                self._received[(a.stage, a.microbatch)] = buffers
+            else:
+                it = iter(buffers)
+                self._grad_out[(a.stage, a.microbatch)] = [
+                    next(it) if c.requires_grad else None for c in self.local[a.stage].outputs]
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise CommunicationTimeoutError(
+                f"pipeline rank {self.pp_rank} (global {self.mesh.rank}) timed out on {what}",
+                expected=f"the peer to answer within {self.timeout.total_seconds():.0f} s",
+                found=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                fix="check that every rank runs the same schedule and stage split; raise "
+                    "AUTOPAR_TIMEOUT_S for slow stages") from exc
+
+
+def _kind(ph: _Placeholder) -> str:
+    kind = ph.kind
+    return kind.value if hasattr(kind, "value") else str(kind)
+
+
+def stage_params(stage: StageProgram) -> list[str]:
+    return [ph.key for ph in stage.placeholders if _kind(ph) == "parameter"]

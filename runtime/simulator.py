@@ -1,0 +1,285 @@
+"""Run every rank's action list of a pipeline schedule without processes.
+
+``simulate(schedule, durations)`` executes the lowered lists (sends and receives included, see
+:func:`autopar.runtime.schedules.add_communication`) with the executor's semantics:
+
+- a compute action (F, B, I, W) starts when its rank is free and its inputs are there: the
+  received tensor (RECV done) or, for a stage on the same rank, the producing action done;
+- a send never blocks its rank (the executor posts ``isend`` and waits for it at the end of the
+  step); the tensor arrives at the receiver ``p2p`` seconds after the send is posted;
+- a receive blocks its rank until the matching send has been posted and the tensor has arrived.
+  Sends and receives match by identity (the executor tags every message with its stage,
+  direction and micro-batch); ``strict_order=True`` also demands that every pair of ranks posts
+  its messages in the same order on both sides (what NCCL, which ignores tags, needs).
+
+If at some point no rank can move, the schedule deadlocks: :class:`ScheduleError` names each
+rank's blocked action and what it waits for. The result has the step time, each rank's busy,
+communication and idle time, the bubble fraction and a timeline of (rank, action, start, end)
+events for Chrome traces and Gantt charts. This is the schedule model of the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from autopar.errors import ScheduleError
+from autopar.runtime.schedules import Action, ActionKind, PipelineSchedule, add_communication
+
+__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate"]
+
+
+def _floats(name: str, values: Sequence[float], length: int) -> tuple[float, ...]:
+    out = tuple(float(v) for v in values)
+    if len(out) != length:
+        raise ScheduleError(f"durations.{name} has {len(out)} entries",
+                            expected=f"{length} (one per {'cut' if name.startswith('p2p') else 'stage'})")
+    if any(v < 0 for v in out):
+        raise ScheduleError(f"durations.{name} has a negative time", found=str(out))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Durations:
+    """Seconds (or any unit) per action, per stage.
+
+    ``backward`` is a full backward; ``backward_input`` and ``backward_weight`` are its two
+    halves for split-backward schedules (default: half of ``backward`` each). ``p2p[s]`` is the
+    time to move stage s's output to stage s + 1, ``p2p_grad[s]`` the gradient back (default the
+    same). ``send_overhead`` is rank time spent posting one send or receive.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    backward_input: tuple[float, ...] = ()
+    backward_weight: tuple[float, ...] = ()
+    p2p: tuple[float, ...] = ()
+    p2p_grad: tuple[float, ...] = ()
+    send_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        if n < 1:
+            raise ScheduleError("durations need at least one stage")
+        object.__setattr__(self, "forward", _floats("forward", self.forward, n))
+        object.__setattr__(self, "backward", _floats("backward", self.backward, n))
+        half = tuple(b / 2 for b in self.backward)
+        object.__setattr__(self, "backward_input",
+                           _floats("backward_input", self.backward_input or half, n))
+        object.__setattr__(self, "backward_weight",
+                           _floats("backward_weight", self.backward_weight or half, n))
+        p2p = _floats("p2p", self.p2p or (0.0,) * (n - 1), n - 1)
+        object.__setattr__(self, "p2p", p2p)
+        object.__setattr__(self, "p2p_grad", _floats("p2p_grad", self.p2p_grad or p2p, n - 1))
+        if self.send_overhead < 0:
+            raise ScheduleError("send_overhead is negative", found=str(self.send_overhead))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    @classmethod
+    def uniform(cls, num_stages: int, forward: float = 1.0, backward: float = 2.0, *,
+                weight: float | None = None, p2p: float = 0.0,
+                send_overhead: float = 0.0) -> "Durations":
+        """Every stage alike; ``weight`` is W's share of ``backward`` (default half)."""
+        w = backward / 2 if weight is None else weight
+        n = num_stages
+        return cls((forward,) * n, (backward,) * n, (backward - w,) * n, (w,) * n,
+                   (p2p,) * (n - 1), (), send_overhead)
+
+    def compute(self, action: Action) -> float:
+        s = action.stage
+        return {ActionKind.FORWARD: self.forward, ActionKind.BACKWARD: self.backward,
+                ActionKind.BACKWARD_INPUT: self.backward_input,
+                ActionKind.BACKWARD_WEIGHT: self.backward_weight}[action.kind][s]
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    """One action of one rank; for a receive, start is when the rank began to wait."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationResult:
+    step_time: float
+    #: Per rank: compute time (F, B, I, W), time posting sends/receives, and idle time.
+    busy: tuple[float, ...]
+    comm: tuple[float, ...]
+    idle: tuple[float, ...]
+    #: (p * step_time - total busy) / total busy: the bubble relative to the ideal time
+    #: (total compute spread evenly over the ranks): (p - 1) / m for GPipe and 1F1B.
+    bubble_fraction: float
+    #: Most micro-batches (summed over its stages) whose activations a rank holds at once.
+    peak_in_flight: tuple[int, ...]
+    events: tuple[TimelineEvent, ...] = field(repr=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.busy)
+
+    def rank_events(self, rank: int) -> list[TimelineEvent]:
+        return [e for e in self.events if e.rank == rank]
+
+    def to_chrome_trace(self, time_unit_s: float = 1.0) -> dict:
+        """The timeline in the Chrome trace format (chrome://tracing, Perfetto): one row per
+        rank, one complete event per action; times are multiplied by ``1e6 * time_unit_s`` to
+        microseconds."""
+        scale = 1e6 * time_unit_s
+        events = [{"name": str(e.action), "cat": e.action.kind.name.lower(), "ph": "X",
+                   "pid": 0, "tid": e.rank, "ts": e.start * scale,
+                   "dur": max(e.end - e.start, 0.0) * scale,
+                   "args": {"stage": e.action.stage, "microbatch": e.action.microbatch}}
+                  for e in self.events]
+        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                  "args": {"name": f"pp rank {r}"}} for r in range(self.num_ranks)]
+        return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
+
+def _message_key(action: Action) -> tuple[int, str, int]:
+    """The message a send posts or a receive takes: (sending stage, direction, micro-batch)."""
+    s, mb = action.stage, action.microbatch
+    if action.kind is ActionKind.SEND_F:
+        return (s, "F", mb)
+    if action.kind is ActionKind.RECV_F:
+        return (s - 1, "F", mb)
+    if action.kind is ActionKind.SEND_B:
+        return (s, "B", mb)
+    return (s + 1, "B", mb)  # RECV_B
+
+
+def simulate(schedule: PipelineSchedule, durations: Durations, *,
+             strict_order: bool = False) -> SimulationResult:
+    """Execute ``schedule`` (lowered with sends and receives if it is not) under ``durations``."""
+    if durations.num_stages != schedule.num_stages:
+        raise ScheduleError("durations and schedule disagree on the number of stages",
+                            expected=f"{schedule.num_stages} stages",
+                            found=f"{durations.num_stages}")
+    schedule = add_communication(schedule)
+    where = schedule.stage_to_rank
+    last = schedule.num_stages - 1
+    p = schedule.num_ranks
+    clock = [0.0] * p
+    pos = [0] * p
+    busy = [0.0] * p
+    comm = [0.0] * p
+    done: dict[tuple[int, ActionKind, int], float] = {}  # compute + receives, by rank-local key
+    posted: dict[tuple[int, str, int], tuple[float, int]] = {}  # message -> (arrival, order)
+    channel_sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+    channel_taken: dict[tuple[int, int], int] = {}
+    events: list[TimelineEvent] = []
+
+    def backward_done(stage: int, mb: int) -> float | None:
+        for kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            if (stage, kind, mb) in done:
+                return done[(stage, kind, mb)]
+        return None
+
+    def ready_time(rank: int, a: Action) -> tuple[float | None, str]:
+        """When ``a``'s inputs are there (None: not yet), and what it waits for."""
+        s, mb = a.stage, a.microbatch
+        if a.kind is ActionKind.FORWARD:
+            if s == 0:
+                return 0.0, ""
+            if where[s - 1] == rank:
+                return done.get((s - 1, ActionKind.FORWARD, mb)), f"{s - 1}F{mb}"
+            return done.get((s, ActionKind.RECV_F, mb)), f"{s}RECV_F{mb}"
+        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            fwd = done.get((s, ActionKind.FORWARD, mb))
+            if fwd is None:
+                return None, f"{s}F{mb}"
+            if s == last:
+                return fwd, ""
+            if where[s + 1] == rank:
+                t = backward_done(s + 1, mb)
+                return (None if t is None else max(t, fwd)), f"{s + 1}B{mb} or {s + 1}I{mb}"
+            t = done.get((s, ActionKind.RECV_B, mb))
+            return (None if t is None else max(t, fwd)), f"{s}RECV_B{mb}"
+        if a.kind is ActionKind.BACKWARD_WEIGHT:
+            return done.get((s, ActionKind.BACKWARD_INPUT, mb)), f"{s}I{mb}"
+        if a.kind is ActionKind.SEND_F:
+            return done.get((s, ActionKind.FORWARD, mb)), f"{s}F{mb}"
+        if a.kind is ActionKind.SEND_B:
+            return backward_done(s, mb), f"{s}B{mb} or {s}I{mb}"
+        key = _message_key(a)  # a receive
+        if key not in posted:
+            return None, f"the send of {key[0]}{'SEND_F' if key[1] == 'F' else 'SEND_B'}{mb} " \
+                         f"on rank {where[key[0]]}"
+        return posted[key][0], ""
+
+    remaining = sum(len(r) for r in schedule.ranks)
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            actions = schedule.ranks[rank]
+            while pos[rank] < len(actions):
+                a = actions[pos[rank]]
+                ready, _ = ready_time(rank, a)
+                if ready is None:
+                    break
+                start = clock[rank]
+                if a.kind.is_compute:
+                    begin = max(start, ready)
+                    end = begin + durations.compute(a)
+                    busy[rank] += end - begin
+                    done[(a.stage, a.kind, a.microbatch)] = end
+                    events.append(TimelineEvent(rank, a, begin, end))
+                elif a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    begin = max(start, ready)
+                    end = begin + durations.send_overhead
+                    comm[rank] += durations.send_overhead
+                    transfer = (durations.p2p[a.stage] if a.kind is ActionKind.SEND_F
+                                else durations.p2p_grad[a.stage - 1])
+                    key = _message_key(a)
+                    dst = where[a.stage + 1] if a.kind is ActionKind.SEND_F else where[a.stage - 1]
+                    sent = channel_sent.setdefault((rank, dst), [])
+                    posted[key] = (end + transfer, len(sent))
+                    sent.append(key)
+                    events.append(TimelineEvent(rank, a, begin, end))
+                else:  # receive
+                    key = _message_key(a)
+                    src = where[key[0]]
+                    channel = (src, rank)
+                    order = channel_taken.get(channel, 0)
+                    if strict_order and posted[key][1] != order:
+                        expected = channel_sent[channel][order] if order < len(
+                            channel_sent[channel]) else None
+                        raise ScheduleError(
+                            f"rank {rank} receives {a} out of order from rank {src}",
+                            expected=f"the message rank {src} sent next on that link "
+                                     f"({expected})",
+                            found=f"message {key} (sent as number {posted[key][1]})",
+                            fix="post sends and receives between a pair of ranks in the same "
+                                "order on both sides")
+                    channel_taken[channel] = order + 1
+                    end = max(start + durations.send_overhead, ready)
+                    comm[rank] += durations.send_overhead
+                    done[(a.stage, a.kind, a.microbatch)] = end
+                    events.append(TimelineEvent(rank, a, start, end))
+                clock[rank] = end
+                pos[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            blocked = []
+            for rank in range(p):
+                if pos[rank] < len(schedule.ranks[rank]):
+                    a = schedule.ranks[rank][pos[rank]]
+                    blocked.append(f"rank {rank} at {a} waits for {ready_time(rank, a)[1]}")
+            raise ScheduleError("the pipeline schedule deadlocks",
+                                expected="every rank's next action to become ready",
+                                found="; ".join(blocked),
+                                fix="reorder the action lists so that every receive's send and "
+                                    "every backward's forward come earlier on their ranks")
+    step = max(clock)
+    total_busy = sum(busy)
+    bubble = (p * step - total_busy) / total_busy if total_busy > 0 else 0.0
+    idle = tuple(step - b - c for b, c in zip(busy, comm))
+    peaks = tuple(schedule.peak_in_flight(r) for r in range(p))
+    events.sort(key=lambda e: (e.start, e.rank))
+    return SimulationResult(step, tuple(busy), tuple(comm), idle, bubble, peaks, tuple(events))

@@ -1,0 +1,92 @@
+"""Pipeline executor errors: bad inputs, mismatched plans, and a silent peer (a timeout, never a
+hang)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import sympy
+import torch
+
+from autopar.errors import InvalidInputError, PlanMismatchError
+from autopar.ir import TensorSpec
+from autopar.runtime.local_pool import LocalPool, RemoteError
+from autopar.runtime.mesh import ParallelMesh
+from autopar.runtime.pipeline import PipelineExecutor, bind_sizes, split_microbatches
+from autopar.runtime.schedules import build_schedule
+
+B, S = sympy.Symbol("b", integer=True, positive=True), sympy.Symbol("s", integer=True,
+                                                                     positive=True)
+
+
+def test_micro_batches_and_sizes():
+    tokens = torch.arange(24).reshape(6, 4)
+    parts = split_microbatches((tokens, 3), 3)
+    assert [p[0].tolist() for p in parts] == [tokens[0:2].tolist(), tokens[2:4].tolist(),
+                                             tokens[4:6].tolist()]
+    assert all(p[1] == 3 for p in parts)
+    with pytest.raises(InvalidInputError, match="divisible by 4"):
+        split_microbatches((tokens,), 4)
+    spec = TensorSpec((B, S), torch.long)
+    assert bind_sizes([spec, spec], [tokens, tokens]) == {"b": 6, "s": 4}
+    with pytest.raises(InvalidInputError, match="disagree"):
+        bind_sizes([spec, spec], [tokens, tokens[:, :2]])
+    with pytest.raises(InvalidInputError, match="number of dims"):
+        bind_sizes([spec], [tokens[0]])
+
+
+def test_schedule_must_match_mesh_and_split():
+    split = SimpleNamespace(stages=(None, None), input_specs=(), target_specs=(),
+                            shared_params=dict, param_requires_grad={}, constants={})
+    mesh = SimpleNamespace(pp=4, pp_rank=0, dp=1, tp=1, rank=0, timeout=timedelta(seconds=5))
+    with pytest.raises(PlanMismatchError, match="pipeline size"):
+        PipelineExecutor(split, build_schedule("1f1b", 2, 4), mesh, tensors={})
+    mesh.pp = 2
+    with pytest.raises(PlanMismatchError, match="disagree on the stages"):
+        PipelineExecutor(split, build_schedule("interleaved-1f1b", 2, 4, 2), mesh, tensors={})
+
+
+def test_other_placeholders_need_a_binding():
+    from autopar.passes.split_stages import StageInput, StageInputKind
+
+    stage = SimpleNamespace(index=0, returns_loss=True, inputs=(), outputs=(),
+                            placeholders=(StageInput("tp", StageInputKind.OTHER, "tp"),))
+    split = SimpleNamespace(stages=(stage,), input_specs=(), target_specs=(),
+                            shared_params=dict, param_requires_grad={}, constants={})
+    mesh = SimpleNamespace(pp=1, pp_rank=0, dp=1, tp=1, rank=0, timeout=timedelta(seconds=5))
+    with pytest.raises(InvalidInputError, match="bindings"):
+        PipelineExecutor(split, build_schedule("1f1b", 1, 1), mesh, tensors={})
+    executor = PipelineExecutor(split, build_schedule("1f1b", 1, 1), mesh, tensors={},
+                                bindings={"tp": object()})
+    assert executor.parameters() == []
+
+
+def _one_rank_stays_silent(split, tensors, inputs, targets):
+    mesh = ParallelMesh(1, 2, 1)
+    executor = PipelineExecutor(split, build_schedule("1f1b", 2, 2), mesh, tensors=tensors)
+    if mesh.pp_rank == 0:
+        return "skipped"  # never sends: rank 1 must time out, not hang
+    return executor.step(inputs, targets)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_silent_peer_times_out_with_the_action_named(tiny_models):
+    from autopar.passes.split_stages import split_into_stages
+
+    model, _, inputs, targets, captured = tiny_models["llama"]  # no tied weights: no group
+    split = split_into_stages(captured.gm, captured.layers, [(0, 1), (2, 3)],
+                              constants=captured.constants)
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    pool = LocalPool(2, timeout_s=60, collective_timeout_s=4)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RemoteError, match="timed out on 1RECV_F0 from rank 0"):
+            pool.run(_one_rank_stays_silent, split, tensors, inputs, targets)
+    finally:
+        pool.close()
+    assert time.monotonic() - start < 60

@@ -1,0 +1,213 @@
+"""Pipeline schedules as data and their simulator: text round trip, validation, closed-form
+bubbles, deadlock freedom, and golden action lists (AUTOPAR_REGEN_GOLDEN=1 rewrites them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from autopar.errors import ScheduleError
+from autopar.plan import ScheduleKind
+from autopar.runtime.schedules import (
+    Action,
+    ActionKind,
+    PipelineSchedule,
+    add_communication,
+    build_schedule,
+    comm_batches,
+)
+from autopar.runtime.simulator import Durations, simulate
+
+GOLDEN = Path(__file__).parent / "golden" / "schedules"
+KINDS = [(ScheduleKind.GPIPE, 1), (ScheduleKind.ONE_F_ONE_B, 1),
+         (ScheduleKind.INTERLEAVED_1F1B, 2), (ScheduleKind.INTERLEAVED_1F1B, 3),
+         (ScheduleKind.ZB_H1, 1)]
+
+
+def _all_schedules(max_p=16):
+    for p in range(1, max_p + 1):
+        for kind, v in KINDS:
+            ms = [p, 2 * p] if kind.interleaved else sorted({1, p, p + 1, 2 * p})
+            for m in ms:
+                yield kind, p, v, m
+
+
+def test_action_text_round_trips():
+    for text in ["1F0", "12B3", "0I7", "3W2", "0SEND_F4", "1RECV_F4", "1SEND_B0", "0RECV_B10"]:
+        assert str(Action.parse(text)) == text
+    assert Action.parse("2W5") == Action(2, ActionKind.BACKWARD_WEIGHT, 5)
+    for bad in ["F0", "1X0", "1F", "-1F0", "1 F 0"]:
+        with pytest.raises(ScheduleError, match="expected"):
+            Action.parse(bad)
+
+
+@pytest.mark.parametrize("kind,v", KINDS)
+def test_schedule_text_round_trips(kind, v):
+    for p, m in [(1, 1), (2, 4), (4, 8), (3, 6)]:
+        for lowered in (False, True):
+            s = build_schedule(kind, p, m, v, communication=lowered)
+            back = PipelineSchedule.from_text(s.to_text())
+            assert back == s and back.to_text() == s.to_text()
+            assert back.kind is kind and back.num_stages == p * v
+
+
+def test_validation_names_the_problem():
+    with pytest.raises(ScheduleError, match="incomplete"):
+        PipelineSchedule.from_text("0: 0F0 0F1 0B0\n")  # microbatches=2 inferred, 0B1 missing
+    with pytest.raises(ScheduleError, match="before its forward"):
+        PipelineSchedule.from_text("0: 0B0 0F0\n")
+    with pytest.raises(ScheduleError, match="before its input gradient"):
+        PipelineSchedule.from_text("0: 0F0 0W0 0I0\n")
+    with pytest.raises(ScheduleError, match="exactly one rank"):
+        PipelineSchedule.from_text("0: 0F0 0B0\n1: 0F0 0B0\n")
+    with pytest.raises(ScheduleError, match="no previous stage"):
+        PipelineSchedule.from_text("0: 0RECV_F0 0F0 0B0\n")
+    with pytest.raises(ScheduleError, match="divisible"):
+        build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 6, 2)
+    with pytest.raises(ScheduleError, match="one stage per rank"):
+        build_schedule(ScheduleKind.ONE_F_ONE_B, 4, 8, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        build_schedule("pipedream", 4, 8)
+    with pytest.raises(ScheduleError, match="stages"):
+        simulate(build_schedule("1f1b", 4, 8), Durations.uniform(3))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_rank", [1, 2])
+def test_bubble_fraction_closed_forms_on_uniform_stages(p, per_rank):
+    """(p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved: Narayanan et al. 2021."""
+    m = per_rank * p
+    f, b = 1.0, 2.0
+    for kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
+        result = simulate(build_schedule(kind, p, m), Durations.uniform(p, f, b))
+        assert result.bubble_fraction == pytest.approx((p - 1) / m, abs=1e-12)
+        assert result.step_time == pytest.approx((m + p - 1) * (f + b))
+    for v in (2, 3, 4):  # each chunk 1/v of a stage
+        result = simulate(build_schedule(ScheduleKind.INTERLEAVED_1F1B, p, m, v),
+                          Durations.uniform(p * v, f / v, b / v))
+        assert result.bubble_fraction == pytest.approx((p - 1) / (v * m), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("fiw", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.5, 1.5, 1.0),
+                                 (1.0, 1.5, 0.8), (2.0, 1.0, 1.5)])
+def test_zero_bubble_h1_beats_1f1b(p, fiw):
+    """ZB-H1's bubble is (p-1)(F + I - W) against 1F1B's (p-1)(F + I + W) (Qi et al. 2024; the
+    closed form assumes T_F = T_I as the paper does); strictly smaller in every case."""
+    f, i, w = fiw
+    for m in (p, 2 * p, 3 * p):
+        d = Durations.uniform(p, f, i + w, weight=w)
+        zb = simulate(build_schedule(ScheduleKind.ZB_H1, p, m), d)
+        base = simulate(build_schedule(ScheduleKind.ONE_F_ONE_B, p, m), d)
+        assert zb.bubble_fraction < base.bubble_fraction
+        if f == i:
+            assert zb.step_time == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+        assert base.step_time == pytest.approx((m + p - 1) * (f + i + w))
+        assert max(zb.peak_in_flight) <= p  # memory: 1F1B's peak, on every rank
+
+
+def test_in_flight_activations_per_stage():
+    p, m = 4, 8
+    one = build_schedule(ScheduleKind.ONE_F_ONE_B, p, m)
+    assert [one.peak_in_flight(r) for r in range(p)] == [p - r for r in range(p)]
+    gp = build_schedule(ScheduleKind.GPIPE, p, m)
+    assert [gp.peak_in_flight(r) for r in range(p)] == [m] * p
+
+
+def test_gpipe_matches_flow_shop_recurrence_on_random_stages():
+    """Independent reference: GPipe's forward and backward phases are permutation flow shops,
+    C(s, j) = max(C(s-1, j), C(s, j-1)) + t_s, chained through the last stage."""
+    rng = random.Random(0)
+    for _ in range(30):
+        p, m = rng.randint(2, 6), rng.randint(1, 8)
+        fwd = [rng.uniform(0.5, 3) for _ in range(p)]
+        bwd = [rng.uniform(0.5, 3) for _ in range(p)]
+        c = [[0.0] * m for _ in range(p)]
+        for s in range(p):
+            for j in range(m):
+                c[s][j] = max(c[s - 1][j] if s else 0.0, c[s][j - 1] if j else 0.0) + fwd[s]
+        # backward: stage p-1 starts after its last forward, micro-batches in order
+        cb = [[0.0] * m for _ in range(p)]
+        for s in reversed(range(p)):
+            for j in range(m):
+                prev_rank = cb[s][j - 1] if j else c[s][m - 1]
+                dep = cb[s + 1][j] if s < p - 1 else c[s][m - 1]
+                cb[s][j] = max(prev_rank, dep) + bwd[s]
+        result = simulate(build_schedule(ScheduleKind.GPIPE, p, m), Durations(fwd, bwd))
+        assert result.step_time == pytest.approx(max(cb[s][m - 1] for s in range(p)))
+
+
+def test_no_deadlock_in_any_generated_schedule_up_to_16_ranks():
+    rng = random.Random(1)
+    count = 0
+    for kind, p, v, m in _all_schedules(16):
+        s = build_schedule(kind, p, m, v)
+        n = p * v
+        d = Durations([rng.uniform(0.5, 2) for _ in range(n)], [rng.uniform(1, 4) for _ in range(n)],
+                      p2p=[rng.uniform(0, 0.5) for _ in range(n - 1)], send_overhead=0.01)
+        result = simulate(s, d, strict_order=True)  # same message order on both ends of a link
+        assert result.step_time > 0 and min(result.idle) >= -1e-9
+        assert len([e for e in result.events if e.action.kind.is_compute]) == \
+            sum(1 for r in s.ranks for a in r if a.kind.is_compute)
+        count += 1
+    assert count == 250  # 16 pipeline sizes x 5 schedule variants x their micro-batch counts
+
+
+def test_deadlock_is_detected_and_explained():
+    bad = PipelineSchedule.from_text("0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1\n")
+    with pytest.raises(ScheduleError, match="deadlocks") as err:
+        simulate(bad, Durations.uniform(2))
+    assert "rank 0 at 0RECV_B0" in str(err.value) and "rank 1 at 1RECV_F1" in str(err.value)
+
+
+def test_lowering_batches_sends_before_receives():
+    s = build_schedule(ScheduleKind.ONE_F_ONE_B, 4, 8)
+    for actions in s.ranks:
+        for batch in comm_batches(actions):
+            kinds = [a.kind for a in batch]
+            sends = [k for k in kinds if k in (ActionKind.SEND_F, ActionKind.SEND_B)]
+            assert kinds[:len(sends)] == sends  # sends first, then receives
+    # 1F1B steady state on a middle rank: send forward + receive backward in one batch
+    assert any([a.kind for a in b] == [ActionKind.SEND_F, ActionKind.RECV_B]
+               for b in comm_batches(s.ranks[1]))
+    assert add_communication(s) is s  # idempotent
+
+
+def test_timeline_events_cover_the_step():
+    p, m = 4, 8
+    result = simulate(build_schedule(ScheduleKind.ONE_F_ONE_B, p, m),
+                      Durations.uniform(p, 1.0, 2.0, p2p=0.25))
+    for rank in range(p):
+        events = result.rank_events(rank)
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(events, events[1:]))
+        assert result.busy[rank] == pytest.approx(m * 3.0)
+    # p2p on the critical path: the first forward and the last backward cross 3 links each
+    assert result.step_time >= (m + p - 1) * 3.0 + 2 * (p - 1) * 0.25 - 1e-9
+    trace = json.loads(json.dumps(result.to_chrome_trace()))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(result.events)
+    assert {e["tid"] for e in complete} == set(range(p))
+    assert max(e["ts"] + e["dur"] for e in complete) == pytest.approx(result.step_time * 1e6)
+
+
+GOLDEN_CASES = [(ScheduleKind.GPIPE, 2, 1, 4), (ScheduleKind.ONE_F_ONE_B, 4, 1, 8),
+                (ScheduleKind.INTERLEAVED_1F1B, 2, 2, 4), (ScheduleKind.INTERLEAVED_1F1B, 4, 2, 8),
+                (ScheduleKind.ZB_H1, 4, 1, 8)]
+
+
+@pytest.mark.parametrize("kind,p,v,m", GOLDEN_CASES)
+def test_golden_schedules(kind, p, v, m):
+    name = f"{kind.value}_p{p}" + (f"_v{v}" if v > 1 else "") + f"_m{m}.txt"
+    path = GOLDEN / name
+    text = build_schedule(kind, p, m, v).to_text()
+    if os.environ.get("AUTOPAR_REGEN_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; run with AUTOPAR_REGEN_GOLDEN=1 to write it"
+    assert text == path.read_text(), f"{name} changed; review and regenerate with " \
+                                     f"AUTOPAR_REGEN_GOLDEN=1"
+    assert PipelineSchedule.from_text(path.read_text()) == build_schedule(kind, p, m, v)
