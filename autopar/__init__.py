@@ -4,8 +4,11 @@ The data flow: :func:`capture` (torch.export) -> analysis -> plan -> passes -> p
 runtime. This module is a thin face over it; import costs stay in the submodules.
 """
 
+from autopar.api import parallelize
 from autopar.cluster import Cluster
 from autopar.frontend import CapturedGraph, capture
+from autopar.parallel_model import ParallelModel
+from autopar.plan import Plan, Prediction
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,
@@ -21,6 +24,10 @@ from autopar.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "parallelize",
+    "ParallelModel",
+    "Plan",
+    "Prediction",
     "capture",
     "CapturedGraph",
     "Cluster",

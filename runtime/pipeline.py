@@ -35,12 +35,13 @@ passes; the expected attributes are spelled out by :class:`StageProgram`).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Callable, Any, Mapping, Protocol, Sequence
 
 import sympy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from autopar.errors import (
     CommunicationTimeoutError,
@@ -57,7 +58,8 @@ from autopar.runtime.schedules import (
     comm_batches,
 )
 
-__all__ = ["PipelineExecutor", "StageProgram", "bind_sizes", "split_microbatches"]
+__all__ = ["PipelineExecutor", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
+           "module_attribute"]
 
 
 class _Cut(Protocol):
@@ -120,16 +122,50 @@ def bind_sizes(specs: Sequence[Any], tensors: Sequence[Any]) -> dict[str, int]:
     return sizes
 
 
+def module_attribute(fqn: str) -> str:
+    """A parameter FQN as a module attribute name (attributes cannot contain dots)."""
+    return fqn.replace(".", "__")
+
+
+class StageModule(nn.Module):
+    """One stage's graph module with the stage's parameters registered on it.
+
+    Its forward takes the stage's whole argument list (parameters included, as the lifted graph
+    binds them), so the module owns exactly the parameters it reads and any module hook (a ZeRO-3
+    gather before the call, a free after) wraps each stage call.
+    """
+
+    def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter]) -> None:
+        super().__init__()
+        self.index = stage.index
+        object.__setattr__(self, "_graph", getattr(stage, "gm", None))  # not a submodule: no params
+        for fqn in dict.fromkeys(stage_params(stage)):
+            self.register_parameter(module_attribute(fqn), params[fqn])
+
+    def forward(self, *args: Any) -> Any:
+        return self._graph(*args)
+
+
 class PipelineExecutor:
     """One pipeline rank: its stages, parameters and action list."""
 
     def __init__(self, split: Any, schedule: PipelineSchedule, mesh: Any, *,
                  tensors: Mapping[str, torch.Tensor], bindings: Mapping[str, Any] | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, sync_tied: bool = True,
+                 on_backward: Callable[[int, int], None] | None = None,
+                 recompute: bool = False) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
-        (e.g. ``{"tp": tp_group}`` for a tensor-parallel program)."""
+        (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
+        gradient sum of tied weights to the caller (the data-parallel layer does it on its
+        buckets); ``on_backward(stage, microbatch)`` runs before each backward action (the
+        data-parallel layer enables gradient sync for a stage's last one)."""
         self.split = split
+        #: Full activation recompute: each stage call keeps only its inputs and runs again in
+        #: backward (torch.utils.checkpoint), so in-flight micro-batches hold one tensor set each.
+        self.recompute = recompute
+        self.sync_tied = sync_tied
+        self.on_backward = on_backward
         self.bindings = dict(bindings or {})
         self.schedule = add_communication(schedule)
         self.mesh = mesh
@@ -173,8 +209,25 @@ class PipelineExecutor:
                         raise InvalidInputError(f"no value for buffer {ph.key}",
                                                 fix="include model.named_buffers() in tensors")
                     self.buffers[ph.key] = tensors[ph.key].detach().clone()
-        self._tied = self._make_tied_groups()
+        self._tied = self._make_tied_groups() if sync_tied else []
+        #: One module per local stage, owning its parameters: stage calls go through it, so
+        #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
+        self.stage_modules = {s: StageModule(stage, self.params) for s, stage in self.local.items()}
+        self._last_backward = self._final_backward_microbatch()
+        self._inference = False
         self._reset()
+
+    def _final_backward_microbatch(self) -> dict[int, int]:
+        """For each local stage, the micro-batch of its last backward action on this rank."""
+        last: dict[int, int] = {}
+        for a in self.actions:
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                last[a.stage] = a.microbatch
+        return last
+
+    def is_last_backward(self, stage: int, microbatch: int) -> bool:
+        """Whether ``(stage, microbatch)`` is that stage's final backward in a step."""
+        return self._last_backward.get(stage) == microbatch
 
     # -- parameters ---------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -234,18 +287,7 @@ class PipelineExecutor:
 
         Returns the batch's mean loss on the rank that holds the last stage, None elsewhere.
         """
-        inputs, targets = tuple(inputs), tuple(targets)
-        if len(inputs) != len(self.split.input_specs) or \
-                len(targets) != len(self.split.target_specs):
-            raise InvalidInputError("wrong number of inputs or targets",
-                                    expected=f"{len(self.split.input_specs)} inputs and "
-                                             f"{len(self.split.target_specs)} targets",
-                                    found=f"{len(inputs)} and {len(targets)}")
-        self._reset()
-        self._micro_inputs = split_microbatches(inputs, self.m)
-        self._micro_targets = split_microbatches(targets, self.m)
-        self._sizes = [bind_sizes(tuple(self.split.input_specs) + tuple(self.split.target_specs),
-                                  i + t) for i, t in zip(self._micro_inputs, self._micro_targets)]
+        self._begin(inputs, targets)
         for batch in comm_batches(self.actions):
             if batch[0].kind.is_comm:
                 self._communicate(batch)
@@ -258,10 +300,48 @@ class PipelineExecutor:
         if leftovers:
             raise ScheduleError(f"rank {self.pp_rank} finished its actions with state left over",
                                 found=str([list(d)[:4] for d in leftovers]))
-        self._sync_tied_gradients()
+        if self.sync_tied:
+            self._sync_tied_gradients()
         loss = self._loss_sum
         self._reset()
         return loss
+
+    def evaluate(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
+        """Forward only, without gradients: the batch's mean loss on the rank holding the last
+        stage, None elsewhere. Runs this rank's forward actions (and their transfers) in the
+        schedule's order, which is deadlock-free because forwards depend only on forwards."""
+        keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
+        actions = [a for a in self.actions if a.kind in keep]
+        self._begin(inputs, targets)
+        self._inference = True
+        try:
+            with torch.no_grad():
+                for batch in comm_batches(actions):
+                    if batch[0].kind.is_comm:
+                        self._communicate(batch)
+                    else:
+                        self._compute(batch[0])
+                for work, what, _ in self._pending_sends:
+                    self._wait(work, what)
+        finally:
+            self._inference = False
+        loss = self._loss_sum
+        self._reset()
+        return loss
+
+    def _begin(self, inputs: Sequence[Any], targets: Sequence[Any]) -> None:
+        inputs, targets = tuple(inputs), tuple(targets)
+        if len(inputs) != len(self.split.input_specs) or \
+                len(targets) != len(self.split.target_specs):
+            raise InvalidInputError("wrong number of inputs or targets",
+                                    expected=f"{len(self.split.input_specs)} inputs and "
+                                             f"{len(self.split.target_specs)} targets",
+                                    found=f"{len(inputs)} and {len(targets)}")
+        self._reset()
+        self._micro_inputs = split_microbatches(inputs, self.m)
+        self._micro_targets = split_microbatches(targets, self.m)
+        self._sizes = [bind_sizes(tuple(self.split.input_specs) + tuple(self.split.target_specs),
+                                  i + t) for i, t in zip(self._micro_inputs, self._micro_targets)]
 
     # -- compute ----------------------------------------------------------------------------------
     def _args(self, stage: StageProgram, mb: int, acts: list[torch.Tensor]) -> list[Any]:
@@ -298,15 +378,20 @@ class PipelineExecutor:
                                     found=str(len(received)))
             leaves = [t.detach().requires_grad_(c.requires_grad)
                       for t, c in zip(received, stage.inputs)]
+            module, args = self.stage_modules[s], self._args(stage, mb, leaves)
             with torch.enable_grad():
-                out = stage.gm(*self._args(stage, mb, leaves))
+                if self.recompute and not self._inference:
+                    out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
+                else:
+                    out = module(*args)
             if stage.returns_loss:
                 self._loss_sum = out.detach() / self.m + (
                     self._loss_sum if self._loss_sum is not None else 0.0)
                 outs: Any = out / self.m
             else:
                 outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            self._forward[(s, mb)] = (leaves, outs)
+            if not self._inference:
+                self._forward[(s, mb)] = (leaves, outs)
             if not stage.returns_loss:
                 sent = [o.detach() for o in outs]
                 if self.stage_to_rank[s + 1] == self.pp_rank:
@@ -317,6 +402,8 @@ class PipelineExecutor:
         if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
             leaves, outs = (self._forward.pop((s, mb)) if a.kind is ActionKind.BACKWARD
                             else self._forward[(s, mb)])
+            if self.on_backward is not None:
+                self.on_backward(s, mb)
             roots, grads = self._roots(stage, s, mb, outs)
             wanted = [x for x, c in zip(leaves, stage.inputs) if c.requires_grad]
             if a.kind is ActionKind.BACKWARD:

@@ -1,0 +1,491 @@
+"""``autopar.parallelize``: from an ordinary model to the program every rank runs.
+
+Called on every rank of a job (``torchrun`` / ``autopar run``; a single process works too)::
+
+    pm = autopar.parallelize(model, example_inputs=(tokens,), example_targets=(targets,),
+                             loss_fn=loss_fn, optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
+                             plan="auto")            # or a Plan, or pins: {"tp": 2, "pp": 2, ...}
+    loss = pm.train_step(tokens, targets)             # the global batch; the same loss everywhere
+
+Steps: start the process group if needed (NCCL with CUDA, gloo otherwise; a timeout on every
+group); give every rank rank 0's weights; capture the model with its loss; rank 0 decides the plan
+(the search over the cost model, or the pins, or the given Plan) and sends it to the others as JSON;
+every rank builds its part (:class:`autopar.parallel_model.ParallelModel`) and the ranks check they
+built the same program.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import InfeasiblePlanError, InvalidInputError, PlanMismatchError
+from autopar.plan import Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+
+__all__ = ["parallelize", "PINNABLE"]
+
+#: Plan fields that ``plan={...}`` may pin.
+PINNABLE = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
+            "schedule", "recompute", "zero", "sequence_parallel")
+
+
+def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
+                optimizer: Any, plan: Plan | Mapping[str, Any] | str = "auto",
+                example_targets: Any = (), global_batch: int | None = None,
+                max_grad_norm: float | None = None, mixed_precision: bool = False,
+                bucket_mb: float = 25.0, timeout_s: float | None = None, tp_cost: Any = None,
+                seq: int | None = None) -> "ParallelModel":
+    """Parallelize ``model`` for this job; call on every rank. See the module docstring.
+
+    Args:
+        model: an ordinary single-device module with real weights (every rank builds it; rank
+            0's weights are used).
+        cluster: a :class:`autopar.Cluster`, a preset name or file, or None for this job's world
+            (the ``cpu`` preset for gloo processes).
+        example_inputs / example_targets: one batch of the model's inputs and the loss targets;
+            their batch size is the global batch unless ``global_batch`` is given.
+        loss_fn: ``loss_fn(model(*inputs), *targets) -> scalar``, traced with the model.
+        optimizer: an :class:`autopar.runtime.optim.OptimizerFactory`, a torch optimizer class,
+            or ``functools.partial(torch.optim.AdamW, lr=...)``.
+        plan: ``"auto"`` (search), a dict of pins (see :data:`PINNABLE`), or a :class:`Plan`.
+        max_grad_norm: clip the global gradient norm (over all ranks) to this value.
+        mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction.
+        tp_cost: hardware numbers for the tensor-parallel sharding search (TPCostSpec).
+    """
+    from autopar.frontend import capture
+
+    _init_distributed(timeout_s)
+    world = dist.get_world_size()
+    device = _device()
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        raise InvalidInputError("parallelize trains a model, and this one lives on the meta device",
+                                fix="build the model with real weights (autopar plan works on meta "
+                                    "models)")
+    _broadcast_model(model)
+    captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    if not captured.has_loss:
+        raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
+    batch = _batch_size(example_inputs)
+    global_batch = global_batch or batch
+    seq = seq or _seq_len(example_inputs)
+    cl = _resolve_cluster(cluster, world, device)
+    chosen, prediction, search = _agree_on_plan(plan, captured, cl, world, global_batch, seq,
+                                                mixed_precision)
+    from autopar.runtime.mesh import ParallelMesh
+
+    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
+                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                        device_type=device.type)
+    factory = _optimizer_factory(optimizer)
+    pm = _build(captured, chosen, prediction, mesh, factory, device, search=search,
+                max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
+                bucket_mb=bucket_mb, tp_cost=tp_cost)
+    _check_agreement(pm)
+    return pm
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group, devices, model
+# ---------------------------------------------------------------------------------------------
+
+def _init_distributed(timeout_s: float | None) -> None:
+    if dist.is_initialized():
+        return
+    from autopar.runtime.mesh import default_timeout
+
+    timeout = timedelta(seconds=timeout_s) if timeout_s else default_timeout()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a plain single process: a world of one
+        store = os.path.join(tempfile.mkdtemp(prefix="autopar-"), "rendezvous")
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
+                                timeout=timeout)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_model(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights (a model built unseeded differs per rank)."""
+    if dist.get_world_size() == 1:
+        return
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if dist.get_backend() == "nccl":
+                moved = t.detach().cuda()
+                dist.broadcast(moved, src=0)
+                t.copy_(moved.to(t.device))
+            else:
+                dist.broadcast(t.data, src=0)
+
+
+def _batch_size(inputs: Any) -> int:
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else [t for t in (
+        inputs.values() if isinstance(inputs, Mapping) else inputs) if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise InvalidInputError("example_inputs need a batch dimension",
+                                expected="tensors of shape [batch, ...]")
+    return int(tensors[0].shape[0])
+
+
+def _seq_len(inputs: Any) -> int:
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else [t for t in (
+        inputs.values() if isinstance(inputs, Mapping) else inputs) if isinstance(t, torch.Tensor)]
+    return int(tensors[0].shape[1]) if tensors[0].dim() >= 2 else 1
+
+
+def _resolve_cluster(cluster: Any, world: int, device: torch.device) -> Any:
+    from autopar.cluster import Cluster
+
+    if isinstance(cluster, Cluster):
+        base = cluster
+    elif isinstance(cluster, str):
+        base = Cluster.load(cluster)
+    elif cluster is None:
+        base = Cluster.load(_preset_for(device))
+    else:
+        raise InvalidInputError("cluster has an unexpected type",
+                                expected="an autopar.Cluster, a preset name or file, or None",
+                                found=type(cluster).__name__)
+    if base.num_devices == world:
+        return base
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return base.with_devices(world, devices_per_node=min(per_node, world))
+
+
+def _preset_for(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key, preset in (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g")):
+        if key in name:
+            return preset
+    return "a100-80g"
+
+
+def _optimizer_factory(optimizer: Any) -> Any:
+    from autopar.runtime.optim import OptimizerFactory
+
+    if isinstance(optimizer, OptimizerFactory):
+        return optimizer
+    if isinstance(optimizer, functools.partial) and isinstance(optimizer.func, type) and \
+            issubclass(optimizer.func, torch.optim.Optimizer) and not optimizer.args:
+        return OptimizerFactory(optimizer.func, dict(optimizer.keywords))
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return OptimizerFactory(optimizer, {})
+    raise InvalidInputError("optimizer has an unexpected form",
+                            expected="OptimizerFactory(cls, options), a torch optimizer class, or "
+                                     "functools.partial(torch.optim.AdamW, lr=...)",
+                            found=repr(optimizer)[:80])
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: decided on rank 0, sent as JSON, checked
+# ---------------------------------------------------------------------------------------------
+
+def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
+                   seq: int, mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+    decided = None
+    error = None
+    search = None
+    if dist.get_rank() == 0:
+        try:
+            decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
+                                                  seq, mixed_precision)
+            payload = {"plan": decided.to_json(),
+                       "prediction": prediction.to_json() if prediction else None}
+        except Exception as exc:  # noqa: BLE001 - every rank must learn that rank 0 failed
+            error = exc
+            payload = {"error": f"{type(exc).__name__}: {exc}"}
+        data = json.dumps(payload).encode()
+    else:
+        data = b""
+    data = _broadcast_bytes(data)
+    payload = json.loads(data.decode())
+    if "error" in payload:
+        if error is not None:
+            raise error
+        raise PlanMismatchError(f"rank 0 could not plan: {payload['error']}")
+    chosen = Plan.from_json(payload["plan"])
+    prediction = Prediction.from_json(payload["prediction"]) if payload["prediction"] else None
+    if chosen.world_size != world:
+        raise PlanMismatchError("the plan does not match this job's world size",
+                                expected=f"dp x pp x tp = {chosen.world_size} processes",
+                                found=f"a world of {world}",
+                                fix=f"launch {chosen.world_size} processes, or re-plan")
+    return chosen, prediction, search
+
+
+def _broadcast_bytes(data: bytes) -> bytes:
+    device = _device()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist())
+
+
+def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
+            mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+    if isinstance(plan, Plan):
+        if plan.world_size != world:
+            raise PlanMismatchError("the plan does not match this job's world size",
+                                    expected=f"dp x pp x tp = {plan.world_size} processes",
+                                    found=f"a world of {world}",
+                                    fix=f"launch {plan.world_size} processes, or re-plan")
+        return _with_stages(plan, captured), None, None
+    if isinstance(plan, str) and plan != "auto":
+        raise InvalidInputError(f"unknown plan {plan!r}",
+                                expected="'auto', a dict of pins, or an autopar.Plan")
+    pins = dict(plan) if isinstance(plan, Mapping) else {}
+    unknown = set(pins) - set(PINNABLE)
+    if unknown:
+        raise InvalidInputError(f"unknown pin(s) {sorted(unknown)}",
+                                expected=f"some of {list(PINNABLE)}")
+    full = {"dp", "tp", "pp"} <= set(pins) and (
+        "micro_batch_size" in pins or "num_micro_batches" in pins)
+    if full:  # everything that shapes the mesh is pinned: no search needed
+        return _plan_from_pins(pins, captured, world, global_batch), None, None
+    return _search(pins, captured, cluster, global_batch, seq, mixed_precision)
+
+
+def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_batch: int) -> Plan:
+    dp, tp, pp = pins["dp"], pins["tp"], pins["pp"]
+    if dp * tp * pp != world:
+        raise PlanMismatchError("the pinned mesh does not match the world size",
+                                expected=f"dp x tp x pp = {world}",
+                                found=f"{dp} x {tp} x {pp} = {dp * tp * pp}",
+                                fix="change the pins or the number of processes")
+    m = pins.get("num_micro_batches")
+    mbs = pins.get("micro_batch_size")
+    if m is None:
+        m, rest = divmod(global_batch, dp * mbs)
+        if rest or m < 1:
+            raise InvalidInputError("the global batch does not split as pinned",
+                                    expected=f"a multiple of dp x micro_batch_size = {dp * mbs}",
+                                    found=f"global batch {global_batch}")
+    elif mbs is None:
+        mbs, rest = divmod(global_batch, dp * m)
+        if rest or mbs < 1:
+            raise InvalidInputError("the global batch does not split as pinned",
+                                    expected=f"a multiple of dp x num_micro_batches = {dp * m}",
+                                    found=f"global batch {global_batch}")
+    fields = {k: v for k, v in pins.items() if k not in ("micro_batch_size", "num_micro_batches")}
+    plan = Plan(micro_batch_size=mbs, num_micro_batches=m, **fields)
+    if plan.global_batch != global_batch:
+        raise InvalidInputError("pins disagree with the global batch",
+                                expected=f"micro_batch_size x num_micro_batches x dp = {global_batch}",
+                                found=f"{mbs} x {m} x {dp} = {plan.global_batch}")
+    return _with_stages(plan, captured)
+
+
+def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
+            mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+    from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
+    from autopar.planner.search import SearchSpace, search
+
+    space_pins = {k: v for k, v in pins.items() if k != "num_micro_batches"}
+    if "num_micro_batches" in pins:
+        if "dp" not in pins:
+            raise InvalidInputError("num_micro_batches can only be pinned together with dp",
+                                    fix="pin dp too, or pin micro_batch_size instead")
+        mbs, rest = divmod(global_batch, pins["dp"] * pins["num_micro_batches"])
+        if rest or mbs < 1:
+            raise InvalidInputError("the global batch does not split as pinned",
+                                    expected=f"a multiple of dp x num_micro_batches")
+        space_pins["micro_batch_size"] = mbs
+    # The runtime recomputes whole stages; selective recompute is planned but not run yet.
+    space_pins.setdefault("recompute", RecomputeKind.NONE)
+    dtype = "bf16" if mixed_precision else "fp32"
+    costs = ModelCosts(captured, name=type(captured.model).__name__)
+    cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype))
+    result = search(cost_model, SearchSpace(**space_pins), top_k=5, progress=False)
+    for ev in (result.best, *result.alternatives):
+        if _runnable(ev.plan):
+            return _with_stages(ev.plan, captured), ev.prediction, result
+    raise InfeasiblePlanError("no searched plan can be run by this runtime",
+                              found=f"best: {result.best.plan}",
+                              fix="pin schedule, recompute or zero")
+
+
+def _runnable(plan: Plan | None) -> bool:
+    """What the runtime executes today (docs say what is not supported yet)."""
+    if plan is None or plan.recompute is RecomputeKind.SELECTIVE:
+        return False
+    return not (plan.zero == 3 and plan.schedule is ScheduleKind.ZB_H1)
+
+
+def _with_stages(plan: Plan, captured: Any) -> Plan:
+    """Fill in stage cuts (balanced by forward FLOPs) when the plan has none, and check them."""
+    n = len(captured.layers)
+    k = plan.num_stages
+    if k > n:
+        raise InfeasiblePlanError(
+            f"each stage would get less than one layer: {k} stages for {n} layers",
+            expected=f"pp x virtual_stages <= {n} (the captured layers: pre, blocks, post)",
+            found=f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {k}",
+            fix="reduce pp or virtual_stages, or use a deeper model")
+    if plan.stages:
+        if plan.stages[0].layers[0] != 0 or plan.stages[-1].layers[1] != n - 1:
+            raise PlanMismatchError("the plan's stages do not cover this model's layers",
+                                    expected=f"layers 0..{n - 1}",
+                                    found=f"{plan.stages[0].layers[0]}..{plan.stages[-1].layers[1]}",
+                                    fix="re-plan for this model")
+        return plan
+    ranges = balanced_ranges(_layer_weights(captured), k)
+    stages = tuple(StagePlan(i, r, i % plan.pp, i // plan.pp) for i, r in enumerate(ranges))
+    return plan.replace(stages=stages)
+
+
+def _layer_weights(captured: Any) -> list[float]:
+    from autopar.ir import evaluate
+    from autopar.passes.analyze import analyze
+
+    profile = analyze(captured)
+    sizes = captured.example_size_kwargs()
+    return [max(float(evaluate(layer.flops, **sizes)), 1.0) for layer in profile.layers]
+
+
+def balanced_ranges(weights: Sequence[float], k: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of ``weights`` into ``k`` non-empty parts minimizing the largest sum
+    (exact dynamic program, O(n^2 k))."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n + 1):
+            for c in range(j - 1, i):
+                cost = max(best[j - 1][c], prefix[i] - prefix[c])
+                if cost < best[j][i]:
+                    best[j][i], cut[j][i] = cost, c
+    ranges, i = [], n
+    for j in range(k, 0, -1):
+        c = cut[j][i]
+        ranges.append((c, i - 1))
+        i = c
+    return ranges[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembly
+# ---------------------------------------------------------------------------------------------
+
+def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, factory: Any,
+           device: torch.device, *, search: Any, max_grad_norm: float | None,
+           mixed_precision: bool, bucket_mb: float, tp_cost: Any) -> Any:
+    from autopar.parallel_model import ParallelModel, _fqn_shards
+    from autopar.passes.split_stages import split_into_stages
+    from autopar.runtime.pipeline import PipelineExecutor
+    from autopar.runtime.schedules import build_schedule
+    from autopar.runtime.tp import TPGroup
+    from autopar.tensor_parallel import tensor_parallelize
+
+    if plan.recompute is RecomputeKind.SELECTIVE:
+        raise InvalidInputError("selective recompute is planned by autopar but not run yet",
+                                fix="use recompute 'none' or 'full'")
+    if plan.zero == 3 and plan.schedule is ScheduleKind.ZB_H1:
+        raise InvalidInputError("ZeRO-3 with the zero-bubble schedule is not supported yet",
+                                expected="zero <= 2 with zb-h1, or another schedule with zero 3")
+    tp_program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
+                                    cost=tp_cost, pins=plan.gemm_sharding or None)
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    split = split_into_stages(tp_program.gm, captured.layers, [s.layers for s in stages],
+                              constants=captured.constants)
+    schedule = build_schedule(plan.schedule, plan.pp, plan.num_micro_batches, plan.virtual_stages)
+    for s in stages:
+        if schedule.stage_to_rank[s.index] != s.pp_rank:
+            raise PlanMismatchError(f"stage {s.index} is placed on pipeline rank {s.pp_rank}, but "
+                                    f"the {plan.schedule.value} schedule runs it on rank "
+                                    f"{schedule.stage_to_rank[s.index]}", fix="re-plan")
+    tensors = {k: v.to(device) for k, v in
+               _fqn_shards(tp_program, tp_program.full_tensors(captured.model), mesh.tp_rank).items()}
+    holder: dict[str, Any] = {}
+
+    def on_backward(stage: int, microbatch: int) -> None:
+        # Gradients stay local until a stage's last micro-batch, whose backward then overlaps
+        # the reduction.
+        holder["dp"].set_requires_gradient_sync(
+            executor.is_last_backward(stage, microbatch), chunk=holder["chunk"][stage])
+
+    executor = PipelineExecutor(split, schedule, mesh, tensors=tensors,
+                                bindings={"tp": TPGroup.from_mesh(mesh)}, sync_tied=False,
+                                on_backward=on_backward,
+                                recompute=plan.recompute is RecomputeKind.FULL)
+    local_stages = list(executor.stage_modules)
+    holder["chunk"] = {s: (i if len(local_stages) > 1 else None) for i, s in enumerate(local_stages)}
+    pm = ParallelModel(captured=captured, plan=plan, prediction=prediction, mesh=mesh,
+                       tp_program=tp_program, split=split, executor=executor, data_parallel=None,
+                       device=device, search=search)
+    pm._dp_args = dict(factory=factory, max_grad_norm=max_grad_norm,
+                       mixed_precision=mixed_precision, bucket_mb=bucket_mb)
+    pm._dp_holder = holder
+    pm.data_parallel = _rebuild_data_parallel(pm)
+    return pm
+
+
+def _rebuild_data_parallel(pm: Any) -> Any:
+    """The data-parallel engine over the executor's stage modules (collective)."""
+    from autopar.runtime.data_parallel import DataParallel, DataParallelConfig, ParamSpec
+    from autopar.runtime.optim import MixedPrecision
+    from autopar.sharding import placement_str
+
+    if pm.data_parallel is not None:
+        pm.data_parallel.close()
+    args = pm._dp_args
+    executor, mesh, plan = pm.executor, pm.mesh, pm.plan
+    layouts = {p.fqn: p for p in pm.tp_program.layouts}
+    shared = pm.split.shared_params()
+    specs = []
+    for fqn, name in pm._dp_name.items():
+        pp_ranks = sorted({executor.stage_to_rank[s] for s in shared.get(fqn, ())})
+        tied = tuple(mesh.stage_rank(r) for r in pp_ranks) if len(pp_ranks) > 1 else ()
+        specs.append(ParamSpec(name, replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
+                               shared_with=tied, tie_id=fqn if tied else ""))
+    config = DataParallelConfig(zero=plan.zero, bucket_mb=args["bucket_mb"],
+                                mixed_precision=MixedPrecision() if args["mixed_precision"] else None,
+                                max_grad_norm=args["max_grad_norm"])
+    dp = DataParallel(list(executor.stage_modules.values()), mesh, args["factory"], config,
+                      param_specs=specs)
+    pm._dp_holder["dp"] = dp
+    return dp
+
+
+def _check_agreement(pm: Any) -> None:
+    """Every rank must have built from the same plan and graph; a mismatch would hang or give
+    wrong numbers later, so it is an error now."""
+    mine = int(pm.fingerprint(), 16) & ((1 << 62) - 1)
+    gathered = [torch.zeros(1, dtype=torch.int64, device=pm.device)
+                for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=pm.device))
+    values = [int(t.item()) for t in gathered]
+    if len(set(values)) > 1:
+        bad = [r for r, v in enumerate(values) if v != values[0]]
+        raise PlanMismatchError("ranks built different programs",
+                                expected="the same plan and graph on every rank",
+                                found=f"rank(s) {bad} differ from rank 0",
+                                fix="build the same model with the same example inputs on every rank")

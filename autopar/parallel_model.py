@@ -1,0 +1,261 @@
+"""The program one rank runs: tensor-parallel stage modules, the pipeline executor, data parallel.
+
+:class:`ParallelModel` is what :func:`autopar.parallelize` returns on every rank. Assembly:
+
+1. the tensor-parallel program (``autopar.tensor_parallel``) turns the captured graph into the
+   per-rank graph (collectives as nodes, every node keeping its layer);
+2. the stage split (``passes/split_stages.py``) cuts that graph into the plan's pipeline stages;
+3. the pipeline executor (``runtime/pipeline.py``) runs this rank's stages on the plan's schedule,
+   with this rank's parameter shards sliced from the full model;
+4. the data-parallel layer (``runtime/data_parallel.py``) syncs gradients (overlapped with the
+   last micro-batch's backward), shards optimizer state / gradients / parameters by ZeRO stage,
+   sums tied weights across stages, clips the global norm and steps the optimizer.
+
+``train_step(inputs, targets)`` takes the global batch (the same tensors on every rank) and
+returns the global-batch mean loss, equal on all ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import InvalidInputError, PlanMismatchError
+from autopar.ir import NodeKind, info
+from autopar.plan import Plan, Prediction, ScheduleKind
+from autopar.sharding import unshard_tensors
+
+__all__ = ["ParallelModel"]
+
+
+class ParallelModel:
+    """One rank's part of a parallelized model (see the module docstring)."""
+
+    def __init__(self, *, captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any,
+                 tp_program: Any, split: Any, executor: Any, data_parallel: Any,
+                 device: torch.device, search: Any = None) -> None:
+        self.captured = captured
+        self.plan = plan
+        self.prediction = prediction
+        self.mesh = mesh
+        self.tp_program = tp_program
+        self.split = split
+        self.executor = executor
+        self.data_parallel = data_parallel
+        self.device = device
+        self.search = search
+        self.steps = 0
+        #: Parameter FQN -> this rank's DataParallel name for it (stages it holds only).
+        self._dp_name = _dp_names(executor)
+
+    # -- training -----------------------------------------------------------------------------
+    def train_step(self, inputs: Sequence[Any] | torch.Tensor, targets: Sequence[Any] | torch.Tensor = (),
+                   *, local: bool = False) -> float:
+        """One optimizer step on a batch; returns the batch's mean loss (equal on every rank).
+
+        ``inputs``/``targets``: the global batch, the same tensors on every rank; with
+        ``local=True``, this data-parallel rank's share only (rows ``dp_rank::dp`` of the global
+        batch, in order: see :meth:`local_batch`), which is how large jobs feed data.
+        """
+        inputs, targets = self._prepare(inputs, targets, local)
+        dp = self.data_parallel
+        loss = self.executor.step(inputs, targets)
+        dp.finish_gradient_sync()
+        dp.step()  # clips first when the plan's max_grad_norm is set
+        dp.zero_grad()
+        self.steps += 1
+        return self._global_loss(loss)
+
+    def eval_step(self, inputs: Sequence[Any] | torch.Tensor, targets: Sequence[Any] | torch.Tensor = (),
+                  *, local: bool = False) -> float:
+        """The batch's mean loss, no gradients, no update (equal on every rank)."""
+        inputs, targets = self._prepare(inputs, targets, local)
+        gathered = self.data_parallel.gather_for_eval() if hasattr(
+            self.data_parallel, "gather_for_eval") else None
+        try:
+            loss = self.executor.evaluate(inputs, targets)
+        finally:
+            if gathered is not None:
+                gathered()
+        return self._global_loss(loss)
+
+    __call__ = eval_step
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's share of a global batch (dim 0), as train_step takes it."""
+        if batch.shape[0] % self.plan.dp:
+            raise InvalidInputError("the global batch does not split over data-parallel ranks",
+                                    expected=f"a batch divisible by dp={self.plan.dp}",
+                                    found=f"batch {batch.shape[0]}",
+                                    fix="use a global batch that is a multiple of dp x micro-batches")
+        return batch.chunk(self.plan.dp, dim=0)[self.mesh.dp_rank]
+
+    def _prepare(self, inputs: Any, targets: Any, local: bool) -> tuple[tuple, tuple]:
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        targets = (targets,) if isinstance(targets, torch.Tensor) else tuple(targets)
+        n_in, n_tg = len(self.captured.input_names), len(self.captured.target_names)
+        if len(inputs) != n_in or len(targets) != n_tg:
+            raise InvalidInputError("wrong number of inputs or targets",
+                                    expected=f"{n_in} input(s) and {n_tg} target(s), as captured",
+                                    found=f"{len(inputs)} and {len(targets)}")
+        m = self.plan.num_micro_batches
+        out = []
+        for t in inputs + targets:
+            if not isinstance(t, torch.Tensor):
+                out.append(t)
+                continue
+            if not local:
+                t = self.local_batch(t)
+            if t.shape[0] % m:
+                raise InvalidInputError(
+                    "the batch does not split into the plan's micro-batches",
+                    expected=f"a per-replica batch divisible by {m} micro-batches "
+                             f"(global batch a multiple of dp x micro-batches = {self.plan.dp * m})",
+                    found=f"per-replica batch {t.shape[0]}",
+                    fix="change the batch size, or re-plan with another micro-batch count")
+            out.append(t.to(self.device))
+        return tuple(out[:n_in]), tuple(out[n_in:])
+
+    def _global_loss(self, loss: torch.Tensor | None) -> float:
+        """Each replica's last stage holds its mean loss: average over replicas, share with all."""
+        holder = self.mesh.pp_rank == self.plan.pp - 1 and self.mesh.tp_rank == 0
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if holder:
+            if loss is None:
+                raise PlanMismatchError("the last pipeline stage returned no loss",
+                                        fix="capture the model with its loss_fn")
+            value += loss.detach().double()
+        dist.all_reduce(value)
+        return float(value.item()) / self.plan.dp
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the original model's keys (tied names included), on every rank.
+
+        Collective. Parameters come from the data-parallel master weights (whole even under
+        ZeRO-3), are gathered over the tensor-parallel group and broadcast from the pipeline rank
+        that holds them.
+        """
+        local = self.data_parallel.full_parameters()
+        params = self.executor.params
+        out: dict[str, torch.Tensor] = {}
+        layouts = {p.fqn: p for p in self.tp_program.layouts}
+        for fqn, pinfo in sorted((p.fqn, p) for p in self.captured.params.values()):
+            owner = self._owner_pp_rank(fqn)
+            layout = layouts[fqn]
+            full_shape = tuple(int(d) for d in pinfo.spec.shape)
+            if self.mesh.pp_rank == owner:
+                name = self._dp_name[fqn]
+                shard = local[name] if name in local else params[fqn].detach()
+                shard = shard.to(pinfo.spec.dtype).contiguous()
+                pieces = [torch.empty_like(shard) for _ in range(self.plan.tp)]
+                if self.plan.tp > 1:
+                    dist.all_gather(pieces, shard, group=self.mesh.tp_group)
+                else:
+                    pieces = [shard]
+                full = unshard_tensors(pieces, layout.placement)
+            else:
+                full = torch.empty(full_shape, dtype=pinfo.spec.dtype, device=self.device)
+            if self.plan.pp > 1:
+                dist.broadcast(full, src=self.mesh.stage_rank(owner), group=self.mesh.pp_group)
+            out[fqn] = full.cpu()
+            for alias in pinfo.aliases:
+                out[alias] = out[fqn]
+        for key, buf in self.captured.buffers.items():
+            if buf.fqn in self.executor.buffers:
+                out[buf.fqn] = self.executor.buffers[buf.fqn].detach().cpu()
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor] | nn.Module) -> None:
+        """Replace the parameters with ``state`` (full tensors, original keys, or a model).
+
+        Collective. The optimizer state is reset (use :meth:`load` to restore a checkpoint with
+        it)."""
+        from autopar.api import _rebuild_data_parallel
+
+        if isinstance(state, nn.Module):
+            state = self.tp_program.full_tensors(state)
+        shards = _fqn_shards(self.tp_program, state, self.mesh.tp_rank)
+        with torch.no_grad():
+            for fqn, p in self.executor.params.items():
+                if fqn not in shards:
+                    raise InvalidInputError(f"the state dict has no {fqn!r}",
+                                            expected="every parameter of the model")
+                p.copy_(shards[fqn].to(p.dtype))
+        self.data_parallel = _rebuild_data_parallel(self)
+
+    def _owner_pp_rank(self, fqn: str) -> int:
+        stages = self.split.param_stages.get(fqn)
+        if not stages:
+            raise PlanMismatchError(f"parameter {fqn} is read by no stage")
+        return self.executor.stage_to_rank[stages[0]]
+
+    # -- inspection -----------------------------------------------------------------------------
+    def generated_code(self, rank: int | None = None) -> str:
+        """The Python source this rank's modules run: the tensor-parallel module of its tp
+        coordinate, then the stage graphs of its pipeline coordinate (``rank``: any global rank,
+        default this one)."""
+        from autopar.runtime.mesh import coordinates
+
+        rank = dist.get_rank() if rank is None else rank
+        if not 0 <= rank < self.plan.world_size:
+            raise InvalidInputError(f"rank must be in [0, {self.plan.world_size})", found=str(rank))
+        _, pp_rank, tp_rank = coordinates(rank, self.plan.dp, self.plan.pp, self.plan.tp)
+        parts = [f"# autopar rank {rank}: dp x pp x tp = {self.plan.dp} x {self.plan.pp} x "
+                 f"{self.plan.tp}; pipeline rank {pp_rank}, tensor-parallel rank {tp_rank}\n",
+                 self.tp_program.source(tp_rank)]
+        for s, stage in enumerate(self.split.stages):
+            if self.executor.schedule.stage_to_rank[s] == pp_rank:
+                parts.append(f"\n# ---- pipeline stage {s} (layers {stage.layers[0]}-"
+                             f"{stage.layers[1]}) as run by the executor ----\n{stage.gm.code}")
+        return "".join(parts)
+
+    def memory_bytes(self) -> dict[str, int]:
+        report = self.data_parallel.memory_bytes()
+        return {"params": report.params, "grads": report.grads, "optimizer": report.optimizer}
+
+    def fingerprint(self) -> str:
+        """A hash of what this rank was built from (equal on every rank: the plan and the
+        per-rank graph before tensor-parallel slicing)."""
+        h = hashlib.sha256(self.plan.dumps().encode())
+        h.update(self.tp_program.gm.code.encode())
+        for stage in self.split.stages:
+            h.update(f"{stage.index}:{stage.layers}".encode())
+        return h.hexdigest()[:16]
+
+    def close(self) -> None:
+        self.data_parallel.close()
+
+
+def _dp_names(executor: Any) -> dict[str, str]:
+    """FQN -> the name the data-parallel layer gives the parameter (chunk-prefixed when a rank
+    runs several stages), for the first local stage that holds it."""
+    from autopar.runtime.pipeline import module_attribute
+
+    modules = list(executor.stage_modules.values())
+    out: dict[str, str] = {}
+    for i, module in enumerate(modules):
+        prefix = f"{i}." if len(modules) > 1 else ""
+        for name, _ in module.named_parameters():
+            fqn = next(f for f in executor.params if module_attribute(f) == name)
+            out.setdefault(fqn, prefix + name)
+    return out
+
+
+def _fqn_shards(tp_program: Any, full: Mapping[str, torch.Tensor], tp_rank: int
+                ) -> dict[str, torch.Tensor]:
+    """This tp rank's shard of every parameter and buffer, keyed by FQN."""
+    by_attr = tp_program.shard_state_dict(full, tp_rank)
+    return {p.fqn: by_attr[p.attribute] for p in tp_program.layouts}
+
+
+def split_is_trained(captured: Any) -> bool:
+    return any(info(n).kind is NodeKind.TARGET for n in captured.gm.graph.nodes)
+
+
+def schedule_is_zero_bubble(plan: Plan) -> bool:
+    return plan.schedule is ScheduleKind.ZB_H1
