@@ -12,12 +12,11 @@ ZeRO-0 and no recomputation (what every runner below implements) and the search 
 Measurements run the plan for ``--steps`` optimizer steps after two warm-up steps and report the
 median. Runners:
 
-- ``autopar``: ``autopar.parallelize(model, plan)`` - the end-to-end runtime, built by the data
-  and pipeline parallel issues. Until it lands, rows it would measure are reported as
-  "runtime not available" (never estimated).
+- ``autopar`` (default): ``autopar.parallelize(model, plan=the searched Plan)`` on ``world``
+  local gloo processes, the end-to-end runtime the prediction is about.
 - ``torch``: PyTorch's own DistributedDataParallel (gloo) with gradient accumulation and AdamW,
-  for the pure data-parallel plans (tp = pp = 1), and one process for world 1. A real
-  measurement of those plans with a reference implementation.
+  for the pure data-parallel plans (tp = pp = 1), and one process for world 1: a reference
+  implementation of those plans, to see how far autopar's runtime is from torch's.
 """
 
 from __future__ import annotations
@@ -91,29 +90,49 @@ class _null:
         return False
 
 
-NOT_LANDED = "runtime not available (autopar.parallelize has not landed)"
+def _autopar_worker(plan: dict, steps: int, seed: int = 0) -> float:
+    """One rank of an autopar run: ``autopar.parallelize`` with the plan, AdamW, the median
+    step time (each step bracketed by barriers, as ``_ddp_worker``)."""
+    import functools
 
+    import torch
+    import torch.distributed as dist
 
-def run_with_autopar(plan: dict, world: int, steps: int) -> float | None:
-    """The one place the end-to-end runtime plugs in: run ``plan`` (a Plan's JSON) on
-    ``world`` local gloo processes for ``steps`` steps of the MODEL above and return the median
-    step time. Returns None while ``autopar.parallelize`` does not exist."""
     import autopar
+    from autopar import models
 
-    if not hasattr(autopar, "parallelize"):
-        return None
-    raise RuntimeError("autopar.parallelize exists now: connect it here (build MODEL, apply "
-                       "Plan.from_json(plan), time `steps` optimizer steps as _ddp_worker does)")
+    zm = models.build("gpt", dropout=0.0, seed=seed, **MODEL)
+    gen = torch.Generator().manual_seed(seed)
+    inputs, targets = zm.example_inputs(batch=GLOBAL_BATCH, seq=MODEL["seq"], generator=gen)
+    pm = autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
+                             loss_fn=zm.loss_fn, plan=autopar.Plan.from_json(plan),
+                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+    times = []
+    for step in range(steps + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        pm.train_step(inputs, targets)
+        dist.barrier()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    pm.close()
+    return statistics.median(times)
+
+
+def run_with_autopar(plan: dict, world: int, steps: int) -> float:
+    """Run ``plan`` (a Plan's JSON) with ``autopar.parallelize`` on ``world`` local gloo
+    processes for ``steps`` timed steps of the MODEL above; the median step time (the slowest
+    rank's)."""
+    from autopar.runtime.local_pool import LocalPool
+
+    with LocalPool(world, timeout_s=900) as pool:
+        return max(pool.run(_autopar_worker, plan, steps, timeout_s=1800))
 
 
 def measure(plan: dict, world: int, steps: int, runner: str) -> tuple[float | None, str]:
     """(median step seconds, runner used) or (None, why not)."""
-    if runner in ("auto", "autopar"):
-        seconds = run_with_autopar(plan, world, steps)
-        if seconds is not None:
-            return seconds, "autopar"
-        if runner == "autopar":
-            return None, NOT_LANDED
+    if runner == "autopar":
+        return run_with_autopar(plan, world, steps), "autopar"
     if plan["tp"] == 1 and plan["pp"] == 1:
         if world == 1:
             import torch
@@ -124,7 +143,7 @@ def measure(plan: dict, world: int, steps: int, runner: str) -> tuple[float | No
 
         with LocalPool(world, timeout_s=900) as pool:
             return max(pool.run(_ddp_worker, plan, steps)), "torch DDP"
-    return None, NOT_LANDED
+    return None, "the torch runner covers pure data-parallel plans only"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cluster", help="calibrated cluster file (default: calibrate now)")
-    ap.add_argument("--runner", choices=["auto", "autopar", "torch"], default="auto")
+    ap.add_argument("--runner", choices=["autopar", "torch"], default="autopar")
     ap.add_argument("--json", help="write the rows as JSON to this file")
     args = ap.parse_args(argv)
 
