@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import operator
 from typing import Any
 
@@ -66,10 +68,14 @@ def inline_no_grad_regions(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRe
                     for out in outs:
                         detached = gm.graph.call_function(aten.detach.default, (env[out],))
                         detached.meta.update(env[out].meta)
+                        if META_KEY in detached.meta:  # its own annotations, not a shared object
+                            detached.meta[META_KEY] = copy.copy(detached.meta[META_KEY])
                         results.append(detached)
                     continue
                 copied = gm.graph.node_copy(inner, lambda n: env[n])
                 copied.meta.update(inner.meta)
+                if META_KEY in copied.meta:
+                    copied.meta[META_KEY] = copy.copy(copied.meta[META_KEY])
                 copied.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
                 env[inner] = copied
         for user in list(node.users):

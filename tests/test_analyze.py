@@ -155,3 +155,80 @@ def test_dropout_masks_are_one_byte_per_element():
     probs_copy = 2 * b * heads * s * s * 4  # dropped-out probs are no longer softmax's output
     assert total(dropped) - total(plain) == mask_elems + probs_copy
     assert _autograd_saved_bytes(dropped_model, x) - total(dropped) == 3 * mask_elems
+
+
+class _TensorRecorder(torch.fx.Interpreter):
+    """Runs the captured graph on real tensors and keeps each node's value."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+def test_bytes_moved_equal_the_real_tensors(tiny_models, family):
+    """Bytes read and written per node, evaluated at a shape other than the captured one, equal
+    the sizes of the tensors the graph really reads and writes when run at that shape."""
+    from autopar.passes.analyze import CREATION_OPS, VIEW_OPS, _is_identity
+    from autopar.ir import op_name
+
+    _, _, _, _, captured = tiny_models[family]
+    analyze(captured)
+    batch, seq = 3, 11
+    tokens = torch.randint(0, 128, (batch, seq + 1), generator=torch.Generator().manual_seed(3))
+    recorder = _TensorRecorder(captured.gm)
+    with torch.no_grad():
+        recorder.run(*captured.placeholder_values(), tokens[:, :-1], tokens[:, 1:])
+    checked = 0
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) in VIEW_OPS or _is_identity(node):
+            continue
+        meta = info(node)
+        written = _nbytes(recorder.values[node.name])
+        read = sum(_nbytes(recorder.values[a.name]) for a in dict.fromkeys(node.all_input_nodes))
+        assert evaluate(meta.bytes_written, b=batch, s=seq) == written, node.name
+        if op_name(node) not in CREATION_OPS:  # they read only their input's shape
+            assert evaluate(meta.bytes_read, b=batch, s=seq) == read, node.name
+        checked += 1
+    assert checked > 20
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert", "own_gpt"])
+def test_layer_parameter_bytes_equal_the_modules(tiny_models, family):
+    """Each block's parameter bytes equal its module's own parameters; the layers together hold
+    every parameter of the model exactly once (a tied embedding / LM head counted once)."""
+    model, _, _, _, captured = tiny_models[family]
+    profile = analyze(captured)
+    unique = {id(p): p for p in model.parameters()}
+    assert sum(layer.param_bytes for layer in profile.layers) == sum(
+        p.numel() * p.element_size() for p in unique.values()) == profile.param_bytes
+    modules = dict(model.named_modules())
+    blocks = [layer for layer in profile.layers if layer.kind.name == "BLOCK"]
+    assert len(blocks) == 2
+    for layer in blocks:  # a block layer is named by its module's path
+        assert layer.param_bytes == sum(p.numel() * p.element_size()
+                                        for p in modules[layer.name].parameters()), layer.name
+
+
+@pytest.mark.parametrize("family, buffer", [("bert", "bert.embeddings.position_ids"),
+                                            ("llama", "model.rotary_emb.inv_freq")])
+def test_buffer_reads_are_recorded(tiny_models, family, buffer):
+    """Integer and float buffers are captured with their FQN, and the ops that read them say so."""
+    _, _, _, _, captured = tiny_models[family]
+    assert buffer in {b.fqn for b in captured.buffers.values()}
+    readers = [n for n in captured.gm.graph.nodes
+               if n.op == "call_function" and buffer in info(n).reads]
+    assert readers, f"no op records reading {buffer}"
