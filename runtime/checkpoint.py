@@ -69,7 +69,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties)
+                                                   StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -379,9 +380,8 @@ def _held(engine: Any, layouts: Mapping[str, TensorLayout]) -> list[_Held]:
     return out
 
 
-def _state_names(engine: Any) -> tuple[list[str], list[str]]:
-    """Element-wise and scalar optimizer state names over all ranks (collective: a rank may
-    hold no piece)."""
+def _local_state_names(engine: Any) -> tuple[list[str], list[str]]:
+    """Element-wise and scalar optimizer state names of this rank's pieces."""
     elementwise, scalar = set(), set()
     for state in engine.optimizer.state.values():
         for k, v in state.items():
@@ -391,10 +391,23 @@ def _state_names(engine: Any) -> tuple[list[str], list[str]]:
                 raise InvalidInputError(f"optimizer state {k!r} is a {type(v).__name__}",
                                         expected="tensor state (element-wise or 0-d)",
                                         fix="use a torch optimizer whose state is tensors")
+    return sorted(elementwise), sorted(scalar)
+
+
+def _agree(problem: Exception | None, what: str, payload: Any = None) -> list[Any]:
+    """Collective: every rank learns whether any rank failed, and all raise (none is left
+    waiting in DCP's collectives); returns every rank's ``payload``."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (sorted(elementwise), sorted(scalar)))
-    return (sorted(set().union(*(set(e) for e, _ in gathered))),
-            sorted(set().union(*(set(s) for _, s in gathered))))
+    note = None if problem is None else f"{type(problem).__name__}: {problem}"
+    dist.all_gather_object(gathered, (note, payload))
+    if problem is not None:
+        raise problem
+    failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]
+    if failed:
+        rank, note = failed[0]
+        raise InvalidInputError(f"{what} failed on rank {rank}", found=note.splitlines()[0],
+                                fix=f"see rank {rank}'s error")
+    return [p for _, p in gathered]
 
 
 def _optim_key(state: str, key: str) -> str:
@@ -405,17 +418,9 @@ def _optim_key(state: str, key: str) -> str:
 # Save and load
 # ---------------------------------------------------------------------------------------------
 
-def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
-         sidecar: Mapping[str, Any]) -> None:
-    """Write ``engine``'s master weights and optimizer state under ``layouts``' keys, then the
-    sidecar and the completion marker (rank 0). Collective over the world; call between steps."""
-    import torch.distributed.checkpoint as dcp
-
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    if dist.get_rank() == 0 and os.path.exists(os.path.join(path, COMPLETE)):
-        os.remove(os.path.join(path, COMPLETE))  # an overwrite is incomplete until it ends
-    elementwise, scalar = _state_names(engine)
+def _save_blocks(engine: Any, layouts: Mapping[str, TensorLayout], elementwise: Sequence[str],
+                 scalar: Sequence[str]) -> list[Block]:
+    """What this rank writes: its share of every parameter and of its optimizer state."""
     blocks: list[Block] = []
     for h in _held(engine, layouts):
         if h.write is None:
@@ -441,6 +446,35 @@ def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
                 value = (value.detach().reshape(()) if isinstance(value, torch.Tensor)
                          else torch.zeros((), dtype=torch.float32))
                 blocks.append(Block(_optim_key(name, h.layout.key), (), (), value))
+    return blocks
+
+
+def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
+         sidecar: Mapping[str, Any]) -> None:
+    """Write ``engine``'s master weights and optimizer state under ``layouts``' keys, then the
+    sidecar and the completion marker (rank 0). Collective over the world; call between steps."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    problem, names = None, ([], [])
+    try:
+        if dist.get_rank() == 0 and os.path.isdir(path):  # an overwrite: incomplete until it
+            for name in os.listdir(path):  # ends, and no blocks of a larger world left behind
+                if name in (COMPLETE, SIDECAR, ".metadata") or name.endswith(".distcp"):
+                    os.remove(os.path.join(path, name))
+        os.makedirs(path, exist_ok=True)
+        names = _local_state_names(engine)
+    except (OSError, InvalidInputError) as exc:
+        problem = exc
+    gathered = _agree(problem, "checkpoint save", names)  # (after rank 0's clean-up)
+    elementwise = sorted(set().union(*(set(e) for e, _ in gathered)))
+    scalar = sorted(set().union(*(set(s) for _, s in gathered)))
+    problem, blocks = None, []
+    try:
+        blocks = _save_blocks(engine, layouts, elementwise, scalar)
+    except (InvalidInputError, PlanMismatchError) as exc:
+        problem = exc
+    _agree(problem, "checkpoint save")
     dcp.save({}, storage_writer=dcp.FileSystemWriter(path), planner=BlockSavePlanner(blocks))
     if dist.get_rank() == 0:
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION,
@@ -451,17 +485,11 @@ def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
     _barrier("checkpoint save")
 
 
-def load(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
-         sidecar: Mapping[str, Any]) -> None:
-    """Read into ``engine`` (master weights, optimizer state, then the compute parameters) what
-    this rank holds under ``layouts``. Collective over the world; call between steps."""
-    import torch.distributed.checkpoint as dcp
-    from autopar.runtime.zero import ZeroStage
-
-    path = os.fspath(path)
-    names = sidecar.get("optimizer_state", {})
-    elementwise, scalar = list(names.get("elementwise", ())), list(names.get("scalar", ()))
-    metadata = read_metadata(path).state_dict_metadata
+def _load_blocks(engine: Any, layouts: Mapping[str, TensorLayout], metadata: Mapping[str, Any],
+                 elementwise: Sequence[str], scalar: Sequence[str]
+                 ) -> tuple[list[Block], dict[int, dict[str, torch.Tensor]]]:
+    """What this rank reads (views into its master weights and into fresh optimizer state, by
+    piece), checked against the checkpoint's index."""
     blocks: list[Block] = []
     fresh: dict[int, dict[str, torch.Tensor]] = {}
     for h in _held(engine, layouts):
@@ -471,20 +499,28 @@ def load(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
         blocks += range_blocks(h.layout, a, b, h.master, MODEL_PREFIX + h.layout.key)
         if h.piece is None or not (elementwise or scalar):
             continue
+        # Read into the existing state tensors where they fit (no second copy of the optimizer
+        # state while loading), else into new ones.
+        existing = engine.optimizer.state.get(h.piece, {})
         state: dict[str, torch.Tensor] = {}
         for name in elementwise:
-            state[name] = torch.zeros_like(h.piece)
+            old = existing.get(name)
+            fits = (isinstance(old, torch.Tensor) and old.shape == h.piece.shape
+                    and old.dtype == h.piece.dtype and old.is_contiguous())
+            state[name] = old if fits else torch.zeros_like(h.piece)
             blocks += range_blocks(h.layout, a, b, state[name].view(-1),
                                    _optim_key(name, h.layout.key))
         for name in scalar:
             md = metadata.get(_optim_key(name, h.layout.key))
-            dtype = md.properties.dtype if md is not None else torch.float32
-            state[name] = torch.zeros((), dtype=dtype)
+            dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else torch.float32
+            old = existing.get(name)
+            fits = isinstance(old, torch.Tensor) and old.dim() == 0 and old.dtype == dtype
+            state[name] = old if fits else torch.zeros((), dtype=dtype)
             blocks.append(Block(_optim_key(name, h.layout.key), (), (), state[name]))
         fresh[id(h.piece)] = state
     for blk in blocks:
         md = metadata.get(blk.key)
-        if md is None or not hasattr(md, "size"):
+        if not isinstance(md, TensorStorageMetadata):
             raise PlanMismatchError(f"the checkpoint has no tensor {blk.key}",
                                     expected="every parameter of this model (and the optimizer "
                                              "state the checkpoint lists)",
@@ -498,6 +534,26 @@ def load(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
         if stored != math.prod(md.size):
             raise InvalidInputError(f"the checkpoint holds {stored} of the {math.prod(md.size)} "
                                     f"elements of {blk.key}", fix="the checkpoint is damaged")
+    return blocks, fresh
+
+
+def load(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
+         sidecar: Mapping[str, Any]) -> None:
+    """Read into ``engine`` (master weights, optimizer state, then the compute parameters) what
+    this rank holds under ``layouts``. Collective over the world; call between steps."""
+    import torch.distributed.checkpoint as dcp
+    from autopar.runtime.zero import ZeroStage
+
+    path = os.fspath(path)
+    names = sidecar.get("optimizer_state", {})
+    elementwise, scalar = list(names.get("elementwise", ())), list(names.get("scalar", ()))
+    problem, blocks, fresh = None, [], {}
+    try:
+        metadata = read_metadata(path).state_dict_metadata
+        blocks, fresh = _load_blocks(engine, layouts, metadata, elementwise, scalar)
+    except (OSError, InvalidInputError, PlanMismatchError) as exc:
+        problem = exc
+    _agree(problem, "checkpoint load")  # nothing is overwritten unless every rank can load
     for bucket in engine.buckets:
         if bucket.stage is ZeroStage.PARAMETERS:
             bucket.free()  # regathered from the loaded shard at the next forward

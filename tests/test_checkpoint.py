@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -121,7 +122,7 @@ def test_loading_another_model_is_refused(saved_own_gpt, tmp_path):
         pm.load(str(tmp_path / "nowhere"))
     # same names and shapes, another graph: refused unless strict=False
     copy = tmp_path / "copy"
-    os.system(f"cp -r {path} {copy}")
+    shutil.copytree(path, copy)
     sidecar = json.loads((copy / checkpoint.SIDECAR).read_text())
     sidecar["model_fingerprint"] = "0" * 16
     (copy / checkpoint.SIDECAR).write_text(json.dumps(sidecar))
@@ -153,7 +154,7 @@ def test_checkpoint_holds_no_pickled_objects(saved_own_gpt, tmp_path):
             return (os.system, ("echo pwned > /dev/null",))
 
     bad = tmp_path / "bad"
-    os.system(f"cp -r {path} {bad}")
+    shutil.copytree(path, bad)
     (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
     with pytest.raises(InvalidInputError, match="outside DCP's metadata classes"):
         pm.load(str(bad))
@@ -164,7 +165,7 @@ def test_latest_skips_incomplete_checkpoints(saved_own_gpt, tmp_path):
     root = tmp_path / "run"
     assert checkpoint.latest(str(root)) is None and pm.load_latest(str(root)) is None
     os.makedirs(root)
-    os.system(f"cp -r {path} {checkpoint.step_dir(str(root), 1)}")
+    shutil.copytree(path, checkpoint.step_dir(str(root), 1))
     os.makedirs(checkpoint.step_dir(str(root), 5))  # a save cut short: no marker
     assert checkpoint.latest(str(root)) == checkpoint.step_dir(str(root), 1)
     assert pm.load_latest(str(root)) == 1
