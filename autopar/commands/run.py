@@ -3,11 +3,16 @@
 The launcher is torch's own (``python -m torch.distributed.run``, the elastic agent behind
 ``torchrun``); this command only fills in safe defaults:
 
-- the rendezvous endpoint is ``127.0.0.1`` on a free port (found by binding port 0 on loopback),
-  so a single-node job is not reachable from the network; ``--master-addr`` / ``--master-port``
-  override it, and a multi-node job (``--nnodes > 1``) must name both;
+- the rendezvous endpoint is ``127.0.0.1`` on a free port (found by binding port 0 on loopback);
+  ``--master-addr`` / ``--master-port`` override it, and a multi-node job (``--nnodes > 1``)
+  must name both;
 - on a single node with a loopback endpoint, gloo and NCCL's bootstrap sockets are bound to the
-  loopback interface too (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless already set);
+  loopback interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless already set);
+  torch's TCPStore servers take no bind address and listen on every interface, as under plain
+  torchrun;
+- one node uses torch's c10d rendezvous with a fresh workers' store per attempt, so a restarted
+  rank never reads a dead peer's address from the previous attempt (the static rendezvous keeps
+  one store across restarts);
 - ``--max-restarts K`` restarts every worker up to K times when one fails (a lost rank); the
   script resumes from its last checkpoint (``pm.load_latest(dir)``, docs/launch.md).
 
