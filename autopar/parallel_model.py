@@ -229,7 +229,7 @@ class ParallelModel:
         dist.broadcast(step, src=0)
         if int(step.item()) < 0:
             return None
-        self.load(checkpoint.step_dir(root, int(step.item())))
+        self.load(checkpoint.complete_step_dir(root, int(step.item())))
         return self.steps
 
     def model_fingerprint(self) -> str:

@@ -79,7 +79,7 @@ from autopar.errors import InvalidInputError, PlanMismatchError
 from autopar.sharding import Replicate, is_sharded, num_blocks, placement_str
 
 __all__ = ["TensorLayout", "Block", "flat_range_boxes", "local_box_to_global", "save", "load",
-           "read_sidecar", "is_complete", "latest", "latest_step", "step_dir", "SafeFileSystemReader",
+           "read_sidecar", "is_complete", "latest", "latest_step", "complete_step_dir", "step_dir", "SafeFileSystemReader",
            "BlockSavePlanner", "BlockLoadPlanner", "SIDECAR", "COMPLETE", "FORMAT_VERSION"]
 
 FORMAT = "autopar-checkpoint"
@@ -633,18 +633,37 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(os.fspath(root), f"step-{int(step):08d}")
 
 
+def _complete_steps(root: str) -> dict[int, str]:
+    """Step -> directory of the complete checkpoints under ``root``."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return {}
+    found = {}
+    for name in sorted(os.listdir(root)):
+        m = _STEP_DIR.match(name)
+        if m and is_complete(os.path.join(root, name)):
+            found[int(m.group(1))] = os.path.join(root, name)
+    return found
+
+
 def latest_step(root: str) -> int | None:
     """The highest step with a complete checkpoint under ``root`` (``step-<N>`` directories),
     or None. Incomplete ones (no marker: a save interrupted by a lost rank) are skipped."""
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        return None
-    steps = [int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(root))
-             if m and is_complete(os.path.join(root, m.group(0)))]
-    return max(steps) if steps else None
+    found = _complete_steps(root)
+    return max(found) if found else None
 
 
 def latest(root: str) -> str | None:
     """The directory of :func:`latest_step`'s checkpoint, or None."""
-    step = latest_step(root)
-    return None if step is None else step_dir(root, step)
+    found = _complete_steps(root)
+    return found[max(found)] if found else None
+
+
+def complete_step_dir(root: str, step: int) -> str:
+    """The complete checkpoint directory of ``step`` under ``root`` (however its number is
+    padded)."""
+    found = _complete_steps(root)
+    if step not in found:
+        raise InvalidInputError(f"no complete checkpoint of step {step} under {root}",
+                                found=f"steps {sorted(found)}")
+    return found[step]
