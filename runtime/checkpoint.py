@@ -49,8 +49,8 @@ DCP storage layer, index and resharding are torch's. Why not DTensor: a ZeRO sha
 element range, which no DTensor placement describes; why not ShardedTensor: its constructors
 for arbitrary shards are private, and it would still need the boxes computed here.
 
-This module is runtime: it imports torch, :mod:`autopar.errors` and the leaf
-:mod:`autopar.sharding` only.
+This module is runtime: it imports torch, the leaf vocabulary (:mod:`autopar.errors`,
+:mod:`autopar.sharding`) and ``runtime/zero.py``.
 """
 
 from __future__ import annotations
