@@ -10,7 +10,7 @@ import sys
 from autopar.errors import AutoparError
 
 #: Subcommand modules, in the order ``autopar --help`` lists them.
-COMMANDS = ["inspect", "plan", "explain", "simulate", "calibrate", "codegen", "demo"]
+COMMANDS = ["inspect", "plan", "explain", "simulate", "calibrate", "codegen", "demo", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:

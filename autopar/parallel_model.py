@@ -18,6 +18,7 @@ returns the global-batch mean loss, equal on all ranks.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -174,7 +175,7 @@ class ParallelModel:
         """Replace the parameters with ``state`` (full tensors, original keys, or a model).
 
         Collective. The optimizer state is reset (use :meth:`load` to restore a checkpoint with
-        it)."""
+        it: parameters, optimizer state and step count)."""
         from autopar.api import _rebuild_data_parallel
 
         if isinstance(state, nn.Module):
@@ -187,6 +188,122 @@ class ParallelModel:
                                             expected="every parameter of the model")
                 p.copy_(shards[fqn].to(p.dtype))
         self.data_parallel = _rebuild_data_parallel(self)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Save a sharded checkpoint to the directory ``path`` (collective; between steps).
+
+        Every rank writes only the elements it holds (torch.distributed.checkpoint), keyed by the
+        original model's parameter names in their full shapes: fp32 master weights, every
+        optimizer state tensor, the step count, the plan and the model fingerprint (JSON). A
+        ``COMPLETE`` marker is written last, so an interrupted save is never loaded. The
+        checkpoint loads under any other plan and world size: see ``runtime/checkpoint.py``.
+        """
+        self.data_parallel.save_checkpoint(path, self._checkpoint_layouts(),
+                                           sidecar=self._checkpoint_sidecar())
+
+    def load(self, path: str, *, strict: bool = True) -> None:
+        """Restore what :meth:`save` wrote, under this model's plan (collective; between steps).
+
+        Each rank reads only what its own layout needs. Raises :class:`InvalidInputError` when
+        ``path`` is not a complete checkpoint, :class:`PlanMismatchError` when it is one of
+        another model (parameter names or shapes differ; with ``strict``, also when the model's
+        graph fingerprint differs while names and shapes agree)."""
+        from autopar.runtime import checkpoint
+
+        sidecar = checkpoint.read_sidecar(path)
+        self._check_checkpoint_model(sidecar, path, strict)
+        self.data_parallel.load_checkpoint(path, self._checkpoint_layouts())
+        self.steps = int(sidecar.get("steps", 0))
+
+    def load_latest(self, root: str) -> int | None:
+        """Load the newest complete checkpoint under ``root`` (``root/step-<N>``, as
+        ``save(autopar.runtime.checkpoint.step_dir(root, pm.steps))`` writes them) and return
+        its step count; None (nothing loaded) when there is none. Collective: rank 0 picks the
+        checkpoint, so every rank loads the same one."""
+        from autopar.runtime import checkpoint
+
+        found = checkpoint.latest_step(root) if dist.get_rank() == 0 else None
+        step = torch.tensor([-1 if found is None else found], dtype=torch.int64,
+                            device=self.device)
+        dist.broadcast(step, src=0)
+        if int(step.item()) < 0:
+            return None
+        self.load(checkpoint.complete_step_dir(root, int(step.item())))
+        return self.steps
+
+    def model_fingerprint(self) -> str:
+        """A hash of the model alone (its captured graph and parameter table), the same under
+        every plan: what a checkpoint is checked against."""
+        h = hashlib.sha256(json.dumps(self._tensor_table(), sort_keys=True).encode())
+        h.update(self.captured.gm.code.encode())
+        return h.hexdigest()[:16]
+
+    def _tensor_table(self) -> dict[str, dict[str, Any]]:
+        return {p.fqn: {"shape": [int(d) for d in p.spec.shape],
+                        "dtype": str(p.spec.dtype).removeprefix("torch."),
+                        "aliases": sorted(p.aliases)}
+                for p in self.captured.params.values()}
+
+    def _checkpoint_layouts(self) -> dict[str, Any]:
+        """This rank's parameters as the checkpoint stores them: DataParallel name -> the FQN,
+        full shape and tensor-parallel placement, and whether this copy is the one written."""
+        from autopar.runtime.checkpoint import TensorLayout
+        from autopar.sharding import Replicate
+
+        layouts = {p.fqn: p for p in self.tp_program.layouts}
+        out = {}
+        for fqn, name in self._dp_name.items():
+            layout = layouts[fqn]
+            replicated = isinstance(layout.placement, Replicate)
+            writes = self.mesh.pp_rank == self._owner_pp_rank(fqn) and (
+                not replicated or self.mesh.tp_rank == 0)
+            out[name] = TensorLayout(fqn, tuple(layout.full_shape), layout.placement,
+                                     self.plan.tp, self.mesh.tp_rank, writes)
+        return out
+
+    def _checkpoint_sidecar(self) -> dict[str, Any]:
+        from autopar import __version__
+
+        factory = getattr(self, "_dp_args", {}).get("factory")
+        options = {k: v for k, v in (factory.options if factory else {}).items()
+                   if isinstance(v, (int, float, bool, str, list, tuple))}
+        return {"steps": self.steps, "model_fingerprint": self.model_fingerprint(),
+                "tensors": self._tensor_table(), "plan": self.plan.to_json(),
+                "world_size": self.plan.world_size,
+                "mixed_precision": bool(getattr(self, "_dp_args", {}).get("mixed_precision")),
+                "optimizer": {"class": self.data_parallel.optimizer.__class__.__name__,
+                              "options": options},
+                "autopar_version": __version__, "torch_version": torch.__version__}
+
+    def _check_checkpoint_model(self, sidecar: Mapping[str, Any], path: str, strict: bool) -> None:
+        saved, mine = sidecar.get("tensors", {}), self._tensor_table()
+        missing = sorted(set(mine) - set(saved))
+        extra = sorted(set(saved) - set(mine))
+        reshaped = [f"{k} {tuple(saved[k]['shape'])} in the checkpoint, {tuple(mine[k]['shape'])} "
+                    f"here" for k in sorted(set(saved) & set(mine))
+                    if saved[k]["shape"] != mine[k]["shape"]]
+        if missing or extra or reshaped:
+            parts = []
+            if missing:
+                parts.append(f"parameters not in the checkpoint: {missing[:5]}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            if extra:
+                parts.append(f"checkpoint tensors this model lacks: {extra[:5]}"
+                             + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+            if reshaped:
+                parts.append("shapes differ: " + "; ".join(reshaped[:5]))
+            raise PlanMismatchError(f"the checkpoint at {path} is of another model",
+                                    expected=f"the {len(mine)} parameters of this model",
+                                    found="; ".join(parts),
+                                    fix="load a checkpoint saved from this model")
+        fingerprint = self.model_fingerprint()
+        if strict and sidecar.get("model_fingerprint") != fingerprint:
+            raise PlanMismatchError(f"the checkpoint at {path} was saved from another model graph",
+                                    expected=f"model fingerprint {fingerprint}",
+                                    found=f"{sidecar.get('model_fingerprint')} (same parameter "
+                                          f"names and shapes)",
+                                    fix="load(path, strict=False) to take its weights anyway")
 
     def _owner_pp_rank(self, fqn: str) -> int:
         stages = self.split.param_stages.get(fqn)

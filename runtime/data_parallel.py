@@ -665,169 +665,46 @@ class DataParallel:
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def _chunks(self, bucket: FlatBucket, slot) -> list[tuple[int, int, int]]:
-        """(shard index, start, end) of ``slot``'s flattened elements held by each shard."""
-        if bucket.stage is ZeroStage.NONE:
-            return [(0, 0, slot.numel)]
-        out = []
-        for i in range(bucket.shard_count):
-            a = max(i * bucket.shard_numel, slot.offset)
-            e = min((i + 1) * bucket.shard_numel, slot.offset + slot.numel)
-            if a < e:
-                out.append((i, a - slot.offset, e - slot.offset))
-        return out
+    def checkpoint_layouts(self) -> dict[str, Any]:
+        """How each local parameter is stored when nothing else is said: under its name
+        (``pp<p>.tp<t>.<name>`` when the mesh has pp or tp > 1), as a whole tensor.
+        :class:`~autopar.parallel_model.ParallelModel` passes the model's FQNs and
+        tensor-parallel placements instead, which makes the checkpoint layout-independent."""
+        from autopar.runtime.checkpoint import TensorLayout
 
-    def _sharded(self, bucket: FlatBucket, slot, local: torch.Tensor | None, dtype: torch.dtype,
-                 for_load: bool):
-        """A ShardedTensor over ``slot``'s flattened elements. Saving, one copy writes each
-        element (dp rank 0 under ZeRO-0, replica 0 under hybrid); loading, every rank reads its
-        own range (so a checkpoint loads under another dp size or ZeRO stage)."""
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                                      TensorProperties)
+        prefix = (f"pp{self.mesh.pp_rank}.tp{self.mesh.tp_rank}."
+                  if self.mesh.pp * self.mesh.tp > 1 else "")
+        return {s.name: TensorLayout(prefix + s.name, tuple(s.shape))
+                for b in self.buckets for s in b.slots}
 
-        dp_ranks = self.mesh.ranks("dp")
-        g = self.groups
-        shards, mine = [], None
-        for i, lo, hi in self._chunks(bucket, slot):
-            if bucket.stage is ZeroStage.NONE:
-                owner = self.mesh.rank if for_load else dp_ranks[0]
-            else:
-                owner = dp_ranks[(g.replicate_rank if for_load else 0) * g.shard_size + i]
-            meta = ShardMetadata(shard_offsets=[lo], shard_sizes=[hi - lo],
-                                 placement=f"rank:{owner}/{bucket.device}")
-            shards.append(meta)
-            if owner == self.mesh.rank:
-                mine = meta
-        local_shards = [] if mine is None else [Shard(local.reshape(-1), mine)]
-        metadata = ShardedTensorMetadata(shards, torch.Size([slot.numel]),
-                                         TensorProperties(dtype=dtype))
-        # Private torch API: the public ShardedTensor constructors only build even chunks, and
-        # ZeRO's shards are arbitrary ranges of each parameter.
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+    def save_checkpoint(self, path: str, layouts: Mapping[str, Any] | None = None,
+                        sidecar: Mapping[str, Any] | None = None) -> None:
+        """Save the master weights and optimizer state (collective; between steps) in the format
+        of ``runtime/checkpoint.py``: each rank writes the elements it holds, as boxes of the
+        full tensors, so :meth:`load_checkpoint` works under another data-parallel size, ZeRO
+        stage, hybrid split or bucket size (and, with ``layouts`` naming tensors by model FQN
+        and tp placement, under another pp x tp layout)."""
+        from autopar.runtime import checkpoint
 
-    @staticmethod
-    def _local_master(bucket: FlatBucket, slot) -> torch.Tensor | None:
-        """This rank's part of ``slot`` in the master weights (None if it holds none)."""
-        if bucket.stage is ZeroStage.NONE:
-            return bucket.master[slot.offset:slot.offset + slot.numel]
-        own = bucket.own
-        a, e = max(own.start, slot.offset), min(own.stop, slot.offset + slot.numel)
-        return bucket.master[a - own.start:e - own.start] if a < e else None
+        info = {"optimizer": {"class": self.optimizer.__class__.__name__}, **(sidecar or {})}
+        checkpoint.save(path, self, layouts or self.checkpoint_layouts(), info)
 
-    def _checkpoint_state(self, for_load: bool, state_keys: Sequence[str]):
-        """The DCP state dict (parameters from the fp32 master, per-element optimizer state), and
-        for loading the state tensors to install, by piece."""
-        prefix = f"pp{self.mesh.pp_rank}.tp{self.mesh.tp_rank}."
-        params, optim = {}, {}
-        fresh: dict[int, dict[str, torch.Tensor]] = {}
-        for b in self.buckets:
-            piece_of = {name: piece for name, piece, _, _ in b.pieces}
-            for slot in b.slots:
-                key = prefix + slot.name
-                params[key] = self._sharded(b, slot, self._local_master(b, slot),
-                                            b.master_dtype, for_load)
-                if not b.requires_grad:
-                    continue
-                piece = piece_of.get(slot.name)
-                state: dict[str, torch.Tensor | None] = {}
-                for k in state_keys:
-                    if piece is None:
-                        state[k] = None
-                    elif for_load:
-                        state[k] = torch.zeros_like(piece)
-                    else:
-                        v = self.optimizer.state.get(piece, {}).get(k)
-                        state[k] = v if isinstance(v, torch.Tensor) else torch.zeros_like(piece)
-                if for_load and piece is not None:
-                    fresh[id(piece)] = state
-                optim[key] = {k: self._sharded(b, slot, v, b.master_dtype, for_load)
-                              for k, v in state.items()}
-        return {"params": params, "optim": optim}, fresh
+    def load_checkpoint(self, path: str, layouts: Mapping[str, Any] | None = None) -> dict:
+        """Load what :meth:`save_checkpoint` wrote (collective; between steps), refresh the
+        compute parameters, and return the checkpoint's JSON sidecar."""
+        from autopar.runtime import checkpoint
 
-    def _gathered_state_names(self) -> tuple[list[str], dict[str, float]]:
-        """Per-element optimizer state names and scalar state values (Adam's step, equal for
-        every piece) of all ranks: collective, as a rank may hold no piece at all."""
-        names = sorted({k for st in self.optimizer.state.values() for k, v in st.items()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0})
-        scalars: dict[str, float] = {}
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() == 0:
-                    scalars[k] = max(scalars.get(k, float("-inf")), float(v))
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (names, scalars))
-        all_names = sorted(set().union(*(set(n) for n, _ in gathered)))
-        all_scalars: dict[str, float] = {}
-        for _, sc in gathered:
-            for k, v in sc.items():
-                all_scalars[k] = max(all_scalars.get(k, float("-inf")), v)
-        return all_names, all_scalars
-
-    def save_checkpoint(self, path: str) -> None:
-        """Save parameters and optimizer state with torch.distributed.checkpoint (collective).
-
-        Call between steps. Tensors are stored per parameter, keyed ``pp<p>.tp<t>.<name>``, as
-        element ranges of the flattened parameter, so :meth:`load_checkpoint` works under
-        another data-parallel size, ZeRO stage, hybrid split or bucket size (same pp x tp layout
-        and parameter names)."""
-        import json
-
-        import torch.distributed.checkpoint as dcp
-
-        names, scalars = self._gathered_state_names()
-        state, _ = self._checkpoint_state(False, names)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state["optim_scalars"] = {k: torch.tensor(v) for k, v in scalars.items()}
-        state["optim_groups"] = json.dumps(groups, default=repr)
-        dcp.save(state, checkpoint_id=path)
-
-    def load_checkpoint(self, path: str) -> None:
-        """Load what :meth:`save_checkpoint` wrote (collective) and refresh the compute params."""
-        import json
-
-        import torch.distributed.checkpoint as dcp
-
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        prefix = f"pp{self.mesh.pp_rank}.tp{self.mesh.tp_rank}."
-        missing = [prefix + s.name for b in self.buckets for s in b.slots
-                   if f"params.{prefix}{s.name}" not in meta]
-        if missing:
-            raise InvalidInputError("the checkpoint does not match these modules",
-                                    expected=f"parameters {missing[:3]}...",
-                                    found=f"{len(meta)} entries, e.g. {sorted(meta)[:3]}",
-                                    fix="load with the same model, pp x tp layout and names")
-        names = sorted({k.rsplit(".", 1)[-1] for k in meta if k.startswith("optim.")})
-        scalar_names = sorted(k.split(".", 1)[1] for k in meta if k.startswith("optim_scalars."))
-        state, fresh = self._checkpoint_state(True, names)
-        state["optim_scalars"] = {k: torch.tensor(0.0) for k in scalar_names}
-        state["optim_groups"] = ""
-        dcp.load(state, checkpoint_id=path)
-        current = self.optimizer.state_dict()
-        saved_groups = json.loads(state["optim_groups"])
-        if len(saved_groups) != len(current["param_groups"]):
-            raise InvalidInputError("optimizer param groups differ from the checkpoint's",
-                                    expected=f"{len(saved_groups)} groups",
-                                    found=f"{len(current['param_groups'])}",
-                                    fix="build the optimizer with the same group_options")
-        for group, saved in zip(current["param_groups"], saved_groups):
-            for k, v in saved.items():  # hyperparameters a scheduler may have changed
-                if k in group and isinstance(group[k], (int, float)) and isinstance(v, (int, float)):
-                    group[k] = v
-                elif k in group and isinstance(group[k], tuple) and isinstance(v, list):
-                    group[k] = tuple(v)
-        pieces = [p for g in self.optimizer.param_groups for p in g["params"]]
-        scalars = state["optim_scalars"]
-        opt_state = {i: {**fresh[id(p)], **{k: v.clone() for k, v in scalars.items()}}
-                     for i, p in enumerate(pieces) if id(p) in fresh}
-        self.optimizer.load_state_dict({"state": opt_state,
-                                        "param_groups": current["param_groups"]})
-        with torch.no_grad():  # master -> compute parameters (gathered under ZeRO-1/2)
-            for b in self.buckets:
-                b.after_step()
-            for b in self.buckets:
-                b.wait_gather()
+        sidecar = checkpoint.read_sidecar(path)
+        saved = sidecar.get("optimizer", {}).get("class")
+        if saved and saved != self.optimizer.__class__.__name__ and (
+                sidecar["optimizer_state"]["elementwise"] or sidecar["optimizer_state"]["scalar"]):
+            raise PlanMismatchError("the checkpoint holds another optimizer's state",
+                                    expected=f"{self.optimizer.__class__.__name__} state",
+                                    found=f"{saved} state",
+                                    fix=f"train with {saved}, or load the weights alone with "
+                                        f"load_state_dict")
+        checkpoint.load(path, self, layouts or self.checkpoint_layouts(), sidecar)
+        return sidecar
 
     def remove(self) -> None:
         """Remove the hooks; ZeRO-3 parameters are left gathered (full) in the modules."""
