@@ -28,7 +28,7 @@ TINY = {
 def build_tiny(family: str, **overrides):
     from autopar import models
 
-    return models.build(family, dropout=0.0, seed=0, **{**TINY[family], **overrides})
+    return models.build(family, **{"dropout": 0.0, "seed": 0, **TINY[family], **overrides})
 
 
 def build_own_gpt(**overrides):
