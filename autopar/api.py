@@ -100,14 +100,15 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         raise InvalidInputError("parallelize trains a model, and this one lives on the meta device",
                                 fix="build the model with real weights (autopar plan works on meta "
                                     "models)")
+    if loss_fn is None:
+        raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
+    cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
+    factory = _optimizer_factory(optimizer)
     _broadcast_model(model)
     captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
-    if not captured.has_loss:
-        raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     batch = _batch_size(example_inputs)
     global_batch = global_batch or batch
     seq = seq or _seq_len(example_inputs)
-    cl = _resolve_cluster(cluster, world, device)
     chosen, prediction, search, seed = _agree_on_plan(plan, captured, cl, world, global_batch,
                                                       seq, mixed_precision, seed)
     from autopar.runtime.mesh import ParallelMesh
@@ -115,7 +116,6 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
-    factory = _optimizer_factory(optimizer)
     pm = _build(captured, chosen, prediction, mesh, factory, device, search=search,
                 max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
                 bucket_mb=bucket_mb, tp_cost=tp_cost, seed=seed)
@@ -290,7 +290,8 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                fix="pin zero to 0 (none), 1, 2 or 3")
     if "sequence_parallel" in pins and not isinstance(pins["sequence_parallel"], bool):
         raise InvalidPlanError("pin sequence_parallel must be True or False",
-                               found=repr(pins["sequence_parallel"]))
+                               expected="a bool", found=repr(pins["sequence_parallel"]),
+                               fix="pin sequence_parallel=True or False")
     schedule = pins.get("schedule")
     v = pins.get("virtual_stages")
     if v is not None and v > 1 and schedule is not None and \
@@ -301,10 +302,11 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                fix="pin schedule='interleaved-1f1b', or drop virtual_stages")
     if schedule == ScheduleKind.INTERLEAVED_1F1B.value and v == 1:
         raise InvalidPlanError("interleaved-1f1b needs virtual_stages >= 2",
-                               found="virtual_stages=1", fix="pin virtual_stages >= 2, or 1f1b")
+                               expected="virtual_stages >= 2", found="virtual_stages=1",
+                               fix="pin virtual_stages >= 2, or schedule='1f1b'")
     if pins.get("sequence_parallel") and pins.get("tp") == 1:
-        raise InvalidPlanError("sequence_parallel needs tp > 1", found="tp=1",
-                               fix="drop sequence_parallel or pin tp >= 2")
+        raise InvalidPlanError("sequence_parallel needs tp > 1", expected="tp >= 2",
+                               found="tp=1", fix="drop sequence_parallel or pin tp >= 2")
     mesh = [pins[k] for k in ("dp", "tp", "pp") if k in pins]
     product = 1
     for size in mesh:

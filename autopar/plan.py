@@ -142,7 +142,8 @@ class Plan:
                                    found=repr(self.zero), fix="pick a stage in 0..3")
         if not isinstance(self.sequence_parallel, bool):
             raise InvalidPlanError("sequence_parallel must be True or False",
-                                   found=repr(self.sequence_parallel))
+                                   expected="a bool", found=repr(self.sequence_parallel),
+                                   fix="set sequence_parallel=True or False")
         if self.schedule.interleaved:
             if self.virtual_stages < 2:
                 raise InvalidPlanError("interleaved-1f1b needs virtual_stages >= 2",
@@ -173,16 +174,21 @@ class Plan:
                 raise InvalidPlanError(
                     f"{len(self.stages)} stages given; expected pp x virtual_stages = "
                     f"{self.pp * self.virtual_stages}",
+                    expected=f"{self.pp * self.virtual_stages} stages", found=str(len(self.stages)),
                     fix="give one stage per pipeline rank and chunk, or none (balanced cuts)")
             for prev, nxt in zip(self.stages, self.stages[1:]):
                 if nxt.layers[0] != prev.layers[1] + 1:
                     raise InvalidPlanError(f"stages {prev.index} and {nxt.index} are not "
                                            f"contiguous: {prev.layers} then {nxt.layers}",
+                                           expected="contiguous layer ranges",
+                                           found=f"{prev.layers} then {nxt.layers}",
                                            fix="each stage starts at the layer after the "
                                                "previous stage's last")
         if not isinstance(self.gemm_sharding, Mapping):
             raise InvalidPlanError("gemm_sharding must map GEMM node names to column / row / "
-                                   "replicate", found=type(self.gemm_sharding).__name__)
+                                   "replicate", expected="a mapping",
+                                   found=type(self.gemm_sharding).__name__,
+                                   fix="give a dict, or leave it empty for the search")
         gemm = {k: _enum(GemmSharding, v, f"gemm_sharding[{k!r}]")
                 for k, v in dict(self.gemm_sharding).items()}
         object.__setattr__(self, "gemm_sharding", gemm)
@@ -230,7 +236,8 @@ class Plan:
         PlanMismatchError; a malformed one an InvalidPlanError."""
         if not isinstance(data, Mapping):
             raise InvalidPlanError("a plan must be a JSON object", expected="{'dp': ..., ...}",
-                                   found=type(data).__name__)
+                                   found=type(data).__name__,
+                                   fix="regenerate it with Plan.save or autopar plan --out")
         data = dict(data)
         version = data.pop("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
