@@ -126,3 +126,13 @@ def die(pins: dict, culprit: int, timeout_s: float):
         os._exit(17)
     pm.train_step(*data[1])
     return "finished"
+
+
+def planning_error_everywhere(pins: dict):
+    """Rank 0 fails to plan; every rank must raise the same class with the same message."""
+    data = batches(1)
+    try:
+        _parallelize("gpt", pins, data)
+    except Exception as exc:  # noqa: BLE001 - the class is what is checked
+        return type(exc).__name__, str(exc)
+    return "no error", ""
