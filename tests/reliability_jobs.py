@@ -43,14 +43,34 @@ def _parallelize(name, pins, data, overrides=None, **kwargs):
 
 
 def train(name: str, pins: dict, steps: int, overrides: dict | None = None, *, seed: int = 0,
-          batch: int = 8, seq: int = 16, vocab: int = 128):
+          batch: int = 8, seq: int = 16, vocab: int = 128, verify: bool = False):
     """Losses and the full state dict (rank 0) after ``steps`` steps."""
     data = batches(steps, batch, seq, vocab)
-    pm = _parallelize(name, pins, data, overrides, seed=seed)
+    pm = _parallelize(name, pins, data, overrides, seed=seed, verify=verify)
     losses = [pm.train_step(i, t) for i, t in data]
     state = pm.state_dict()
     pm.close()
     return dict(losses=losses, state=state if dist.get_rank() == 0 else None)
+
+
+def train_twice(name: str, pins: dict, steps: int, overrides: dict, *, seed: int = 0):
+    """Evaluate, train ``steps`` steps, reset to the initial weights and train again: the
+    evaluation losses (dropout off) and both runs' training losses, and the first run's state."""
+    data = batches(steps)
+    model, loss_fn = make_model(name, **overrides)
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST, seed=seed,
+                             optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+    evals = [pm.eval_step(*data[0]) for _ in range(2)]
+    runs = []
+    for _ in range(2):
+        runs.append([pm.train_step(i, t) for i, t in data])
+        if not runs[1:]:
+            state = pm.state_dict()
+            pm.load_state_dict(model)  # the user's model still holds the initial weights
+            pm.steps = 0
+    pm.close()
+    return dict(evals=evals, runs=runs, state=state)
 
 
 def train_many(configs):
