@@ -224,7 +224,7 @@ def capture(
         if dynamic and dims:
             try:
                 ep, sizes = _export_dynamic(step, args, dims)
-                captured = _from_export(ep, CaptureMethod.EXPORT, sizes)
+                captured = _from_export(ep, CaptureMethod.EXPORT, sizes, dims)
             except Exception as exc:  # noqa: BLE001 - every export failure leads to a retry
                 errors.append(f"torch.export with dynamic batch/seq: {_short(exc)}")
         if captured is None:
@@ -365,7 +365,8 @@ def _suggested_bounds(message: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, int]) -> CapturedGraph:
+def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, int],
+                 dims: dict[int, dict[int, str]] | None = None) -> CapturedGraph:
     gm = ep.graph_module
     sig = ep.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -375,7 +376,8 @@ def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, in
     rename: dict[sympy.Symbol, sympy.Expr] = {}
     user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     example_sizes: dict[sympy.Symbol, int] = {}
-    for symbol, (kind, size) in _symbols_from_inputs(user_inputs, by_name, sizes).items():
+    for symbol, (kind, size) in _symbols_from_inputs(user_inputs, by_name, sizes,
+                                                     dims or {}).items():
         target = BATCH if kind == "batch" else SEQ
         rename[symbol] = target
         example_sizes[target] = size
@@ -416,19 +418,21 @@ def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, in
                          symbol_rename=rename)
 
 
-def _symbols_from_inputs(user_inputs, by_name, sizes: dict[str, int]
-                         ) -> dict[sympy.Symbol, tuple[str, int]]:
-    """Map export's free symbols (s23...) to 'batch'/'seq' by matching the example sizes."""
+def _symbols_from_inputs(user_inputs, by_name, sizes: dict[str, int],
+                         dims: dict[int, dict[int, str]]) -> dict[sympy.Symbol, tuple[str, int]]:
+    """Map export's free symbols (s23...) to 'batch'/'seq': by the dims we marked (input i, dim
+    d: export's user inputs are the traced step's arguments, in order), so a batch size equal
+    to the sequence length is no confusion; by size for dims not marked."""
     found: dict[sympy.Symbol, tuple[str, int]] = {}
     size_to_kind = {size: kind for kind, size in sizes.items()}
-    for spec in user_inputs:
+    for i, spec in enumerate(user_inputs):
         val = by_name[spec.arg.name].meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        for dim in val.shape:
+        for d, dim in enumerate(val.shape):
             if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
                 hint = dim.node.hint
-                kind = size_to_kind.get(hint)
+                kind = dims.get(i, {}).get(d) or size_to_kind.get(hint)
                 if kind is not None and dim.node.expr not in found:
                     found[dim.node.expr] = (kind, hint)
     return found

@@ -156,3 +156,39 @@ def planning_error_everywhere(pins: dict):
     except Exception as exc:  # noqa: BLE001 - the class is what is checked
         return type(exc).__name__, str(exc)
     return "no error", ""
+
+
+# -- property tests -------------------------------------------------------------------------
+
+def property_case(case: dict):
+    """One drawn (model shape, plan): parallelize, one SGD step; rank 0 also runs the plain
+    single-process step and returns the loss and the largest parameter difference."""
+    name, shape, pins, batch, seq = (case["family"], case["shape"], case["pins"], case["batch"],
+                                     case["seq"])
+    data = batches(1, batch=batch, seq=seq, vocab=shape["vocab"], seed=case["seed"])
+    (inputs, targets), = data
+    model, loss_fn = make_model(name, **shape)
+    optimizer = functools.partial(torch.optim.SGD, lr=0.5)
+    pm = autopar.parallelize(model, example_inputs=inputs, example_targets=targets,
+                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                             optimizer=optimizer)
+    loss = pm.train_step(inputs, targets)
+    state = pm.state_dict()
+    pm.close()
+    if dist.get_rank() != 0:
+        return dict(loss=loss)
+    reference, _ = make_model(name, **shape)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ref_loss = loss_fn(reference(*inputs), *targets)
+    ref_loss.backward()
+    opt.step()
+    worst, key = 0.0, ""
+    for k, want in reference.state_dict().items():
+        if torch.is_floating_point(want) and k in state:
+            d = (state[k] - want).abs().max().item()
+            if d > worst:
+                worst, key = d, k
+    missing = [k for k, v in reference.state_dict().items()
+               if torch.is_floating_point(v) and k not in state and "bias" not in k.split(".")[-1]
+               and "masked_bias" not in k]
+    return dict(loss=loss, ref_loss=ref_loss.item(), max_diff=worst, worst=key, missing=missing)
