@@ -308,9 +308,11 @@ def test_plan_file_from_autopar_plan_checks_the_model(tmp_path):
 def test_fingerprint_ignores_batch_and_device_and_sees_shapes(tiny_models):
     model, loss_fn, inputs, targets, captured = tiny_models["gpt"]
     fp = autopar.plan_fingerprint(captured)
-    tokens = torch.randint(0, 128, (3, 9))
-    again = autopar.capture(model, (tokens[:, :-1],), loss_fn, example_targets=(tokens[:, 1:],))
-    assert again.fingerprint() == fp  # another batch and sequence length
+    for batch in (3, 8):  # another batch and sequence length; a batch equal to the length
+        tokens = torch.randint(0, 128, (batch, 9))
+        again = autopar.capture(model, (tokens[:, :-1],), loss_fn,
+                                example_targets=(tokens[:, 1:],))
+        assert again.fingerprint() == fp, again.example_sizes
     assert tiny_models["own_gpt"][4].fingerprint() != fp
     assert captured.fingerprint(depth=5) != fp
     with pytest.raises(InvalidInputError, match="cannot fingerprint 1 blocks"):

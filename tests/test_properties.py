@@ -3,8 +3,9 @@
 1. Random small transformers (family, layers, heads, kv-heads, head size, FFN, vocabulary,
    sequence) under random valid plans of world 4 (every dp x pp x tp, schedule, micro-batches,
    micro-batch size, ZeRO stage, sequence parallelism, recompute) compute the loss and, after one
-   SGD step, the parameters of one plain PyTorch process. Bounded: 8 examples on the shared
-   LocalPool(4), no shrinking (each example is a parallelize on 4 ranks).
+   SGD step, the parameters of one plain PyTorch process. Bounded: 8 examples from a fixed seed
+   on the shared LocalPool(4), no shrinking (each example is a parallelize on 4 ranks). (The
+   first run found captures with batch == sequence length merging the two symbols.)
    Tolerance: loss 1e-5 relative, parameters 1e-5 absolute after one step of lr 0.5 (gradients
    ~0.1 computed in another summation order, ~1e-7 apart; a missing reduction or a wrong
    slice is off by O(lr x gradient)).
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, Phase, event, given, seed, settings
 from hypothesis import strategies as st
 
 from autopar.errors import InfeasiblePlanError
@@ -63,7 +64,9 @@ def model_and_plan(draw):
 
 
 @pytest.mark.distributed
-@settings(max_examples=8, derandomize=True, deadline=None, database=None,
+@seed(0)  # fixed: the same 8 cases on every run; they cover all 6 meshes, the 3 families and
+# the 4 schedules, ZeRO 0, 1 and 3, sequence parallelism and full recompute
+@settings(max_examples=8, derandomize=False, deadline=None, database=None,
           phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=model_and_plan())
