@@ -8,7 +8,7 @@ part, and nothing but one small vector crosses the network:
 2. The reference: the captured graph of the original model (``CapturedGraph.run``: the single
    device program) runs that micro-batch with dropout off, keeping only the *layer boundary*
    tensors this rank's stages compute (a tensor made in one layer and read by a later one) and
-   the loss. The weights are the original model's while the parallel model has not trained;
+   the loss, and stopping after the last of them. The weights are the original model's while the parallel model has not trained;
    after training, the parallel model's own full weights (``state_dict()``, a gather).
 3. The parallel program runs the same batch forward (``eval_step``); for the first micro-batch
    each of this rank's stage graphs is interpreted node by node, and every boundary tensor it
@@ -150,7 +150,8 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
     keep = {origin for per in wanted.values() for origin, _, _ in per.values()}
 
     weights = _reference_weights(pm)
-    reference, ref_loss = _run_reference(captured, weights, first, keep, pm.device)
+    reference, ref_loss = _run_reference(captured, weights, first, keep,
+                                         any(returns_loss.values()), pm.device)
 
     def record(row: int, value: torch.Tensor, ref: torch.Tensor) -> None:
         a, r = value.detach().double(), ref.detach().double()
@@ -274,18 +275,26 @@ def _reference_weights(pm: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class _Reference(torch.fx.Interpreter):
-    """The captured graph with dropout off, keeping the named tensors."""
+class _Enough(Exception):
+    """Every tensor this rank compares is computed: the rest of the model is not needed."""
 
-    def __init__(self, gm: torch.fx.GraphModule, keep: set[str]) -> None:
+
+class _Reference(torch.fx.Interpreter):
+    """The captured graph with dropout off, keeping the named tensors (and stopping once they
+    are all computed, unless the loss is wanted too)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, keep: set[str], need_loss: bool) -> None:
         super().__init__(gm)
         self.keep = keep
+        self.need_loss = need_loss
         self.kept: dict[str, torch.Tensor] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.keep:
             self.kept[n.name] = out.detach()
+            if not self.need_loss and len(self.kept) == len(self.keep):
+                raise _Enough
         return out
 
     def call_function(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -302,14 +311,21 @@ class _Reference(torch.fx.Interpreter):
 
 
 def _run_reference(captured: Any, weights: Mapping[str, torch.Tensor], batch: Sequence[Any],
-                   keep: set[str], device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
+                   keep: set[str], need_loss: bool, device: torch.device
+                   ) -> tuple[dict[str, torch.Tensor], Any]:
+    """The reference run up to the last tensor this rank compares (the end: the loss)."""
     values = [weights[p.fqn] for p in captured.params.values()]
     values += [weights[b.fqn] for b in captured.buffers.values()]
     values += list(captured.constants.values())
     values = [v.detach().to(device) for v in values]
-    interp = _Reference(captured.gm, keep)
-    with torch.no_grad():
-        out = interp.run(*values, *batch)
+    interp = _Reference(captured.gm, keep, need_loss and captured.has_loss)
+    if not keep and not interp.need_loss:
+        return {}, None
+    try:
+        with torch.no_grad():
+            out = interp.run(*values, *batch)
+    except _Enough:
+        return interp.kept, None
     loss = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
     return interp.kept, loss if captured.has_loss else None
 

@@ -351,3 +351,18 @@ def test_dropout_masks_keep_one_minus_p_and_slice_consistently():
     assert not torch.equal(full, TPGroup(rng=rng).dropout(x, p, site="dropout_3"))
     rng.training = False
     assert TPGroup(rng=rng).dropout(x, p, site="dropout_3") is x
+
+
+def test_verify_report_world1(world1):
+    """The report on one process: every layer compared, printable as a rich table."""
+    from rich.console import Console
+
+    pm, zm, inputs, targets = world1
+    report = pm.verify(inputs, targets)
+    assert report.ok and report.micro_batch_size == 2
+    assert [c.layer for c in report.layers] == [layer.name for layer in pm.captured.layers] + [
+        "loss"]
+    assert all(c.tensors >= 1 and c.max_rel <= 1e-6 for c in report.layers)
+    console = Console(record=True, width=120)
+    console.print(report.table())
+    assert "transformer.h.1" in console.export_text() and "ok" in console.export_text()
