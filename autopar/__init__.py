@@ -4,24 +4,26 @@ The data flow: :func:`capture` (torch.export) -> analysis -> plan -> passes -> p
 runtime. This module is a thin face over it; import costs stay in the submodules.
 """
 
+from autopar._version import __version__
 from autopar.api import parallelize
 from autopar.cluster import Cluster
-from autopar.frontend import CapturedGraph, capture
+from autopar.frontend import CapturedGraph, capture, plan_fingerprint
 from autopar.parallel_model import ParallelModel
 from autopar.plan import Plan, Prediction
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,
+    CommunicationTimeoutError,
     InfeasiblePlanError,
     InvalidInputError,
+    InvalidPlanError,
     PlanMismatchError,
     ShardingError,
     UnsupportedOpError,
     UnsupportedOpWarning,
     UntraceableModelError,
+    VerificationError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "parallelize",
@@ -30,15 +32,19 @@ __all__ = [
     "Prediction",
     "capture",
     "CapturedGraph",
+    "plan_fingerprint",
     "Cluster",
     "AutoparError",
     "ClusterSpecError",
+    "CommunicationTimeoutError",
     "InfeasiblePlanError",
     "InvalidInputError",
+    "InvalidPlanError",
     "PlanMismatchError",
     "ShardingError",
     "UnsupportedOpError",
     "UnsupportedOpWarning",
     "UntraceableModelError",
+    "VerificationError",
     "__version__",
 ]

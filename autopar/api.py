@@ -8,10 +8,16 @@ Called on every rank of a job (``torchrun`` / ``autopar run``; a single process 
     loss = pm.train_step(tokens, targets)             # the global batch; the same loss everywhere
 
 Steps: start the process group if needed (NCCL with CUDA, gloo otherwise; a timeout on every
-group); give every rank rank 0's weights; capture the model with its loss; rank 0 decides the plan
-(the search over the cost model, or the pins, or the given Plan) and sends it to the others as JSON;
-every rank builds its part (:class:`autopar.parallel_model.ParallelModel`) and the ranks check they
-built the same program.
+group); check the pins; give every rank rank 0's weights; capture the model with its loss; rank 0
+decides the plan (the search over the cost model, or the pins, or the given Plan or plan file,
+whose model fingerprint must match) and sends it to the others as JSON, or its error, which every
+rank then raises with the same class and message; every rank builds its part
+(:class:`autopar.parallel_model.ParallelModel`); the ranks check they built the same program; with
+``verify=True`` one micro-batch is checked against the original model, layer by layer.
+
+Every collective here and in the runtime waits through :mod:`autopar.runtime.comm` with the
+job's timeout (``timeout_s``, else ``AUTOPAR_TIMEOUT_S``, else 300 s): a stuck or dead peer
+makes every rank raise :class:`~autopar.errors.CommunicationTimeoutError`, never hang.
 """
 
 from __future__ import annotations
@@ -27,8 +33,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import InfeasiblePlanError, InvalidInputError, PlanMismatchError
+from autopar.errors import (
+    InfeasiblePlanError,
+    InvalidInputError,
+    InvalidPlanError,
+    PlanMismatchError,
+    error_from_parts,
+)
 from autopar.plan import Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+from autopar.runtime.comm import collective, set_default_timeout
 
 __all__ = ["parallelize", "PINNABLE"]
 
@@ -38,11 +51,12 @@ PINNABLE = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_b
 
 
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
-                optimizer: Any, plan: Plan | Mapping[str, Any] | str = "auto",
+                optimizer: Any, plan: Plan | Mapping[str, Any] | str | os.PathLike = "auto",
                 example_targets: Any = (), global_batch: int | None = None,
                 max_grad_norm: float | None = None, mixed_precision: bool = False,
                 bucket_mb: float = 25.0, timeout_s: float | None = None, tp_cost: Any = None,
-                seq: int | None = None) -> "ParallelModel":
+                seq: int | None = None, seed: int | None = None, verify: bool = False,
+                verify_tolerance: float | None = None) -> "ParallelModel":
     """Parallelize ``model`` for this job; call on every rank. See the module docstring.
 
     Args:
@@ -55,40 +69,59 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         loss_fn: ``loss_fn(model(*inputs), *targets) -> scalar``, traced with the model.
         optimizer: an :class:`autopar.runtime.optim.OptimizerFactory`, a torch optimizer class,
             or ``functools.partial(torch.optim.AdamW, lr=...)``.
-        plan: ``"auto"`` (search), a dict of pins (see :data:`PINNABLE`), or a :class:`Plan`.
+        plan: ``"auto"`` (search), a dict of pins (see :data:`PINNABLE`), a :class:`Plan`, or
+            the path of a plan file (``Plan.save``'s JSON/YAML or ``autopar plan --out``'s
+            document). A plan made for another model (its ``model_fingerprint``) or another
+            autopar version is refused (PlanMismatchError).
         max_grad_norm: clip the global gradient norm (over all ranks) to this value.
         mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction.
+        timeout_s: the deadline of every collective and transfer (default AUTOPAR_TIMEOUT_S or
+            300 s); a peer that does not answer in time makes every rank raise
+            CommunicationTimeoutError naming itself and the collective.
         tp_cost: hardware numbers for the tensor-parallel sharding search (TPCostSpec).
+        seed: the dropout seed (default: rank 0's ``torch.initial_seed()``); masks depend on the
+            seed, the step and the sample, never on the plan.
+        verify: check one micro-batch of the example batch against the original model, layer by
+            layer (:meth:`ParallelModel.verify`): VerificationError beyond the tolerance.
+        verify_tolerance: the largest relative difference per layer accepted by ``verify``
+            (default 1e-4, or 5e-2 with mixed precision).
     """
     from autopar.frontend import capture
 
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise InvalidInputError("timeout_s must be a positive number of seconds",
+                                found=repr(timeout_s))
     _init_distributed(timeout_s)
+    set_default_timeout(timeout_s)  # None: AUTOPAR_TIMEOUT_S or 300 s
     world = dist.get_world_size()
+    plan = _plan_argument(plan, world)  # bad pins fail here, on every rank, before any work
     device = _device()
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         raise InvalidInputError("parallelize trains a model, and this one lives on the meta device",
                                 fix="build the model with real weights (autopar plan works on meta "
                                     "models)")
+    if loss_fn is None:
+        raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
+    cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
+    factory = _optimizer_factory(optimizer)
     _broadcast_model(model)
     captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
-    if not captured.has_loss:
-        raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     batch = _batch_size(example_inputs)
     global_batch = global_batch or batch
     seq = seq or _seq_len(example_inputs)
-    cl = _resolve_cluster(cluster, world, device)
-    chosen, prediction, search = _agree_on_plan(plan, captured, cl, world, global_batch, seq,
-                                                mixed_precision)
+    chosen, prediction, search, seed = _agree_on_plan(plan, captured, cl, world, global_batch,
+                                                      seq, mixed_precision, seed)
     from autopar.runtime.mesh import ParallelMesh
 
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
-    factory = _optimizer_factory(optimizer)
     pm = _build(captured, chosen, prediction, mesh, factory, device, search=search,
                 max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
-                bucket_mb=bucket_mb, tp_cost=tp_cost)
+                bucket_mb=bucket_mb, tp_cost=tp_cost, seed=seed)
     _check_agreement(pm)
+    if verify:
+        pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
     return pm
 
 
@@ -129,12 +162,13 @@ def _broadcast_model(model: nn.Module) -> None:
             if id(t) in seen:
                 continue
             seen.add(id(t))
+            what = "the broadcast of rank 0's weights"
             if dist.get_backend() == "nccl":
                 moved = t.detach().cuda()
-                dist.broadcast(moved, src=0)
+                collective(dist.broadcast, moved, src=0, what=what)
                 t.copy_(moved.to(t.device))
             else:
-                dist.broadcast(t.data, src=0)
+                collective(dist.broadcast, t.data, src=0, what=what)
 
 
 def _batch_size(inputs: Any) -> int:
@@ -201,8 +235,101 @@ def _optimizer_factory(optimizer: Any) -> Any:
 # The plan: decided on rank 0, sent as JSON, checked
 # ---------------------------------------------------------------------------------------------
 
+def _plan_argument(plan: Any, world: int) -> Plan | dict[str, Any] | str:
+    """``"auto"``, validated pins, or a Plan (loaded when ``plan`` is a file path)."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)) and str(plan) != "auto":
+        path = os.fspath(plan)
+        if os.path.exists(path) or path.endswith((".json", ".yaml", ".yml")):
+            return Plan.load(path)
+        raise InvalidInputError(f"unknown plan {str(plan)!r}",
+                                expected="'auto', a dict of pins, an autopar.Plan, or the path "
+                                         "of a plan file (.json, .yaml)",
+                                found="neither 'auto' nor an existing file",
+                                fix="check the spelling or the path")
+    if isinstance(plan, str):
+        return "auto"
+    if isinstance(plan, Mapping):
+        return validate_pins(plan, world)
+    raise InvalidInputError("plan has an unexpected type",
+                            expected="'auto', a dict of pins, an autopar.Plan, or a file path",
+                            found=type(plan).__name__)
+
+
+_INT_PINS = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches")
+
+
+def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """The pins, checked on their own and against each other and the world size (before any
+    capture or search); enum pins are normalised to their values."""
+    pins = dict(pins)
+    unknown = sorted(set(pins) - set(PINNABLE), key=str)
+    if unknown:
+        raise InvalidPlanError(f"unknown pin(s) {unknown}", expected=f"some of {list(PINNABLE)}",
+                               found=str(unknown), fix="remove or rename them")
+    for name in _INT_PINS:
+        if name in pins:
+            v = pins[name]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidPlanError(f"pin {name}={v!r} is not a positive integer",
+                                       expected=f"{name} >= 1", found=repr(v),
+                                       fix=f"pin {name} to a positive integer, or leave it out")
+    for name, kind in (("schedule", ScheduleKind), ("recompute", RecomputeKind)):
+        if name in pins:
+            try:
+                pins[name] = kind(pins[name]).value
+            except ValueError:
+                choices = [k.value for k in kind]
+                raise InvalidPlanError(f"pin {name}={pins[name]!r} is not a valid {kind.__name__}",
+                                       expected=f"one of {choices}", found=repr(pins[name]),
+                                       fix=f"pin {name} to one of {choices}") from None
+    if "zero" in pins and (isinstance(pins["zero"], bool) or pins["zero"] not in (0, 1, 2, 3)):
+        raise InvalidPlanError(f"pin zero={pins['zero']!r} is not a ZeRO stage",
+                               expected="0, 1, 2 or 3", found=repr(pins["zero"]),
+                               fix="pin zero to 0 (none), 1, 2 or 3")
+    if "sequence_parallel" in pins and not isinstance(pins["sequence_parallel"], bool):
+        raise InvalidPlanError("pin sequence_parallel must be True or False",
+                               expected="a bool", found=repr(pins["sequence_parallel"]),
+                               fix="pin sequence_parallel=True or False")
+    schedule = pins.get("schedule")
+    v = pins.get("virtual_stages")
+    if v is not None and v > 1 and schedule is not None and \
+            schedule != ScheduleKind.INTERLEAVED_1F1B.value:
+        raise InvalidPlanError(f"virtual_stages={v} needs the interleaved-1f1b schedule",
+                               expected="virtual_stages=1 with gpipe, 1f1b or zb-h1",
+                               found=f"virtual_stages={v}, schedule={schedule}",
+                               fix="pin schedule='interleaved-1f1b', or drop virtual_stages")
+    if schedule == ScheduleKind.INTERLEAVED_1F1B.value and v == 1:
+        raise InvalidPlanError("interleaved-1f1b needs virtual_stages >= 2",
+                               expected="virtual_stages >= 2", found="virtual_stages=1",
+                               fix="pin virtual_stages >= 2, or schedule='1f1b'")
+    if pins.get("sequence_parallel") and pins.get("tp") == 1:
+        raise InvalidPlanError("sequence_parallel needs tp > 1", expected="tp >= 2",
+                               found="tp=1", fix="drop sequence_parallel or pin tp >= 2")
+    mesh = [pins[k] for k in ("dp", "tp", "pp") if k in pins]
+    product = 1
+    for size in mesh:
+        product *= size
+    if len(mesh) == 3 and product != world:
+        raise PlanMismatchError("the pinned mesh does not match the world size",
+                                expected=f"dp x tp x pp = {world} (this job's processes)",
+                                found=f"{pins['dp']} x {pins['tp']} x {pins['pp']} = {product}",
+                                fix="change the pins or the number of processes")
+    if mesh and world % product:
+        raise PlanMismatchError("the pinned sizes do not divide the world size",
+                                expected=f"a product of pinned dp, tp, pp dividing {world}",
+                                found=" x ".join(f"{k}={pins[k]}" for k in ("dp", "tp", "pp")
+                                                 if k in pins) + f" = {product}",
+                                fix="change the pins or the number of processes")
+    return pins
+
+
 def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
-                   seq: int, mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+                   seq: int, mixed_precision: bool, seed: int | None = None
+                   ) -> tuple[Plan, Prediction | None, Any, int]:
+    """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
+    message), and the dropout seed."""
     decided = None
     error = None
     search = None
@@ -211,10 +338,11 @@ def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_ba
             decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
                                                   seq, mixed_precision)
             payload = {"plan": decided.to_json(),
-                       "prediction": prediction.to_json() if prediction else None}
+                       "prediction": prediction.to_json() if prediction else None,
+                       "seed": int(seed if seed is not None else torch.initial_seed())}
         except Exception as exc:  # noqa: BLE001 - every rank must learn that rank 0 failed
             error = exc
-            payload = {"error": f"{type(exc).__name__}: {exc}"}
+            payload = {"error": _error_parts(exc)}
         data = json.dumps(payload).encode()
     else:
         data = b""
@@ -223,7 +351,7 @@ def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_ba
     if "error" in payload:
         if error is not None:
             raise error
-        raise PlanMismatchError(f"rank 0 could not plan: {payload['error']}")
+        raise error_from_parts(**payload["error"])
     chosen = Plan.from_json(payload["plan"])
     prediction = Prediction.from_json(payload["prediction"]) if payload["prediction"] else None
     if chosen.world_size != world:
@@ -231,42 +359,73 @@ def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_ba
                                 expected=f"dp x pp x tp = {chosen.world_size} processes",
                                 found=f"a world of {world}",
                                 fix=f"launch {chosen.world_size} processes, or re-plan")
-    return chosen, prediction, search
+    return chosen, prediction, search, int(payload["seed"])
+
+
+def _error_parts(exc: BaseException) -> dict[str, Any]:
+    """What it takes to raise ``exc`` again on another rank."""
+    from autopar.errors import AutoparError
+
+    if isinstance(exc, AutoparError):
+        return {"class_name": type(exc).__name__, "summary": exc.summary,
+                "expected": exc.expected, "found": exc.found, "fix": exc.fix}
+    return {"class_name": type(exc).__name__, "summary": str(exc)}
 
 
 def _broadcast_bytes(data: bytes) -> bytes:
     device = _device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
+    what = "the broadcast of rank 0's plan"
+    collective(dist.broadcast, size, src=0, what=what)
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if dist.get_rank() == 0:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
+    collective(dist.broadcast, buf, src=0, what=what)
     return bytes(buf.cpu().tolist())
 
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
             mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+    fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
-        if plan.world_size != world:
-            raise PlanMismatchError("the plan does not match this job's world size",
-                                    expected=f"dp x pp x tp = {plan.world_size} processes",
-                                    found=f"a world of {world}",
-                                    fix=f"launch {plan.world_size} processes, or re-plan")
-        return _with_stages(plan, captured), None, None
-    if isinstance(plan, str) and plan != "auto":
-        raise InvalidInputError(f"unknown plan {plan!r}",
-                                expected="'auto', a dict of pins, or an autopar.Plan")
-    pins = dict(plan) if isinstance(plan, Mapping) else {}
-    unknown = set(pins) - set(PINNABLE)
-    if unknown:
-        raise InvalidInputError(f"unknown pin(s) {sorted(unknown)}",
-                                expected=f"some of {list(PINNABLE)}")
+        check_plan(plan, fingerprint, world, global_batch)
+        return _with_stages(plan, captured).replace(model_fingerprint=fingerprint), None, None
+    pins = validate_pins(plan, world) if isinstance(plan, Mapping) else {}
     full = {"dp", "tp", "pp"} <= set(pins) and (
         "micro_batch_size" in pins or "num_micro_batches" in pins)
     if full:  # everything that shapes the mesh is pinned: no search needed
-        return _plan_from_pins(pins, captured, world, global_batch), None, None
-    return _search(pins, captured, cluster, global_batch, seq, mixed_precision)
+        decided = _plan_from_pins(pins, captured, world, global_batch)
+        return decided.replace(model_fingerprint=fingerprint), None, None
+    decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
+                                          mixed_precision)
+    return decided.replace(model_fingerprint=fingerprint), prediction, search
+
+
+def check_plan(plan: Plan, fingerprint: str, world: int, global_batch: int) -> None:
+    """A given plan must be made for this model (fingerprint), world and global batch."""
+    if plan.model_fingerprint is not None and plan.model_fingerprint != fingerprint:
+        raise PlanMismatchError("the plan was made for another model (or autopar version)",
+                                expected=f"model fingerprint {fingerprint} (this model, "
+                                         f"autopar.plan_fingerprint)",
+                                found=f"model fingerprint {plan.model_fingerprint} in the plan",
+                                fix="re-plan for this model (plan='auto', pins, or autopar plan "
+                                    "... --out), or clear the plan's model_fingerprint to apply "
+                                    "it anyway")
+    if plan.world_size != world:
+        raise PlanMismatchError("the plan does not match this job's world size",
+                                expected=f"dp x pp x tp = {plan.world_size} processes",
+                                found=f"a world of {world}",
+                                fix=f"launch {plan.world_size} processes, or re-plan")
+    if plan.global_batch != global_batch:
+        raise InvalidInputError("the plan was made for another global batch",
+                                expected=f"global batch micro_batch_size x num_micro_batches x dp"
+                                         f" = {plan.micro_batch_size} x "
+                                         f"{plan.num_micro_batches} x {plan.dp} = "
+                                         f"{plan.global_batch}",
+                                found=f"global batch {global_batch} (example inputs or "
+                                      f"global_batch=)",
+                                fix="pass example inputs of the plan's batch (or global_batch=), "
+                                    "or re-plan")
 
 
 def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_batch: int) -> Plan:
@@ -397,7 +556,7 @@ def balanced_ranges(weights: Sequence[float], k: int) -> list[tuple[int, int]]:
 
 def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, factory: Any,
            device: torch.device, *, search: Any, max_grad_norm: float | None,
-           mixed_precision: bool, bucket_mb: float, tp_cost: Any) -> Any:
+           mixed_precision: bool, bucket_mb: float, tp_cost: Any, seed: int = 0) -> Any:
     from autopar.parallel_model import ParallelModel, _fqn_shards
     from autopar.passes.split_stages import split_into_stages
     from autopar.runtime.pipeline import PipelineExecutor
@@ -432,9 +591,19 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
         holder["dp"].set_requires_gradient_sync(
             executor.is_last_backward(stage, microbatch), chunk=holder["chunk"][stage])
 
+    tp_group = TPGroup.from_mesh(mesh)
+    tp_group.rng.seed = int(seed)
+
+    def on_forward(stage: int, microbatch: int) -> None:
+        holder["pm"]._before_stage(stage, microbatch, "forward")
+
+    def on_stage_backward(stage: int, microbatch: int) -> None:
+        holder["pm"]._before_stage(stage, microbatch, "backward")
+        on_backward(stage, microbatch)
+
     executor = PipelineExecutor(split, schedule, mesh, tensors=tensors,
-                                bindings={"tp": TPGroup.from_mesh(mesh)}, sync_tied=False,
-                                on_backward=on_backward,
+                                bindings={"tp": tp_group}, sync_tied=False,
+                                on_backward=on_stage_backward, on_forward=on_forward,
                                 recompute=plan.recompute is RecomputeKind.FULL)
     local_stages = list(executor.stage_modules)
     holder["chunk"] = {s: (i if len(local_stages) > 1 else None) for i, s in enumerate(local_stages)}
@@ -444,6 +613,8 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
     pm._dp_args = dict(factory=factory, max_grad_norm=max_grad_norm,
                        mixed_precision=mixed_precision, bucket_mb=bucket_mb)
     pm._dp_holder = holder
+    pm.tp_group = tp_group
+    holder["pm"] = pm
     pm.data_parallel = _rebuild_data_parallel(pm)
     return pm
 
@@ -481,7 +652,9 @@ def _check_agreement(pm: Any) -> None:
     mine = int(pm.fingerprint(), 16) & ((1 << 62) - 1)
     gathered = [torch.zeros(1, dtype=torch.int64, device=pm.device)
                 for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=pm.device))
+    collective(dist.all_gather, gathered,
+               torch.tensor([mine], dtype=torch.int64, device=pm.device),
+               what="the all-gather of every rank's program fingerprint")
     values = [int(t.item()) for t in gathered]
     if len(set(values)) > 1:
         bad = [r for r, v in enumerate(values) if v != values[0]]

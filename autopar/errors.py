@@ -17,9 +17,12 @@ __all__ = [
     "ClusterSpecError",
     "PlanMismatchError",
     "InvalidInputError",
+    "InvalidPlanError",
     "ScheduleError",
     "PassError",
     "CommunicationTimeoutError",
+    "VerificationError",
+    "error_from_parts",
 ]
 
 
@@ -74,6 +77,12 @@ class InvalidInputError(AutoparError):
     """Inputs given to capture, parallelize or a step do not have the expected form."""
 
 
+class InvalidPlanError(InvalidInputError, ValueError):
+    """A plan, or the pins of one, is malformed or self-contradictory (``zero=7``, an unknown
+    schedule, virtual stages without the interleaved schedule). Also a ``ValueError``: the plan's
+    dataclasses validate themselves as STYLE.md asks."""
+
+
 class ScheduleError(AutoparError):
     """A pipeline schedule is malformed or deadlocks."""
 
@@ -84,3 +93,35 @@ class PassError(AutoparError):
 
 class CommunicationTimeoutError(AutoparError):
     """A collective or point-to-point transfer did not finish within its timeout."""
+
+
+class VerificationError(AutoparError):
+    """The parallel program's activations or loss differ from the original model's beyond the
+    tolerance (``parallelize(..., verify=True)`` / ``ParallelModel.verify``). ``report`` holds the
+    per-layer differences; the message names the first layer that differs."""
+
+    def __init__(self, message: str = "", *, report: object = None, **parts: str | None) -> None:
+        super().__init__(message, **parts)
+        self.report = report
+
+
+def error_from_parts(class_name: str, summary: str, expected: str | None = None,
+                     found: str | None = None, fix: str | None = None) -> Exception:
+    """Rebuild an error raised on another rank: the same class (an autopar error or a Python
+    built-in exception) with the same message. Unknown classes become an AutoparError naming them.
+    """
+    import builtins
+
+    cls = globals().get(class_name)
+    if isinstance(cls, type) and issubclass(cls, AutoparError):
+        return cls(summary, expected=expected, found=found, fix=fix)
+    text = "\n  ".join([summary] + [f"{k}: {v}" for k, v in
+                                     (("expected", expected), ("found", found), ("fix", fix))
+                                     if v is not None])
+    cls = getattr(builtins, class_name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(text)
+        except TypeError:  # built-ins with other constructor signatures
+            pass
+    return AutoparError(f"{class_name}: {text}")

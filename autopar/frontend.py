@@ -46,7 +46,7 @@ from autopar.ir import (
     spec_from_value,
 )
 
-__all__ = ["capture", "CapturedGraph", "CaptureMethod", "ParamInfo"]
+__all__ = ["capture", "CapturedGraph", "CaptureMethod", "ParamInfo", "plan_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,10 @@ class CapturedGraph:
         out = self.gm(*self.placeholder_values(model), *inputs)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
 
+    def fingerprint(self, depth: int | None = None) -> str:
+        """What a plan for this model depends on, hashed: see :func:`plan_fingerprint`."""
+        return plan_fingerprint(self, depth=depth)
+
 
 class _TracedStep(nn.Module):
     """``loss_fn(model(*inputs), *targets)`` as one module, so export traces both together."""
@@ -220,7 +224,7 @@ def capture(
         if dynamic and dims:
             try:
                 ep, sizes = _export_dynamic(step, args, dims)
-                captured = _from_export(ep, CaptureMethod.EXPORT, sizes)
+                captured = _from_export(ep, CaptureMethod.EXPORT, sizes, dims)
             except Exception as exc:  # noqa: BLE001 - every export failure leads to a retry
                 errors.append(f"torch.export with dynamic batch/seq: {_short(exc)}")
         if captured is None:
@@ -361,7 +365,8 @@ def _suggested_bounds(message: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, int]) -> CapturedGraph:
+def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, int],
+                 dims: dict[int, dict[int, str]] | None = None) -> CapturedGraph:
     gm = ep.graph_module
     sig = ep.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -371,7 +376,8 @@ def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, in
     rename: dict[sympy.Symbol, sympy.Expr] = {}
     user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     example_sizes: dict[sympy.Symbol, int] = {}
-    for symbol, (kind, size) in _symbols_from_inputs(user_inputs, by_name, sizes).items():
+    for symbol, (kind, size) in _symbols_from_inputs(user_inputs, by_name, sizes,
+                                                     dims or {}).items():
         target = BATCH if kind == "batch" else SEQ
         rename[symbol] = target
         example_sizes[target] = size
@@ -412,19 +418,21 @@ def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, in
                          symbol_rename=rename)
 
 
-def _symbols_from_inputs(user_inputs, by_name, sizes: dict[str, int]
-                         ) -> dict[sympy.Symbol, tuple[str, int]]:
-    """Map export's free symbols (s23...) to 'batch'/'seq' by matching the example sizes."""
+def _symbols_from_inputs(user_inputs, by_name, sizes: dict[str, int],
+                         dims: dict[int, dict[int, str]]) -> dict[sympy.Symbol, tuple[str, int]]:
+    """Map export's free symbols (s23...) to 'batch'/'seq': by the dims we marked (input i, dim
+    d: export's user inputs are the traced step's arguments, in order), so a batch size equal
+    to the sequence length is no confusion; by size for dims not marked."""
     found: dict[sympy.Symbol, tuple[str, int]] = {}
     size_to_kind = {size: kind for kind, size in sizes.items()}
-    for spec in user_inputs:
+    for i, spec in enumerate(user_inputs):
         val = by_name[spec.arg.name].meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        for dim in val.shape:
+        for d, dim in enumerate(val.shape):
             if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
                 hint = dim.node.hint
-                kind = size_to_kind.get(hint)
+                kind = dims.get(i, {}).get(d) or size_to_kind.get(hint)
                 if kind is not None and dim.node.expr not in found:
                     found[dim.node.expr] = (kind, hint)
     return found
@@ -688,4 +696,98 @@ def _signature(nodes: list[torch.fx.Node], prefix: str | None) -> str:
 
     for n in nodes:
         h.update(f"{n.target}|{ref(n.args)}|{ref(sorted(n.kwargs.items()))}|{info(n).value}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint: which model a plan was made for
+# ---------------------------------------------------------------------------------------------
+
+def plan_fingerprint(captured: CapturedGraph, *, depth: int | None = None) -> str:
+    """A fingerprint of the captured model, written into every plan autopar makes and checked
+    when a plan is applied (``parallelize(plan=...)``): ``"<autopar major.minor>:<16 hex>"``.
+
+    It hashes the graph's structure layer by layer (ops, their wiring and arguments, symbolic
+    shapes and dtypes; devices ignored, so a meta-device capture matches the real model),
+    every parameter's and buffer's name, shape, dtype and trainability, the symbolic shapes of
+    the example inputs and targets (``b``, ``s``: the batch size and sequence length do not
+    matter) and autopar's minor version. Consecutive equal blocks are counted rather than
+    listed, so ``depth`` gives the fingerprint of the same model with ``depth`` blocks (the last
+    captured block repeated, as the cost model extends a shallow capture); ``autopar plan``
+    captures two blocks of a deep model and fingerprints it at its real depth this way.
+    """
+    from autopar._version import major_minor
+
+    rows: list[tuple[str, int]] = []  # (layer description, repeat count), run-length encoded
+    by_fqn = {p.fqn: p for p in captured.params.values()}
+    for layer in captured.layers:
+        prefix = layer.name + "." if layer.kind is LayerKind.BLOCK else ""
+        nodes = [captured.node(n) for n in layer.nodes]
+        params = []
+        for fqn in layer.params:
+            p = by_fqn[fqn]
+            names = [_relative(n, prefix) for n in (p.fqn, *p.aliases)]
+            params.append(f"{'/'.join(names)}:{p.spec}:{int(p.requires_grad)}")
+        text = f"{layer.kind.value}|{_structure(nodes, prefix)}|{';'.join(params)}"
+        if rows and rows[-1][0] == text:
+            rows[-1] = (text, rows[-1][1] + 1)
+        else:
+            rows.append((text, 1))
+    if depth is not None:
+        blocks = [i for i, (text, _) in enumerate(rows) if text.startswith(LayerKind.BLOCK.value)]
+        have = sum(rows[i][1] for i in blocks)
+        if not blocks or depth < have:
+            raise InvalidInputError(f"cannot fingerprint {depth} blocks from a capture of {have}",
+                                    expected=f"depth >= {have} captured blocks",
+                                    found=f"depth={depth}")
+        last = blocks[-1]
+        rows[last] = (rows[last][0], rows[last][1] + depth - have)
+    h = hashlib.sha256()
+    for name in (*captured.input_names, *captured.target_names):
+        h.update(f"io:{info(captured.node(name)).value}\n".encode())
+    for b in sorted(captured.buffers.values(), key=lambda b: b.fqn):
+        h.update(f"buffer:{b.fqn}:{b.spec}\n".encode())
+    for text, count in rows:
+        h.update(f"{count}x {text}\n".encode())
+    h.update(f"loss:{int(captured.has_loss)}".encode())
+    return f"{major_minor()}:{h.hexdigest()[:16]}"
+
+
+_LAYOUT_ONLY = frozenset({"contiguous", "alias", "detach", "lift_fresh_copy"})
+
+
+def _relative(fqn: str, prefix: str) -> str:
+    return fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
+
+
+def _structure(nodes: list[torch.fx.Node], prefix: str) -> str:
+    """The ops of one layer, their wiring, arguments and symbolic shapes (block-relative
+    parameter names, no devices, no node names), hashed. Layout-only ops (``contiguous``,
+    ``alias``) are looked through: export records them or not depending on the example's
+    strides, which differ between the meta device and real tensors."""
+    transparent = {n for n in nodes if n.op == "call_function"
+                   and op_name(n) in _LAYOUT_ONLY and isinstance(n.args[0], torch.fx.Node)}
+    kept = [n for n in nodes if n not in transparent]
+    local = {n: i for i, n in enumerate(kept)}
+    h = hashlib.sha1()
+
+    def ref(a: Any) -> str:
+        while isinstance(a, torch.fx.Node) and a in transparent:
+            a = a.args[0]
+        if isinstance(a, torch.fx.Node):
+            if a in local:
+                return f"%{local[a]}"
+            meta = info(a)
+            if meta.kind in (NodeKind.PARAMETER, NodeKind.BUFFER) and meta.fqn:
+                return f"{meta.kind.value}:{_relative(meta.fqn, prefix)}"
+            return f"ext:{meta.kind.value}:{meta.value}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(ref(x) for x in a) + "]"
+        if isinstance(a, torch.device):
+            return "device"
+        return repr(a)
+
+    for n in kept:
+        kwargs = sorted((k, v) for k, v in n.kwargs.items() if k != "device")
+        h.update(f"{n.target}|{ref(n.args)}|{ref(kwargs)}|{info(n).value}\n".encode())
     return h.hexdigest()[:16]

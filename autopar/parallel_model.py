@@ -12,7 +12,12 @@
    sums tied weights across stages, clips the global norm and steps the optimizer.
 
 ``train_step(inputs, targets)`` takes the global batch (the same tensors on every rank) and
-returns the global-batch mean loss, equal on all ranks.
+returns the global-batch mean loss, equal on all ranks. ``verify(inputs, targets)`` checks one
+micro-batch against the original model layer by layer (``autopar/verify.py``).
+
+Dropout masks depend on (seed, step, site, global sample row) only (``runtime/rng.py``): before
+each stage call the executor says which micro-batch runs, and this class turns it into the
+global rows of the batch (data-parallel rank d holds rows ``[d * B/dp, (d + 1) * B/dp)``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn as nn
 from autopar.errors import InvalidInputError, PlanMismatchError
 from autopar.ir import NodeKind, info
 from autopar.plan import Plan, Prediction, ScheduleKind
+from autopar.runtime.comm import activity, collective, set_activity
 from autopar.sharding import unshard_tensors
 
 __all__ = ["ParallelModel"]
@@ -50,6 +56,10 @@ class ParallelModel:
         self.device = device
         self.search = search
         self.steps = 0
+        #: The tensor-parallel communicator the stage modules run with (its .rng: dropout).
+        self.tp_group: Any = None
+        #: (first global row of this replica's share, micro-batch size) of the running step.
+        self._rows = (0, 0)
         #: Parameter FQN -> this rank's DataParallel name for it (stages it holds only).
         self._dp_name = _dp_names(executor)
 
@@ -64,10 +74,12 @@ class ParallelModel:
         """
         inputs, targets = self._prepare(inputs, targets, local)
         dp = self.data_parallel
+        self._set_dropout(training=True)
         loss = self.executor.step(inputs, targets)
-        dp.finish_gradient_sync()
-        dp.step()  # clips first when the plan's max_grad_norm is set
-        dp.zero_grad()
+        with activity(f"the optimizer step {self.steps}"):
+            dp.finish_gradient_sync()
+            dp.step()  # clips first when the plan's max_grad_norm is set
+            dp.zero_grad()
         self.steps += 1
         return self._global_loss(loss)
 
@@ -77,14 +89,42 @@ class ParallelModel:
         inputs, targets = self._prepare(inputs, targets, local)
         gathered = self.data_parallel.gather_for_eval() if hasattr(
             self.data_parallel, "gather_for_eval") else None
+        self._set_dropout(training=False)
         try:
             loss = self.executor.evaluate(inputs, targets)
         finally:
+            self._set_dropout(training=True)
             if gathered is not None:
                 gathered()
         return self._global_loss(loss)
 
     __call__ = eval_step
+
+    def verify(self, inputs: Sequence[Any] | torch.Tensor, targets: Sequence[Any] | torch.Tensor = (),
+               *, tolerance: float | None = None, raise_on_failure: bool = True,
+               local: bool = False) -> Any:
+        """Run one micro-batch through this parallel program and through the original model;
+        return the largest difference per layer (:class:`autopar.verify.VerificationReport`) and
+        raise :class:`autopar.VerificationError` naming the first layer beyond ``tolerance``.
+        Collective; the same report on every rank."""
+        from autopar.verify import verify
+
+        return verify(self, inputs, targets, tolerance=tolerance,
+                      raise_on_failure=raise_on_failure, local=local)
+
+    # -- hooks the executor calls (api._build wires them) ----------------------------------------
+    def _set_dropout(self, *, training: bool) -> None:
+        if self.tp_group is not None:
+            self.tp_group.rng.training = training
+            self.tp_group.rng.step = self.steps
+
+    def _before_stage(self, stage: int, microbatch: int, direction: str) -> None:
+        """Before each stage call: name the activity (errors say it) and tell dropout which
+        global rows this micro-batch holds."""
+        set_activity(f"pipeline stage {stage} {direction} of micro-batch {microbatch}")
+        if self.tp_group is not None:
+            first, size = self._rows
+            self.tp_group.rng.set_rows(first + microbatch * size, size)
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's share of a global batch (dim 0), as train_step takes it."""
@@ -105,10 +145,12 @@ class ParallelModel:
                                     found=f"{len(inputs)} and {len(targets)}")
         m = self.plan.num_micro_batches
         out = []
-        for t in inputs + targets:
+        names = list(self.captured.input_names) + list(self.captured.target_names)
+        for i, t in enumerate(inputs + targets):
             if not isinstance(t, torch.Tensor):
                 out.append(t)
                 continue
+            self._check_input(names[i], i, t)
             if not local:
                 t = self.local_batch(t)
             if t.shape[0] % m:
@@ -119,7 +161,34 @@ class ParallelModel:
                     found=f"per-replica batch {t.shape[0]}",
                     fix="change the batch size, or re-plan with another micro-batch count")
             out.append(t.to(self.device))
+        rows = next((t.shape[0] for t in out if isinstance(t, torch.Tensor) and t.dim()), 0)
+        self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
+
+    def _check_input(self, name: str, index: int, t: torch.Tensor) -> None:
+        """dtype, number of dims and fixed sizes as captured (b and s may vary)."""
+        from autopar.ir import info
+
+        spec = info(self.captured.node(name)).spec
+        if spec is None:
+            return
+        n_in = len(self.captured.input_names)
+        what = f"input {index}" if index < n_in else f"target {index - n_in}"
+        problem = None
+        if t.dtype != spec.dtype:
+            problem = f"dtype {str(t.dtype).removeprefix('torch.')}"
+        elif t.dim() != spec.ndim:
+            problem = f"{t.dim()} dims, shape {tuple(t.shape)}"
+        else:
+            for d, (want, got) in enumerate(zip(spec.shape, t.shape)):
+                if getattr(want, "is_Integer", False) and int(want) != int(got):
+                    problem = f"shape {tuple(t.shape)} (dim {d} is {got})"
+                    break
+        if problem:
+            raise InvalidInputError(f"{what} does not have the captured form",
+                                    expected=f"{spec} (b, s: any batch and sequence size)",
+                                    found=problem,
+                                    fix="pass tensors shaped like the example inputs")
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """Each replica's last stage holds its mean loss: average over replicas, share with all."""
@@ -130,7 +199,8 @@ class ParallelModel:
                 raise PlanMismatchError("the last pipeline stage returned no loss",
                                         fix="capture the model with its loss_fn")
             value += loss.detach().double()
-        dist.all_reduce(value)
+        set_activity("the loss average over replicas")
+        collective(dist.all_reduce, value, what="the all-reduce of the batch loss")
         return float(value.item()) / self.plan.dp
 
     # -- state ----------------------------------------------------------------------------------
@@ -155,14 +225,16 @@ class ParallelModel:
                 shard = shard.to(pinfo.spec.dtype).contiguous()
                 pieces = [torch.empty_like(shard) for _ in range(self.plan.tp)]
                 if self.plan.tp > 1:
-                    dist.all_gather(pieces, shard, group=self.mesh.tp_group)
+                    collective(dist.all_gather, pieces, shard, group=self.mesh.tp_group,
+                               what=f"the tensor-parallel gather of {fqn}")
                 else:
                     pieces = [shard]
                 full = unshard_tensors(pieces, layout.placement)
             else:
                 full = torch.empty(full_shape, dtype=pinfo.spec.dtype, device=self.device)
             if self.plan.pp > 1:
-                dist.broadcast(full, src=self.mesh.stage_rank(owner), group=self.mesh.pp_group)
+                collective(dist.broadcast, full, src=self.mesh.stage_rank(owner),
+                           group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
             out[fqn] = full.cpu()
             for alias in pinfo.aliases:
                 out[alias] = out[fqn]

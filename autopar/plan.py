@@ -4,7 +4,12 @@ A :class:`Plan` is what the planner decides and what the passes and the runtime 
 :class:`Prediction` is what the cost model says the plan costs. Both are frozen dataclasses that
 check themselves in ``__post_init__`` and round-trip through JSON (never pickle).
 
-This is a leaf module (it imports only :mod:`autopar.errors`), so passes and the runtime use it.
+Bad values raise :class:`autopar.errors.InvalidPlanError` (an ``InvalidInputError`` and a
+``ValueError``) saying what was expected, what was found and the fix; a plan written by another
+plan format or autopar version raises :class:`autopar.errors.PlanMismatchError`.
+
+This is a leaf module (it imports only :mod:`autopar.errors` and the version), so passes and the
+runtime use it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
+
+from autopar._version import __version__, major_minor
+from autopar.errors import InvalidPlanError, PlanMismatchError
 
 __all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "StagePlan", "Plan", "Prediction",
            "PLAN_FORMAT_VERSION"]
@@ -67,8 +76,9 @@ class StagePlan:
     def __post_init__(self) -> None:
         first, last = self.layers
         if not 0 <= first <= last:
-            raise ValueError(f"stage {self.index} has layers {self.layers}; expected "
-                             f"0 <= first <= last")
+            raise InvalidPlanError(f"stage {self.index} has layers {self.layers}",
+                                   expected="0 <= first <= last (inclusive layer indices)",
+                                   found=str(self.layers), fix="re-plan, or fix the stage list")
 
     @property
     def num_layers(self) -> int:
@@ -76,8 +86,20 @@ class StagePlan:
 
 
 def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidPlanError(f"{name} must be a positive integer, got {value!r}",
+                               expected=f"{name} >= 1 (an int)", found=repr(value),
+                               fix=f"set {name} to a positive integer, or leave it to the search")
+
+
+def _enum(kind: type, value: Any, name: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(k.value) for k in kind)
+        raise InvalidPlanError(f"{value!r} is not a valid {kind.__name__} ({name})",
+                               expected=f"{name} one of {choices}", found=repr(value),
+                               fix=f"use one of {choices}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,39 +124,73 @@ class Plan:
     #: Tensor-parallel choice per GEMM, by the node name in the captured graph (empty: decided
     #: by the sharding search when the plan is applied).
     gemm_sharding: Mapping[str, GemmSharding] = field(default_factory=dict)
-    #: Fingerprint of the model the plan was made for (see autopar.plan_fingerprint); None for a
-    #: plan made from pins alone.
+    #: Fingerprint of the model the plan was made for (:func:`autopar.plan_fingerprint`);
+    #: ``parallelize`` refuses a plan whose fingerprint differs from its model's. None: not
+    #: checked (a plan written by hand).
     model_fingerprint: str | None = None
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
             _positive(name, getattr(self, name))
-        object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
-        object.__setattr__(self, "recompute", RecomputeKind(self.recompute))
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        object.__setattr__(self, "schedule", _enum(ScheduleKind, self.schedule, "schedule"))
+        object.__setattr__(self, "recompute", _enum(RecomputeKind, self.recompute, "recompute"))
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise InvalidPlanError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}",
+                                   expected="a ZeRO stage: 0 (none), 1 (optimizer state), "
+                                            "2 (+ gradients) or 3 (+ parameters)",
+                                   found=repr(self.zero), fix="pick a stage in 0..3")
+        if not isinstance(self.sequence_parallel, bool):
+            raise InvalidPlanError("sequence_parallel must be True or False",
+                                   expected="a bool", found=repr(self.sequence_parallel),
+                                   fix="set sequence_parallel=True or False")
         if self.schedule.interleaved:
             if self.virtual_stages < 2:
-                raise ValueError("interleaved-1f1b needs virtual_stages >= 2; use 1f1b for one "
-                                 "stage per rank")
+                raise InvalidPlanError("interleaved-1f1b needs virtual_stages >= 2",
+                                       expected="virtual_stages >= 2 with interleaved-1f1b",
+                                       found=f"virtual_stages={self.virtual_stages}",
+                                       fix="use 1f1b for one stage per rank, or raise "
+                                           "virtual_stages")
             if self.num_micro_batches % self.pp:
-                raise ValueError(f"interleaved-1f1b needs num_micro_batches ({self.num_micro_batches}) "
-                                 f"divisible by pp ({self.pp})")
+                raise InvalidPlanError(
+                    f"interleaved-1f1b needs num_micro_batches ({self.num_micro_batches}) "
+                    f"divisible by pp ({self.pp})",
+                    expected=f"a multiple of pp={self.pp} micro-batches",
+                    found=f"num_micro_batches={self.num_micro_batches}",
+                    fix="change the micro-batch count or the schedule")
         elif self.virtual_stages != 1:
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs the interleaved-1f1b "
-                             f"schedule (got {self.schedule.value})")
+            raise InvalidPlanError(f"virtual_stages={self.virtual_stages} needs the "
+                                   f"interleaved-1f1b schedule (got {self.schedule.value})",
+                                   expected="virtual_stages=1 with gpipe, 1f1b or zb-h1",
+                                   found=f"virtual_stages={self.virtual_stages}, "
+                                         f"schedule={self.schedule.value}",
+                                   fix="set schedule='interleaved-1f1b', or virtual_stages=1")
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1")
+            raise InvalidPlanError("sequence_parallel needs tp > 1",
+                                   expected="tp >= 2 with sequence_parallel", found="tp=1",
+                                   fix="drop sequence_parallel or raise tp")
         if self.stages:
             if len(self.stages) != self.pp * self.virtual_stages:
-                raise ValueError(f"{len(self.stages)} stages given; expected pp x virtual_stages = "
-                                 f"{self.pp * self.virtual_stages}")
+                raise InvalidPlanError(
+                    f"{len(self.stages)} stages given; expected pp x virtual_stages = "
+                    f"{self.pp * self.virtual_stages}",
+                    expected=f"{self.pp * self.virtual_stages} stages", found=str(len(self.stages)),
+                    fix="give one stage per pipeline rank and chunk, or none (balanced cuts)")
             for prev, nxt in zip(self.stages, self.stages[1:]):
                 if nxt.layers[0] != prev.layers[1] + 1:
-                    raise ValueError(f"stages {prev.index} and {nxt.index} are not contiguous: "
-                                     f"{prev.layers} then {nxt.layers}")
-        gemm = {k: GemmSharding(v) for k, v in dict(self.gemm_sharding).items()}
+                    raise InvalidPlanError(f"stages {prev.index} and {nxt.index} are not "
+                                           f"contiguous: {prev.layers} then {nxt.layers}",
+                                           expected="contiguous layer ranges",
+                                           found=f"{prev.layers} then {nxt.layers}",
+                                           fix="each stage starts at the layer after the "
+                                               "previous stage's last")
+        if not isinstance(self.gemm_sharding, Mapping):
+            raise InvalidPlanError("gemm_sharding must map GEMM node names to column / row / "
+                                   "replicate", expected="a mapping",
+                                   found=type(self.gemm_sharding).__name__,
+                                   fix="give a dict, or leave it empty for the search")
+        gemm = {k: _enum(GemmSharding, v, f"gemm_sharding[{k!r}]")
+                for k, v in dict(self.gemm_sharding).items()}
         object.__setattr__(self, "gemm_sharding", gemm)
 
     # -- derived ------------------------------------------------------------------------------
@@ -157,6 +213,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
+            "autopar_version": __version__,
             "dp": self.dp, "tp": self.tp, "pp": self.pp,
             "virtual_stages": self.virtual_stages,
             "micro_batch_size": self.micro_batch_size,
@@ -173,23 +230,89 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Plan":
+        """The plan of :meth:`to_json` (or of an ``autopar plan --out`` document's ``plan``).
+
+        Another plan format, or a plan written by another autopar minor version, is a
+        PlanMismatchError; a malformed one an InvalidPlanError."""
+        if not isinstance(data, Mapping):
+            raise InvalidPlanError("a plan must be a JSON object", expected="{'dp': ..., ...}",
+                                   found=type(data).__name__,
+                                   fix="regenerate it with Plan.save or autopar plan --out")
         data = dict(data)
         version = data.pop("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
-            raise ValueError(f"plan format version {version} is not supported by this autopar "
-                             f"(expected {PLAN_FORMAT_VERSION}); re-plan with this version")
+            raise PlanMismatchError(f"plan format version {version} is not supported by this "
+                                    f"autopar (expected {PLAN_FORMAT_VERSION})",
+                                    expected=f"format_version {PLAN_FORMAT_VERSION}",
+                                    found=f"format_version {version}",
+                                    fix="re-plan with this version (autopar plan ... --out)")
+        written_by = data.pop("autopar_version", None)
+        if written_by is not None and major_minor(str(written_by)) != major_minor():
+            raise PlanMismatchError(f"the plan was written by autopar {written_by}",
+                                    expected=f"a plan from autopar {major_minor()}.x",
+                                    found=f"autopar {written_by}",
+                                    fix="re-plan with this version (autopar plan ... --out)")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown plan field(s) {sorted(unknown)}; expected some of "
-                             f"{sorted(known)}")
-        stages = tuple(StagePlan(index=s["index"], layers=tuple(s["layers"]),
-                                 pp_rank=s["pp_rank"], chunk=s.get("chunk", 0))
-                       for s in data.pop("stages", ()))
+            raise InvalidPlanError(f"unknown plan field(s) {sorted(unknown)}",
+                                   expected=f"some of {sorted(known - {'format_version'})}",
+                                   found=str(sorted(unknown)), fix="remove or rename them")
+        try:
+            stages = tuple(StagePlan(index=s["index"], layers=tuple(s["layers"]),
+                                     pp_rank=s["pp_rank"], chunk=s.get("chunk", 0))
+                           for s in data.pop("stages", ()) or ())
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidPlanError):
+                raise
+            raise InvalidPlanError("a plan stage is malformed",
+                                   expected="{'index': i, 'layers': [first, last], 'pp_rank': r, "
+                                            "'chunk': c}", found=f"{type(exc).__name__}: {exc}",
+                                   fix="re-plan, or fix the stage list") from None
         return cls(stages=stages, **data)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
+
+    # -- files --------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON (``.json``) or YAML (``.yaml`` / ``.yml``)."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_json(), sort_keys=False))
+        else:
+            path.write_text(self.dumps() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """A plan file: :meth:`save`'s JSON or YAML, or an ``autopar plan --out`` document (its
+        ``plan``). Parsed with ``json`` / ``yaml.safe_load`` only, never pickle."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise InvalidPlanError(f"cannot read the plan file {str(path)!r}",
+                                   expected="a plan written by Plan.save or `autopar plan --out`",
+                                   found=f"{type(exc).__name__}: {exc.strerror or exc}",
+                                   fix="check the path") from None
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as exc:  # noqa: BLE001 - JSONDecodeError, yaml.YAMLError
+            raise InvalidPlanError(f"{path} is not a valid plan file",
+                                   expected="JSON (.json) or YAML (.yaml, .yml)",
+                                   found=str(exc).splitlines()[0] if str(exc) else "",
+                                   fix="regenerate it with autopar plan --out") from None
+        if isinstance(data, Mapping) and "autopar_plan_document" in data:
+            data = data.get("plan")
+        return cls.from_json(data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,11 @@ per-rank (local) tensors, rank-agnostic (the rank enters through the ``tp`` comm
   ``tp.vocab_parallel_embedding`` / ``tp.vocab_parallel_cross_entropy``, a mean over a sharded
   dim is rescaled by 1/tp, and a GEMM bias split off before the search is fused back when
   its add needs no collective (column-parallel and replicated GEMMs);
-- export's runtime asserts are dropped (they check global shapes and devices).
+- export's runtime asserts are dropped (they check global shapes and devices);
+- dropout (``aten.dropout``, and attention dropout inside ``scaled_dot_product_attention``)
+  becomes ``tp.dropout`` / ``tp.attention_dropout``, whose masks are a function of the seed, the
+  step, the site (the node's name) and each element's global coordinates: every plan draws the
+  single-device program's masks (runtime/rng.py).
 
 Every node's NodeInfo keeps its global ``value`` and gains ``placement`` and ``local_value``.
 """
@@ -36,7 +40,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from autopar.errors import ShardingError
-from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name
+from autopar.ir import BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name
 from autopar.passes.infra import PassContext, PassResult, graph_pass
 from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
 from autopar.runtime.tp import FUNCTIONS
@@ -48,6 +52,7 @@ from autopar.sharding import (
     gradient_is_partial,
     is_sharded,
     local_shape,
+    num_blocks,
     make_shard,
     redistribution,
 )
@@ -281,6 +286,8 @@ class _Builder:
             new = self.graph.call_function(TP_METHODS["vocab_parallel_cross_entropy"],
                                            (self.tp_node, args[0], args[1]),
                                            {"reduction": reduction, "ignore_index": ignore})
+        elif _draws_dropout(n):
+            new = self.emit_dropout(n, args, kwargs, placement)
         else:
             new = self.graph.create_node("call_function", target, tuple(args), kwargs,
                                          name=n.name)
@@ -296,6 +303,27 @@ class _Builder:
         if out_node is not n:
             self.env[out_node] = new
         self.emit_conversions(out_node)
+
+    def emit_dropout(self, n: torch.fx.Node, args: tuple, kwargs: dict,
+                     placement: Any) -> torch.fx.Node:
+        """``tp.dropout`` / ``tp.attention_dropout`` for a dropout op (see the module docstring):
+        the site is the captured node's name, the placement says which slice of the full mask
+        this rank keeps, the batch dim which dim runs over samples."""
+        spec = info(n).spec
+        extra = {"site": n.name, "batch_dim": _batch_dim(spec),
+                 "shard_dim": placement.dim if is_sharded(placement) else None}
+        if op_name(n) == "dropout":
+            x, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            train = args[2] if len(args) > 2 else kwargs.get("train", True)
+            if is_sharded(placement):
+                extra["blocks"] = num_blocks(placement)
+            return self.graph.create_node("call_function", TP_METHODS["dropout"],
+                                          (self.tp_node, x, p, train), extra, name=n.name)
+        names = ("attn_mask", "dropout_p", "is_causal")
+        call = dict(zip(names, args[3:]))
+        call.update({k: v for k, v in kwargs.items()})
+        return self.graph.create_node("call_function", TP_METHODS["attention_dropout"],
+                                      (self.tp_node, *args[:3]), {**call, **extra}, name=n.name)
 
     def local_args(self, n: torch.fx.Node, s: Strategy, args: tuple) -> tuple:
         """Global sizes in a view's, expand's or split's arguments, made local."""
@@ -327,6 +355,29 @@ class _Builder:
             if is_sharded(req) and req.dim == dim and len(args) > 3:
                 args[3] = 9223372036854775807  # a full slice of the local shard
         return tuple(args)
+
+
+def _draws_dropout(n: torch.fx.Node) -> bool:
+    """A dropout that draws a mask when training: aten.dropout, or attention dropout."""
+    name = op_name(n)
+    if name == "dropout":
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+        return isinstance(p, (int, float)) and p > 0 and train is not False
+    if name == "scaled_dot_product_attention":
+        p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+        return isinstance(p, (int, float)) and p > 0
+    return False
+
+
+def _batch_dim(spec: Any) -> int | None:
+    """The first dim whose size is a multiple of the batch symbol (``b``, ``b*s``)."""
+    if not isinstance(spec, TensorSpec):
+        return None
+    for d, size in enumerate(spec.shape):
+        if isinstance(size, sympy.Basic) and size.has(BATCH) and not (size / BATCH).has(BATCH):
+            return d
+    return None
 
 
 def build_local_program(gm: torch.fx.GraphModule, tp: int) -> torch.fx.GraphModule:

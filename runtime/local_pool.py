@@ -10,7 +10,10 @@ rendezvous, one CPU thread each) and runs many jobs in them::
 ``fn`` must be importable by name (a module-level function) so the workers can unpickle it. Every
 job has a timeout; a job that fails on one rank while others wait in a collective, or that hangs,
 gets the workers killed and a :class:`~autopar.errors.CommunicationTimeoutError` (or the first
-rank's exception) raised here. The pool then restarts on its next job. Never a hang.
+rank's exception) raised here. When a worker dies mid-job, the survivors get ``death_grace_s``
+to report what they saw (their own errors, e.g. a CommunicationTimeoutError naming the lost
+peer), which the raised :class:`RemoteError` carries. The pool then restarts on its next job.
+Never a hang.
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ class LocalPool:
     """``world_size`` local processes in one process group, reused across jobs."""
 
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0,
-                 collective_timeout_s: float | None = None, env: dict[str, str] | None = None) -> None:
+                 collective_timeout_s: float | None = None, env: dict[str, str] | None = None,
+                 death_grace_s: float = 10.0) -> None:
         if not 1 <= world_size <= 64:
             raise ValueError(f"world_size must be in 1..64, got {world_size}")
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
         self.collective_timeout_s = collective_timeout_s or timeout_s
+        self.death_grace_s = death_grace_s
         self.env = {"AUTOPAR_TIMEOUT_S": str(self.collective_timeout_s), **(env or {})}
         self._procs: list[Any] = []
         self._ids = itertools.count()
@@ -145,12 +150,18 @@ class LocalPool:
         name = getattr(fn, "__name__", str(fn))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        while len(results) + len(errors) < self.world_size:
+        dead: list[int] = []
+        while len(results) + len(errors) + len(dead) < self.world_size:
             if errors:  # one rank failed: the others get a short while to fail or finish too
                 deadline = min(deadline, time.monotonic() + 10.0)
-            msg = self._get(deadline, stop_on_death=not errors)
+            msg = self._get(deadline, stop_on_death=not errors and not dead)
             if msg is None:
-                if errors:
+                now_dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+                if now_dead and not dead:  # the survivors may still report what they saw
+                    dead = now_dead
+                    deadline = min(deadline, time.monotonic() + self.death_grace_s)
+                    continue
+                if errors or dead:
                     break
                 self._fail(f"run {name}", set(results))
             tid, rank, status, payload = msg
@@ -160,6 +171,20 @@ class LocalPool:
                 results[rank] = payload
             else:
                 errors[rank] = payload
+        if dead:
+            dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+            self.kill()
+            if not errors:
+                raise CommunicationTimeoutError(
+                    f"local pool could not run {name}: rank(s) {dead} died",
+                    expected=f"all {self.world_size} ranks to answer",
+                    found=f"rank(s) {sorted(set(range(self.world_size)) - set(results))} silent",
+                    fix="look for a rank that crashed (its exit code, its log)")
+            first = min(errors)
+            raise RemoteError(f"{name}: rank(s) {dead} died; the others raised, rank(s) "
+                              f"{sorted(errors)}; rank {first}:\n{errors[first]}",
+                              found="\n".join(f"rank {r}: {errors[r].splitlines()[0]}"
+                                               for r in sorted(errors)))
         if errors:
             first = min(errors)
             if len(results) + len(errors) < self.world_size:

@@ -9,7 +9,6 @@ also exposed as a ``torch.distributed.device_mesh.DeviceMesh`` for DTensor and F
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -18,15 +17,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanMismatchError
+from autopar.runtime.comm import DEFAULT_TIMEOUT_S, default_timeout, set_rank_label
 
 __all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates"]
-
-#: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
-DEFAULT_TIMEOUT_S = 300.0
-
-
-def default_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("AUTOPAR_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
 
 
 def coordinates(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
@@ -65,6 +58,9 @@ class ParallelMesh:
         self.world_size = world
         self.device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
         self.dp_rank, self.pp_rank, self.tp_rank = coordinates(self.rank, dp, pp, tp)
+        # errors from any collective name this process by its coordinates (runtime/comm.py)
+        set_rank_label(f"rank {self.rank} (dp {self.dp_rank}, pp {self.pp_rank}, "
+                       f"tp {self.tp_rank})")
         grid = torch.arange(world).reshape(dp, pp, tp)
         self._grid = grid
         self.axes = {

@@ -159,7 +159,7 @@ def global_grad_norm(local_parts: Iterable[torch.Tensor], norm_type: float,
             local += torch.linalg.vector_norm(p.detach(), norm_type, dtype=torch.float32) ** norm_type
         op = dist.ReduceOp.SUM
     local = local.reshape(1)
-    from autopar.runtime.zero import wait_work  # zero imports this module
+    from autopar.runtime.comm import wait_work
 
     for group in groups:
         if group is not None:

@@ -44,11 +44,11 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from autopar.errors import (
-    CommunicationTimeoutError,
     InvalidInputError,
     PlanMismatchError,
     ScheduleError,
 )
+from autopar.runtime.comm import wait_work
 from autopar.runtime.mesh import coordinates
 from autopar.runtime.schedules import (
     Action,
@@ -153,19 +153,23 @@ class PipelineExecutor:
                  tensors: Mapping[str, torch.Tensor], bindings: Mapping[str, Any] | None = None,
                  timeout: timedelta | None = None, sync_tied: bool = True,
                  on_backward: Callable[[int, int], None] | None = None,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False,
+                 on_forward: Callable[[int, int], None] | None = None) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
         gradient sum of tied weights to the caller (the data-parallel layer does it on its
         buckets); ``on_backward(stage, microbatch)`` runs before each backward action (the
-        data-parallel layer enables gradient sync for a stage's last one)."""
+        data-parallel layer enables gradient sync for a stage's last one); ``on_forward(stage,
+        microbatch)`` runs right before each stage forward, inside the recomputed region, so a
+        recompute in backward sees it again (the program's dropout masks depend on it)."""
         self.split = split
         #: Full activation recompute: each stage call keeps only its inputs and runs again in
         #: backward (torch.utils.checkpoint), so in-flight micro-batches hold one tensor set each.
         self.recompute = recompute
         self.sync_tied = sync_tied
         self.on_backward = on_backward
+        self.on_forward = on_forward
         self.bindings = dict(bindings or {})
         self.schedule = add_communication(schedule)
         self.mesh = mesh
@@ -379,6 +383,8 @@ class PipelineExecutor:
             leaves = [t.detach().requires_grad_(c.requires_grad)
                       for t, c in zip(received, stage.inputs)]
             module, args = self.stage_modules[s], self._args(stage, mb, leaves)
+            if self.on_forward is not None:
+                module = _announced(module, self.on_forward, s, mb)
             with torch.enable_grad():
                 if self.recompute and not self._inference:
                     out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
@@ -505,15 +511,16 @@ class PipelineExecutor:
                     next(it) if c.requires_grad else None for c in self.local[a.stage].outputs]
 
     def _wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise CommunicationTimeoutError(
-                f"pipeline rank {self.pp_rank} (global {self.mesh.rank}) timed out on {what}",
-                expected=f"the peer to answer within {self.timeout.total_seconds():.0f} s",
-                found=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                fix="check that every rank runs the same schedule and stage split; raise "
-                    "AUTOPAR_TIMEOUT_S for slow stages") from exc
+        wait_work(work, what, self.timeout)  # CommunicationTimeoutError naming rank and action
+
+
+def _announced(module: Callable[..., Any], hook: Callable[[int, int], None], stage: int,
+               microbatch: int) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        hook(stage, microbatch)
+        return module(*args)
+
+    return run
 
 
 def _kind(ph: _Placeholder) -> str:

@@ -20,30 +20,48 @@ plus the two ops whose sharded form needs work of its own: the vocabulary-parall
 target logit per token; the full-vocabulary logits never exist).
 
 Process groups come from :class:`autopar.runtime.mesh.ParallelMesh` (DeviceMesh-compatible,
-NCCL on GPUs, gloo on CPU) and carry its timeout, so a collective that a peer never joins
-raises instead of hanging. A group of size 1 makes every method the identity.
+NCCL on GPUs, gloo on CPU). Every collective is waited through
+:func:`autopar.runtime.comm.wait_work` with the mesh's timeout, so a peer that never joins or
+has died raises :class:`~autopar.errors.CommunicationTimeoutError` naming this rank, what it was
+doing and the collective, instead of hanging. A group of size 1 makes every method the identity.
+
+Dropout (``tp.dropout``, ``tp.attention_dropout``) draws its masks from
+:class:`autopar.runtime.rng.DropoutRNG` (``TPGroup.rng``): a function of the seed, the step, the
+dropout site and the global coordinates of each element, so every plan draws the single-device
+run's masks (docs/reliability.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import ShardingError
+from autopar.runtime.comm import collective
+from autopar.runtime.rng import DropoutRNG
 
 __all__ = ["TPGroup", "FUNCTIONS"]
 
 
+def _what(name: str, x: torch.Tensor) -> str:
+    dtype = str(x.dtype).removeprefix("torch.")
+    return f"tensor-parallel {name} of {dtype}{list(x.shape)}"
+
+
 def _ag_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
+    collective(fn, out, x, group=group, what=_what("all-gather", x))
 
 
 def _rs_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, group=group)
+    collective(fn, out, x, group=group, what=_what("reduce-scatter", x))
+
+
+def _all_reduce(x: torch.Tensor, group, name: str = "all-reduce") -> None:
+    collective(dist.all_reduce, x, group=group, what=_what(name, x))
 
 
 def _check(size: int, n: int, what: str, dim: int) -> None:
@@ -90,7 +108,7 @@ def _all_to_all(x: torch.Tensor, src: int, dst: int, group, n: int) -> torch.Ten
     _check(x.shape[dst], n, "all_to_all", dst)
     send = torch.stack(x.chunk(n, dim=dst)).contiguous()  # [n, ...]: chunk j goes to rank j
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    collective(dist.all_to_all_single, recv, send, group=group, what=_what("all-to-all", x))
     return torch.cat(recv.unbind(0), dim=src)
 
 
@@ -98,7 +116,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        _all_reduce(out, group)
         return out
 
     @staticmethod
@@ -115,7 +133,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        _all_reduce(grad, ctx.group, "all-reduce (backward of f)")
         return grad, None
 
 
@@ -131,7 +149,7 @@ class _AllGather(torch.autograd.Function):
         if reduce_grad:
             if blocks > 1:  # sum over ranks, then keep this rank's pieces of every block
                 grad = grad.contiguous().clone()
-                dist.all_reduce(grad, group=group)
+                _all_reduce(grad, group, "all-reduce (backward of all-gather)")
                 out = _slice(grad, dim, blocks, rank, n)
             else:
                 out = _reduce_scatter(grad, dim, group, n)
@@ -233,13 +251,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class TPGroup:
     """The tensor-parallel process group of this rank, and the collectives over it."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, rng: DropoutRNG | None = None) -> None:
         self.group = group
         if group is None:
             self.rank, self.size = 0, 1
         else:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
+        #: Where the program's dropout masks come from (seed, step, rows of the micro-batch).
+        self.rng = rng if rng is not None else DropoutRNG()
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> "TPGroup":
@@ -310,6 +330,65 @@ class TPGroup:
                                                 self.group if self.size > 1 else None, self.size)
 
 
+    # -- dropout with plan-independent masks (runtime/rng.py) ---------------------------------
+    def _local_keep(self, site: str, shape: Sequence[int], p: float, batch_dim: int | None,
+                    shard_dim: int | None, blocks: int, device: torch.device) -> torch.Tensor:
+        full = list(shape)
+        if shard_dim is not None and self.size > 1:
+            full[shard_dim] *= self.size
+        keep = self.rng.keep_mask(site, full, batch_dim, p, device)
+        if shard_dim is not None and self.size > 1:
+            keep = _slice(keep, shard_dim, blocks, self.rank, self.size)
+        return keep
+
+    def dropout(self, x: torch.Tensor, p: float, train: bool = True, *, site: str,
+                batch_dim: int | None = 0, shard_dim: int | None = None,
+                blocks: int = 1) -> torch.Tensor:
+        """``aten.dropout`` whose mask is a function of (seed, step, site, global element):
+        ``x`` is this rank's piece (``Shard(shard_dim)`` over tp, or the whole tensor)."""
+        if not train or p == 0.0 or not self.rng.training:
+            return x
+        if p >= 1.0:
+            return x * 0.0
+        keep = self._local_keep(site, x.shape, p, batch_dim, shard_dim, blocks, x.device)
+        return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
+
+    def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                          is_causal: bool = False, *, scale: float | None = None,
+                          enable_gqa: bool = False, site: str, shard_dim: int | None = None,
+                          batch_dim: int | None = 0) -> torch.Tensor:
+        """``scaled_dot_product_attention`` with dropout on the attention probabilities drawn as
+        :meth:`dropout` draws (the fused kernels draw from the process's RNG stream), computed
+        the math way; without dropout (evaluation) the fused kernel runs. ``shard_dim``: the
+        sharded dim of the output (1: heads)."""
+        if dropout_p == 0.0 or not self.rng.training:
+            return torch.ops.aten.scaled_dot_product_attention.default(
+                q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if shard_dim is not None and shard_dim >= q.dim() - 1:
+            raise ShardingError("attention dropout with the head dim sharded",
+                                found=f"output sharded on dim {shard_dim}",
+                                fix="shard attention by heads, or drop attention dropout")
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        factor = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, k.transpose(-2, -1)) * factor
+        if is_causal:
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                                device=q.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attn_mask, float("-inf"))
+            else:
+                scores = scores + attn_mask
+        probs = torch.softmax(scores, dim=-1)
+        keep = self._local_keep(site, probs.shape, dropout_p, batch_dim, shard_dim, 1, q.device)
+        probs = probs * (keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p)))
+        return torch.matmul(probs, v)
+
+
 # -- functional forms: the call_function targets of per-rank fx graphs (tp.<method>(x) in the
 #    generated source). Plain module-level functions, so fx can print, pickle and re-import them.
 
@@ -348,7 +427,24 @@ def vocab_parallel_cross_entropy(tp: TPGroup, logits: torch.Tensor, target: torc
     return tp.vocab_parallel_cross_entropy(logits, target, reduction, ignore_index)
 
 
+def dropout(tp: TPGroup, x: torch.Tensor, p: float, train: bool = True, *, site: str,
+            batch_dim: int | None = 0, shard_dim: int | None = None,
+            blocks: int = 1) -> torch.Tensor:
+    return tp.dropout(x, p, train, site=site, batch_dim=batch_dim, shard_dim=shard_dim,
+                      blocks=blocks)
+
+
+def attention_dropout(tp: TPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                      is_causal: bool = False, *, scale: float | None = None,
+                      enable_gqa: bool = False, site: str, shard_dim: int | None = None,
+                      batch_dim: int | None = 0) -> torch.Tensor:
+    return tp.attention_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                enable_gqa=enable_gqa, site=site, shard_dim=shard_dim,
+                                batch_dim=batch_dim)
+
+
 #: The functional forms by name.
 FUNCTIONS = {f.__name__: f for f in (all_reduce, copy_to_tp, all_gather, reduce_scatter, shard,
                                      all_to_all, vocab_parallel_embedding,
-                                     vocab_parallel_cross_entropy)}
+                                     vocab_parallel_cross_entropy, dropout, attention_dropout)}

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import CommunicationTimeoutError, InvalidInputError
+from autopar.errors import InvalidInputError
+from autopar.runtime.comm import wait_work  # noqa: F401  (re-exported: the shared helper)
 from autopar.runtime.optim import MixedPrecision
 
 __all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "ParamUnit", "wait_work",
@@ -60,24 +61,6 @@ class ZeroStage(enum.IntEnum):
     OPTIMIZER = 1
     GRADIENTS = 2
     PARAMETERS = 3
-
-
-def wait_work(work: Any, what: str) -> None:
-    """Wait on an async collective; a timeout becomes CommunicationTimeoutError."""
-    if work is None:
-        return
-    try:
-        work.wait()
-    except RuntimeError as exc:  # DistBackendError is a RuntimeError
-        text = str(exc).lower()
-        if "timed out" in text or "timeout" in text:
-            raise CommunicationTimeoutError(
-                f"{what} did not finish in time",
-                expected="every rank of the group to take part in the collective",
-                found=str(exc).splitlines()[0],
-                fix="check that all ranks run the same model and call step()/backward() alike; "
-                    "AUTOPAR_TIMEOUT_S sets the timeout") from exc
-        raise
 
 
 def dp_rank_lists(dp: int, pp: int, tp: int) -> list[list[int]]:

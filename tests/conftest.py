@@ -28,7 +28,7 @@ TINY = {
 def build_tiny(family: str, **overrides):
     from autopar import models
 
-    return models.build(family, dropout=0.0, seed=0, **{**TINY[family], **overrides})
+    return models.build(family, **{"dropout": 0.0, "seed": 0, **TINY[family], **overrides})
 
 
 def build_own_gpt(**overrides):
@@ -57,3 +57,12 @@ def tiny_models():
     out["own_gpt"] = (model, loss_fn, inputs, targets,
                       capture(model, inputs, loss_fn, example_targets=targets))
     return out
+
+
+@pytest.fixture(scope="session")
+def shared_pool4():
+    """One LocalPool(4) for the reliability and property tests: started once (seconds each)."""
+    from autopar.runtime.local_pool import LocalPool
+
+    with LocalPool(4, timeout_s=900) as pool:
+        yield pool

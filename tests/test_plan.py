@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from autopar.errors import InvalidPlanError, PlanMismatchError
 from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
 
 
@@ -31,17 +32,38 @@ def test_round_trip():
     (dict(pp=2, stages=(StagePlan(0, (0, 1), 0),)), "expected pp x virtual_stages = 2"),
     (dict(pp=2, stages=(StagePlan(0, (0, 1), 0), StagePlan(1, (3, 4), 1))), "not contiguous"),
     (dict(schedule="2f2b"), "is not a valid ScheduleKind"),
+    (dict(zero=True), "zero must be"),
+    (dict(dp=2.0), "dp must be a positive integer"),
+    (dict(recompute="some"), "is not a valid RecomputeKind"),
+    (dict(gemm_sharding={"linear": "diagonal"}), "is not a valid GemmSharding"),
 ])
 def test_invalid_plans_say_why(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidPlanError, match=match) as err:
         Plan(**kwargs)
+    assert isinstance(err.value, ValueError)  # the dataclass convention (STYLE.md)
+    assert err.value.fix
 
 
 def test_unknown_fields_and_versions():
-    with pytest.raises(ValueError, match="unknown plan field"):
+    with pytest.raises(InvalidPlanError, match="unknown plan field"):
         Plan.from_json({"dp": 1, "bogus": 3})
-    with pytest.raises(ValueError, match="format version 99"):
+    with pytest.raises(PlanMismatchError, match="format version 99"):
         Plan.from_json({"format_version": 99})
+    with pytest.raises(PlanMismatchError, match="written by autopar 9.4.0"):
+        Plan.from_json({**Plan().to_json(), "autopar_version": "9.4.0"})
+    with pytest.raises(InvalidPlanError, match="stage is malformed"):
+        Plan.from_json({"stages": [{"index": 0}]})
+
+
+def test_plan_files_json_and_yaml(tmp_path):
+    plan = Plan(dp=2, num_micro_batches=2, model_fingerprint="0.1:abc")
+    for name in ("plan.json", "plan.yaml"):
+        assert Plan.load(plan.save(tmp_path / name)) == plan
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InvalidPlanError, match="not a valid plan file"):
+        Plan.load(tmp_path / "bad.json")
+    with pytest.raises(InvalidPlanError, match="cannot read"):
+        Plan.load(tmp_path / "missing.json")
 
 
 def test_prediction_round_trip():

@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args))
     doc = report.document()
+    # which model the plan is for: parallelize(plan="plan.json") refuses another model
+    doc["plan"]["model_fingerprint"] = report.cost_model.model.captured.fingerprint(
+        depth=report.model["layers"])
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)

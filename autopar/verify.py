@@ -1,0 +1,374 @@
+"""The equivalence check: one micro-batch through the parallel program and the original model.
+
+``parallelize(..., verify=True)`` and :meth:`ParallelModel.verify` run here. Every rank already
+holds the whole original model (``parallelize`` takes real weights), so every rank checks its own
+part, and nothing but one small vector crosses the network:
+
+1. This rank's data-parallel share of the batch gives its first micro-batch.
+2. The reference: the captured graph of the original model (``CapturedGraph.run``: the single
+   device program) runs that micro-batch with dropout off, keeping only the *layer boundary*
+   tensors this rank's stages compute (a tensor made in one layer and read by a later one) and
+   the loss, and stopping after the last of them. The weights are the original model's while the parallel model has not trained;
+   after training, the parallel model's own full weights (``state_dict()``, a gather).
+3. The parallel program runs the same batch forward (``eval_step``); for the first micro-batch
+   each of this rank's stage graphs is interpreted node by node, and every boundary tensor it
+   holds in a comparable placement (replicated, or sharded: the reference is sliced with the
+   node's placement; pending sums are skipped) is compared with the reference on the spot.
+4. One all-reduce (MAX) of the per-layer ``[max abs, max rel]`` vector and one (SUM) of the
+   counts give every rank the same :class:`VerificationReport`.
+
+The relative difference of a tensor is ``max |parallel - reference| / max |reference|``. The
+default tolerance is 1e-4 in fp32 (reordered sums move results by ~1e-7; a missing all-reduce or a
+wrong shard by O(1)) and 5e-2 with mixed precision (bf16 keeps 8 bits of mantissa). Beyond it,
+:class:`autopar.VerificationError` names the first layer that differs: the fault is there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from autopar.errors import VerificationError
+from autopar.ir import META_KEY, TensorSpec, info
+
+__all__ = ["verify", "VerificationReport", "LayerCheck", "DEFAULT_TOLERANCE",
+           "MIXED_PRECISION_TOLERANCE"]
+
+DEFAULT_TOLERANCE = 1e-4
+MIXED_PRECISION_TOLERANCE = 5e-2
+#: Added to the reference's magnitude in relative differences (tensors that are ~0).
+_FLOOR = 1e-6
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCheck:
+    """The largest difference over the boundary tensors of one layer (or the loss), all ranks."""
+
+    layer: str
+    max_abs: float | None  # None: nothing of this layer could be compared
+    max_rel: float | None
+    tensors: int  # tensors compared, summed over ranks
+
+    def fails(self, tolerance: float) -> bool:
+        return self.max_rel is not None and not self.max_rel <= tolerance  # nan fails
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationReport:
+    """Per-layer differences between the parallel program and the original model."""
+
+    layers: tuple[LayerCheck, ...]  # the captured layers in order, then "loss"
+    tolerance: float
+    micro_batch_size: int
+
+    @property
+    def failures(self) -> list[LayerCheck]:
+        return [c for c in self.layers if c.fails(self.tolerance)]
+
+    @property
+    def first_failure(self) -> LayerCheck | None:
+        bad = self.failures
+        return bad[0] if bad else None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {c.layer: {"max_abs": c.max_abs, "max_rel": c.max_rel, "tensors": c.tensors}
+                for c in self.layers}
+
+    def lines(self) -> list[str]:
+        rows = [f"{'layer':<28} {'max abs':>10} {'max rel':>10} {'tensors':>7}"]
+        for c in self.layers:
+            mark = "  <- beyond tolerance" if c.fails(self.tolerance) else ""
+            if c.max_rel is None:
+                rows.append(f"{c.layer:<28} {'-':>10} {'-':>10} {c.tensors:>7}")
+            else:
+                rows.append(f"{c.layer:<28} {c.max_abs:>10.3g} {c.max_rel:>10.3g} "
+                            f"{c.tensors:>7}{mark}")
+        return rows
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def table(self) -> Any:
+        """The report as a rich Table."""
+        from rich.table import Table
+
+        status = "ok" if self.ok else f"FAILED at {self.first_failure.layer}"
+        t = Table(title=f"autopar verify: one micro-batch ({self.micro_batch_size} samples) vs the "
+                        f"original model, tolerance {self.tolerance:g} relative: {status}")
+        for col in ("layer", "max abs diff", "max rel diff", "tensors"):
+            t.add_column(col, justify="left" if col == "layer" else "right")
+        for c in self.layers:
+            style = "red" if c.fails(self.tolerance) else None
+            cells = (["-", "-"] if c.max_rel is None else [f"{c.max_abs:.3g}", f"{c.max_rel:.3g}"])
+            t.add_row(c.layer, *cells, str(c.tensors), style=style)
+        return t
+
+    def print(self) -> None:
+        from autopar.units import console
+
+        console().print(self.table())
+
+
+def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None = None,
+           raise_on_failure: bool = True, local: bool = False) -> VerificationReport:
+    """See the module docstring. Collective: call on every rank with the same batch."""
+    if tolerance is None:
+        mixed = bool(getattr(pm, "_dp_args", {}).get("mixed_precision"))
+        tolerance = MIXED_PRECISION_TOLERANCE if mixed else DEFAULT_TOLERANCE
+    captured = pm.captured
+    layer_index = {layer.name: i for i, layer in enumerate(captured.layers)}
+    n_layers = len(captured.layers)
+    stats = torch.full((n_layers + 1, 2), -1.0, dtype=torch.float64)
+    counts = torch.zeros(n_layers + 1, dtype=torch.float64)
+
+    inputs_p, targets_p = pm._prepare(inputs, targets, local)
+    m = pm.plan.num_micro_batches
+    first = [t.chunk(m, dim=0)[0] if isinstance(t, torch.Tensor) and t.dim() else t
+             for t in (*inputs_p, *targets_p)]
+    micro_batch_size = next((t.shape[0] for t in first if isinstance(t, torch.Tensor)
+                             and t.dim()), 1)
+
+    # which boundary tensors this rank's stages hold, in which placement
+    boundary = _boundary_nodes(captured)
+    wanted: dict[int, dict[str, tuple[str, Any, str]]] = {}
+    returns_loss: dict[int, bool] = {}
+    for s in pm.executor.stage_modules:
+        stage = pm.split.stages[s]
+        wanted[s] = _comparable(stage.gm, captured, boundary)
+        returns_loss[s] = bool(stage.returns_loss)
+    keep = {origin for per in wanted.values() for origin, _, _ in per.values()}
+
+    weights = _reference_weights(pm)
+    reference, ref_loss = _run_reference(captured, weights, first, keep,
+                                         any(returns_loss.values()), pm.device)
+
+    def record(row: int, value: torch.Tensor, ref: torch.Tensor) -> None:
+        a, r = value.detach().double(), ref.detach().double()
+        diff = float((a - r).abs().max()) if a.numel() else 0.0
+        scale = float(r.abs().max()) if r.numel() else 0.0
+        rel = diff / (scale + _FLOOR)
+        if math.isnan(diff):
+            diff = rel = float("inf")
+        stats[row, 0] = max(float(stats[row, 0]), diff)
+        stats[row, 1] = max(float(stats[row, 1]), rel)
+        counts[row] += 1
+
+    tp_rank, tp = pm.mesh.tp_rank, pm.plan.tp
+    restore = {}
+    for s, module in pm.executor.stage_modules.items():
+        gm = object.__getattribute__(module, "_graph")
+        restore[s] = gm
+        recorder = _Recorder(gm, wanted[s], returns_loss[s], reference, ref_loss, record,
+                             layer_index, n_layers, tp, tp_rank)
+        object.__setattr__(module, "_graph", recorder)
+    try:
+        pm.eval_step(inputs, targets, local=local)
+    finally:
+        for s, module in pm.executor.stage_modules.items():
+            object.__setattr__(module, "_graph", restore[s])
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from autopar.runtime.comm import collective
+
+        device_stats, device_counts = stats.to(pm.device), counts.to(pm.device)
+        collective(dist.all_reduce, device_stats, op=dist.ReduceOp.MAX,
+                   what="the all-reduce of verify's per-layer differences")
+        collective(dist.all_reduce, device_counts,
+                   what="the all-reduce of verify's per-layer counts")
+        stats, counts = device_stats.cpu(), device_counts.cpu()
+    names = [layer.name for layer in captured.layers] + ["loss"]
+    checks = tuple(LayerCheck(name, None if stats[i, 0] < 0 else float(stats[i, 0]),
+                              None if stats[i, 1] < 0 else float(stats[i, 1]), int(counts[i]))
+                   for i, name in enumerate(names))
+    report = VerificationReport(checks, float(tolerance), int(micro_batch_size))
+    if raise_on_failure and not report.ok:
+        bad = report.first_failure
+        raise VerificationError(
+            f"layer {bad.layer} of the parallel program differs from the original model: max "
+            f"relative difference {bad.max_rel:.3g} (max absolute {bad.max_abs:.3g})",
+            expected=f"every layer within {tolerance:g} relative (one micro-batch, "
+                     f"dropout off)",
+            found="\n" + "\n".join(report.lines()),
+            fix="the fault is in that layer's part of the program: read pm.generated_code() and "
+                "its collectives, and report it with the plan (pm.plan.dumps())",
+            report=report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Which tensors to compare
+# ---------------------------------------------------------------------------------------------
+
+def _boundary_nodes(captured: Any) -> dict[str, str]:
+    """Captured float tensors made in one layer and read in a later one (or returned): node
+    name -> layer name."""
+    out: dict[str, str] = {}
+    for n in captured.gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(info(n).value, TensorSpec):
+            continue
+        if not info(n).value.is_float:
+            continue
+        layer = info(n).layer
+        if any(u.op == "output" or (META_KEY in u.meta and info(u).layer != layer)
+               for u in n.users):
+            out[n.name] = layer
+    return out
+
+
+def _origin(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The op node a collective step converts (through chains of steps); None: received."""
+    while META_KEY in n.meta and info(n).collective is not None:
+        if len(n.args) < 2 or not isinstance(n.args[1], torch.fx.Node):
+            return None
+        n = n.args[1]
+    return n if n.op == "call_function" else None
+
+
+def _comparable(gm: torch.fx.GraphModule, captured: Any, boundary: Mapping[str, str]
+                ) -> dict[str, tuple[str, Any, str]]:
+    """Stage node name -> (captured node name, placement, layer) for the boundary tensors it
+    holds in a placement that can be compared locally (one stage node per captured tensor)."""
+    from autopar.sharding import Replicate, is_sharded
+
+    cap = captured._nodes_by_name()
+    out: dict[str, tuple[str, Any, str]] = {}
+    taken: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or META_KEY not in n.meta:
+            continue
+        src = _origin(n)
+        if src is None or src.name not in boundary or src.name in taken:
+            continue
+        placement = info(n).placement
+        if not (isinstance(placement, Replicate) or is_sharded(placement)):
+            continue  # pending sums (Partial) are compared after their reduction
+        if info(n).value != info(cap[src.name]).value:
+            continue  # a name shared by accident: not the same tensor
+        out[n.name] = (src.name, placement, boundary[src.name])
+        taken.add(src.name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference run and the recording run
+# ---------------------------------------------------------------------------------------------
+
+def _reference_weights(pm: Any) -> dict[str, torch.Tensor]:
+    """The original model's tensors before any training step, else the parallel model's own
+    (full) weights: the reference must compute with the weights the program holds."""
+    model = pm.captured.model
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    if pm.steps > 0:
+        tensors.update(pm.state_dict())  # collective: every rank has trained equally far
+    return tensors
+
+
+class _Enough(Exception):
+    """Every tensor this rank compares is computed: the rest of the model is not needed."""
+
+
+class _Reference(torch.fx.Interpreter):
+    """The captured graph with dropout off, keeping the named tensors (and stopping once they
+    are all computed, unless the loss is wanted too)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, keep: set[str], need_loss: bool) -> None:
+        super().__init__(gm)
+        self.keep = keep
+        self.need_loss = need_loss
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.keep:
+            self.kept[n.name] = out.detach()
+            if not self.need_loss and len(self.kept) == len(self.keep):
+                raise _Enough
+        return out
+
+    def call_function(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if target is aten.dropout.default:
+            return args[0]
+        if target is aten.native_dropout.default:
+            return args[0], torch.ones_like(args[0], dtype=torch.bool)
+        if target is aten.scaled_dot_product_attention.default:
+            args = list(args)
+            if len(args) > 4:
+                args[4] = 0.0
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
+        return super().call_function(target, tuple(args), kwargs)
+
+
+def _run_reference(captured: Any, weights: Mapping[str, torch.Tensor], batch: Sequence[Any],
+                   keep: set[str], need_loss: bool, device: torch.device
+                   ) -> tuple[dict[str, torch.Tensor], Any]:
+    """The reference run up to the last tensor this rank compares (the end: the loss)."""
+    values = [weights[p.fqn] for p in captured.params.values()]
+    values += [weights[b.fqn] for b in captured.buffers.values()]
+    values += list(captured.constants.values())
+    values = [v.detach().to(device) for v in values]
+    interp = _Reference(captured.gm, keep, need_loss and captured.has_loss)
+    if not keep and not interp.need_loss:
+        return {}, None
+    try:
+        with torch.no_grad():
+            out = interp.run(*values, *batch)
+    except _Enough:
+        return interp.kept, None
+    loss = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+    return interp.kept, loss if captured.has_loss else None
+
+
+class _Recorder(torch.fx.Interpreter):
+    """A stage graph run node by node; on its first call (the first micro-batch) every wanted
+    tensor is compared with the reference as soon as it exists."""
+
+    def __init__(self, gm: torch.fx.GraphModule, wanted: Mapping[str, tuple[str, Any, str]],
+                 returns_loss: bool, reference: Mapping[str, torch.Tensor], ref_loss: Any,
+                 record: Any, layer_index: Mapping[str, int], n_layers: int, tp: int,
+                 tp_rank: int) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.gm = gm
+        self.wanted = wanted
+        self.returns_loss = returns_loss
+        self.reference = reference
+        self.ref_loss = ref_loss
+        self.record = record
+        self.layer_index = layer_index
+        self.n_layers = n_layers
+        self.tp, self.tp_rank = tp, tp_rank
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            return self.gm(*args)
+        out = self.run(*args)
+        if self.returns_loss and self.ref_loss is not None:
+            loss = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+            self.record(self.n_layers, loss, self.ref_loss)
+        return out
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.wanted:
+            from autopar.sharding import shard_tensor
+
+            origin, placement, layer = self.wanted[n.name]
+            ref = self.reference[origin]
+            local = shard_tensor(ref, placement, self.tp, self.tp_rank, origin) \
+                if self.tp > 1 else ref
+            self.record(self.layer_index.get(layer, self.n_layers), out, local)
+        return out
+

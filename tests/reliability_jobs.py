@@ -1,0 +1,194 @@
+"""Jobs for tests/test_reliability_distributed.py and tests/test_properties.py: run on every rank
+of a LocalPool (importable by name)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from conftest import build_own_gpt, build_tiny
+from tp_helpers import TINY_COST
+
+LR = 1e-3
+EPS = 1e-5  # see parallelize_jobs.EPS
+
+
+def make_model(name: str, **overrides):
+    if name == "own_gpt":
+        return build_own_gpt(**overrides)
+    zm = build_tiny(name, **overrides)
+    return zm.model, zm.loss_fn
+
+
+def batches(steps: int, batch: int = 8, seq: int = 16, vocab: int = 128, seed: int = 11):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        out.append(((tokens[:, :-1].contiguous(),), (tokens[:, 1:].contiguous(),)))
+    return out
+
+
+def _parallelize(name, pins, data, overrides=None, **kwargs):
+    model, loss_fn = make_model(name, **(overrides or {}))
+    return autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                               loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                               optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
+                               **kwargs)
+
+
+def train(name: str, pins: dict, steps: int, overrides: dict | None = None, *, seed: int = 0,
+          batch: int = 8, seq: int = 16, vocab: int = 128, verify: bool = False):
+    """Losses and the full state dict (rank 0) after ``steps`` steps."""
+    data = batches(steps, batch, seq, vocab)
+    pm = _parallelize(name, pins, data, overrides, seed=seed, verify=verify)
+    losses = [pm.train_step(i, t) for i, t in data]
+    state = pm.state_dict()
+    pm.close()
+    return dict(losses=losses, state=state if dist.get_rank() == 0 else None)
+
+
+def train_twice(name: str, pins: dict, steps: int, overrides: dict, *, seed: int = 0):
+    """Evaluate, train ``steps`` steps, reset to the initial weights and train again: the
+    evaluation losses (dropout off) and both runs' training losses, and the first run's state."""
+    data = batches(steps)
+    model, loss_fn = make_model(name, **overrides)
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST, seed=seed,
+                             optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+    evals = [pm.eval_step(*data[0]) for _ in range(2)]
+    runs = []
+    for _ in range(2):
+        runs.append([pm.train_step(i, t) for i, t in data])
+        if not runs[1:]:
+            state = pm.state_dict()
+            pm.load_state_dict(model)  # the user's model still holds the initial weights
+            pm.steps = 0
+    pm.close()
+    return dict(evals=evals, runs=runs, state=state)
+
+
+def train_many(configs):
+    return [train(*c[:3], **(c[3] if len(c) > 3 else {})) for c in configs]
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+def _break_shard(pm, fqn_part: str, tp_rank: int) -> None:
+    """Scale one rank's shard of the first parameter whose name contains ``fqn_part``."""
+    if pm.mesh.tp_rank != tp_rank:
+        return
+    for fqn, p in pm.executor.params.items():
+        if fqn_part in fqn:
+            with torch.no_grad():
+                p.mul_(1.5)
+            return
+
+
+def verify_configs(configs):
+    """For each (model, pins, fault): parallelize, verify; fault: None, ("scale", fqn part, tp
+    rank) or ("skip_all_reduce",): every tensor-parallel all-reduce in forward returns its
+    input unreduced."""
+    from autopar.runtime import tp as tp_runtime
+
+    out = []
+    data = batches(1)
+    for name, pins, fault in configs:
+        pm = _parallelize(name, pins, data)
+        original = tp_runtime._AllReduce.forward
+        try:
+            if fault and fault[0] == "scale":
+                _break_shard(pm, fault[1], fault[2])
+            if fault and fault[0] == "skip_all_reduce":
+                tp_runtime._AllReduce.forward = staticmethod(lambda ctx, x, group: x.clone())
+            try:
+                report = pm.verify(*data[0])
+                out.append(("ok", report.as_dict()))
+            except autopar.VerificationError as exc:
+                out.append(("VerificationError", exc.report.first_failure.layer,
+                            exc.report.as_dict()))
+        finally:
+            tp_runtime._AllReduce.forward = original
+            pm.close()
+    return out
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+def stop_answering(pins: dict, culprit: int, timeout_s: float, sleep_s: float):
+    """Rank ``culprit`` sleeps before its second step; the others must raise
+    CommunicationTimeoutError within the timeout. Returns (kind, seconds, message)."""
+    data = batches(2)
+    pm = _parallelize("gpt", pins, data, timeout_s=timeout_s)
+    pm.train_step(*data[0])
+    if dist.get_rank() == culprit:
+        time.sleep(sleep_s)
+        return ("slept", sleep_s, "")
+    start = time.monotonic()
+    try:
+        pm.train_step(*data[1])
+    except autopar.CommunicationTimeoutError as exc:
+        return ("CommunicationTimeoutError", time.monotonic() - start, str(exc))
+    return ("finished", time.monotonic() - start, "")
+
+
+def die(pins: dict, culprit: int, timeout_s: float):
+    """Rank ``culprit`` exits abruptly before its second step; the others raise."""
+    data = batches(2)
+    pm = _parallelize("gpt", pins, data, timeout_s=timeout_s)
+    pm.train_step(*data[0])
+    if dist.get_rank() == culprit:
+        os._exit(17)
+    pm.train_step(*data[1])
+    return "finished"
+
+
+def planning_error_everywhere(pins: dict):
+    """Rank 0 fails to plan; every rank must raise the same class with the same message."""
+    data = batches(1)
+    try:
+        _parallelize("gpt", pins, data)
+    except Exception as exc:  # noqa: BLE001 - the class is what is checked
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+# -- property tests -------------------------------------------------------------------------
+
+def property_case(case: dict):
+    """One drawn (model shape, plan): parallelize, one SGD step; rank 0 also runs the plain
+    single-process step and returns the loss and the largest parameter difference."""
+    name, shape, pins, batch, seq = (case["family"], case["shape"], case["pins"], case["batch"],
+                                     case["seq"])
+    data = batches(1, batch=batch, seq=seq, vocab=shape["vocab"], seed=case["seed"])
+    (inputs, targets), = data
+    model, loss_fn = make_model(name, **shape)
+    optimizer = functools.partial(torch.optim.SGD, lr=0.5)
+    pm = autopar.parallelize(model, example_inputs=inputs, example_targets=targets,
+                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                             optimizer=optimizer)
+    loss = pm.train_step(inputs, targets)
+    state = pm.state_dict()
+    pm.close()
+    if dist.get_rank() != 0:
+        return dict(loss=loss)
+    reference, _ = make_model(name, **shape)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ref_loss = loss_fn(reference(*inputs), *targets)
+    ref_loss.backward()
+    opt.step()
+    worst, key = 0.0, ""
+    for k, want in reference.state_dict().items():
+        if torch.is_floating_point(want) and k in state:
+            d = (state[k] - want).abs().max().item()
+            if d > worst:
+                worst, key = d, k
+    missing = [k for k, v in reference.state_dict().items()
+               if torch.is_floating_point(v) and k not in state and "bias" not in k.split(".")[-1]
+               and "masked_bias" not in k]
+    return dict(loss=loss, ref_loss=ref_loss.item(), max_diff=worst, worst=key, missing=missing)

@@ -1,0 +1,369 @@
+"""Bad input, each through the public API, each a named AutoparError saying expected / found / fix.
+
+Cheap tier: no processes. Checks that fail before the capture (pins, plan files, cluster files)
+cost nothing; the rest share a handful of world-1 ``parallelize`` calls. docs/reliability.md lists
+every case with its error and the test that proves it; the multi-rank cases (a rank 0 planning
+error on every rank, timeouts, a dead peer, verify, dropout across ranks) are in
+tests/test_faults.py and tests/test_reliability_distributed.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar import (
+    ClusterSpecError,
+    InfeasiblePlanError,
+    InvalidInputError,
+    InvalidPlanError,
+    PlanMismatchError,
+    ShardingError,
+    UnsupportedOpWarning,
+    UntraceableModelError,
+)
+from autopar.sharding import REPLICATE
+from autopar.tensor_parallel import tensor_parallelize
+from conftest import build_tiny
+from tp_helpers import TINY_COST
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _tiny(family="gpt", batch=4, seq=16, **overrides):
+    zm = build_tiny(family, **overrides)
+    inputs, targets = zm.example_inputs(batch=batch, seq=seq,
+                                        generator=torch.Generator().manual_seed(3))
+    return zm, inputs, targets
+
+
+def _parallelize(zm, inputs, targets, plan, **kwargs):
+    return autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
+                               loss_fn=zm.loss_fn, optimizer=SGD, plan=plan, **kwargs)
+
+
+def _explains(err: autopar.AutoparError) -> None:
+    assert err.summary and (err.expected or err.found) and err.fix, str(err)
+
+
+@pytest.fixture(scope="module")
+def world1():
+    """One world-1 ParallelModel (tiny GPT-2, 2 micro-batches) shared by the step-input cases."""
+    zm, inputs, targets = _tiny()
+    pm = _parallelize(zm, inputs, targets, {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2})
+    yield pm, zm, inputs, targets
+    pm.close()
+
+
+# -- pins and plans: refused before any capture ---------------------------------------------------
+
+@pytest.mark.parametrize("pins, error, match", [
+    ({"tp": 1, "bogus": 2}, InvalidPlanError, r"unknown pin\(s\) \['bogus'\]"),
+    ({"zero": 7}, InvalidPlanError, "pin zero=7 is not a ZeRO stage"),
+    ({"schedule": "bogus"}, InvalidPlanError, "pin schedule='bogus' is not a valid ScheduleKind"),
+    ({"recompute": "most"}, InvalidPlanError, "not a valid RecomputeKind"),
+    ({"tp": 0}, InvalidPlanError, "pin tp=0 is not a positive integer"),
+    ({"dp": "1"}, InvalidPlanError, "is not a positive integer"),
+    ({"virtual_stages": 2, "schedule": "1f1b"}, InvalidPlanError, "needs the interleaved-1f1b"),
+    ({"virtual_stages": 1, "schedule": "interleaved-1f1b"}, InvalidPlanError,
+     "needs virtual_stages >= 2"),
+    ({"sequence_parallel": True, "tp": 1}, InvalidPlanError, "sequence_parallel needs tp > 1"),
+    ({"sequence_parallel": "yes"}, InvalidPlanError, "True or False"),
+    ({"dp": 2, "tp": 1, "pp": 1}, PlanMismatchError, "pinned mesh does not match the world"),
+    ({"tp": 2}, PlanMismatchError, "do not divide the world size"),
+])
+def test_bad_pins_are_named_before_any_work(pins, error, match):
+    model = nn.Linear(2, 2)  # never captured: the pins fail first
+    with pytest.raises(error, match=match) as err:
+        autopar.parallelize(model, example_inputs=(torch.zeros(2, 2),), loss_fn=torch.sum,
+                            optimizer=SGD, plan=pins)
+    _explains(err.value)
+    if error is InvalidPlanError:
+        assert isinstance(err.value, (InvalidInputError, ValueError))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(zero=7), "zero must be 0, 1, 2 or 3"),
+    (dict(schedule="bogus"), "'bogus' is not a valid ScheduleKind"),
+    (dict(virtual_stages=2), "needs the interleaved-1f1b"),
+])
+def test_bad_plan_objects_are_named(kwargs, match):
+    with pytest.raises(InvalidPlanError, match=match) as err:
+        autopar.Plan(**kwargs)
+    _explains(err.value)
+
+
+def test_plan_files_of_another_version_or_malformed(tmp_path):
+    model = nn.Linear(2, 2)
+
+    def run(plan):
+        autopar.parallelize(model, example_inputs=(torch.zeros(2, 2),), loss_fn=torch.sum,
+                            optimizer=SGD, plan=plan)
+
+    doc = autopar.Plan().to_json()
+    (tmp_path / "old.json").write_text(json.dumps({**doc, "autopar_version": "0.0.3"}))
+    with pytest.raises(PlanMismatchError, match="written by autopar 0.0.3"):
+        run(str(tmp_path / "old.json"))
+    (tmp_path / "v9.json").write_text(json.dumps({**doc, "format_version": 9}))
+    with pytest.raises(PlanMismatchError, match="format version 9"):
+        run(tmp_path / "v9.json")
+    (tmp_path / "bad.yaml").write_text("dp: [1, 2\n")
+    with pytest.raises(InvalidPlanError, match="not a valid plan file"):
+        run(str(tmp_path / "bad.yaml"))
+    (tmp_path / "field.json").write_text(json.dumps({**doc, "tensor": 2}))
+    with pytest.raises(InvalidPlanError, match="unknown plan field"):
+        run(str(tmp_path / "field.json"))
+    with pytest.raises(InvalidInputError, match="unknown plan 'autp'"):
+        run("autp")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("nodes: 1\n", "lacks key"),
+    ("{not: [valid", "cannot parse"),
+    ("[1, 2]\n", "is not a mapping"),
+])
+def test_malformed_cluster_files(tmp_path, text, match):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    with pytest.raises(ClusterSpecError, match=match) as err:
+        autopar.parallelize(nn.Linear(2, 2), str(path), example_inputs=(torch.zeros(2, 2),),
+                            loss_fn=torch.sum, optimizer=SGD)
+    _explains(err.value)
+
+
+def test_contradictory_cluster_file(tmp_path):
+    data = autopar.Cluster.load("cpu").to_json()
+    data["device"]["memory_bytes"] = -1
+    path = tmp_path / "negative.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ClusterSpecError) as err:
+        autopar.Cluster.load(str(path))
+    _explains(err.value)
+
+
+# -- the model and its inputs --------------------------------------------------------------------
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:  # a branch on a tensor's value
+            h = h * 2
+        return h
+
+
+def test_data_dependent_control_flow():
+    with pytest.raises(UntraceableModelError, match="depends on tensor values") as err:
+        autopar.parallelize(_DataDependent(), example_inputs=(torch.randn(2, 4),),
+                            loss_fn=lambda y: y.sum(), optimizer=SGD)
+    assert "torch.cond" in err.value.fix
+
+
+def test_missing_and_wrongly_shaped_example_inputs():
+    zm, inputs, targets = _tiny()
+    with pytest.raises(InvalidInputError, match="no tensor among the example inputs"):
+        _parallelize(zm, (), (), "auto")
+    with pytest.raises(InvalidInputError, match="parallelize needs a loss"):
+        autopar.parallelize(zm.model, example_inputs=inputs, loss_fn=None, optimizer=SGD)
+    with pytest.raises(InvalidInputError, match="disagree on the batch"):
+        _parallelize(zm, inputs, (targets[0][:2],), "auto")
+    # float token ids: no tracer can run the embedding; the error lists what each one said
+    with pytest.raises(UntraceableModelError, match="could not capture") as err:
+        _parallelize(zm, (inputs[0].float(),), targets, "auto")
+    assert "indices" in str(err.value) or "Long" in str(err.value)
+
+
+class _CumsumNet(nn.Module):
+    """A float cumsum: an op with no sharding rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(self.up(x), dim=-1))
+
+
+def test_op_without_sharding_rule_runs_replicated_and_warns():
+    model = _CumsumNet()
+    x = torch.randn(4, 8, 16)
+    captured = autopar.capture(model, (x,), lambda y: y.square().mean())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = tensor_parallelize(captured, 2, cost=TINY_COST)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UnsupportedOpWarning)]
+    assert messages and "cumsum" in messages[0], messages
+    cumsum = next(n for n in program.sharded.graph.nodes if "cumsum" in str(n.target))
+    assert program.placements[cumsum.name] == REPLICATE
+
+
+def test_heads_or_vocabulary_not_divisible_by_tp(tiny_models):
+    captured = tiny_models["gpt"][4]  # 4 heads, vocabulary 128
+    with pytest.raises(ShardingError, match="4 heads") as err:
+        tensor_parallelize(captured, 3, cost=TINY_COST)
+    assert "128 classes" in str(err.value) and "50304" in err.value.fix
+    # strict=False runs the indivisible parts replicated
+    program = tensor_parallelize(captured, 3, cost=TINY_COST, strict=False)
+    assert program.tp == 3
+    with pytest.raises(ShardingError, match="sequence length divisible by tp=3"):
+        tensor_parallelize(captured, 3, sequence_parallel=True, sizes={"b": 2, "s": 16},
+                           strict=False)
+
+
+def test_model_too_large_for_the_cluster():
+    zm, inputs, targets = _tiny(batch=8)
+    data = autopar.Cluster.load("cpu").to_json()
+    data["device"]["memory_bytes"] = 2e5  # 200 kB: the tiny model's weights alone do not fit
+    small = autopar.Cluster.from_json(data)
+    with pytest.raises(InfeasiblePlanError, match="no plan fits in memory") as err:
+        autopar.parallelize(zm.model, small, example_inputs=inputs, example_targets=targets,
+                            loss_fn=zm.loss_fn, optimizer=SGD)
+    for word in ("leanest", "weights", "activations", "usable"):
+        assert word in err.value.found
+    assert "more devices" in err.value.fix
+
+
+def test_global_batch_not_divisible_through_parallelize():
+    zm, inputs, targets = _tiny(batch=8)
+    with pytest.raises(InvalidInputError, match="does not split as pinned") as err:
+        _parallelize(zm, inputs, targets, {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 3})
+    assert "multiple of dp x micro_batch_size = 3" in err.value.expected
+    plan = autopar.Plan(micro_batch_size=2, num_micro_batches=2)  # global batch 4, not 8
+    with pytest.raises(InvalidInputError, match="another global batch"):
+        _parallelize(zm, inputs, targets, plan)
+
+
+def test_step_inputs_of_the_wrong_form(world1):
+    pm, zm, inputs, targets = world1
+    tokens, labels = inputs[0], targets[0]
+    with pytest.raises(InvalidInputError, match="split into the plan's micro-batches"):
+        pm.train_step((tokens[:3],), (labels[:3],))  # 3 rows, 2 micro-batches
+    with pytest.raises(InvalidInputError, match="wrong number of inputs"):
+        pm.train_step((tokens,), ())
+    with pytest.raises(InvalidInputError, match="dtype float32"):
+        pm.train_step((tokens.float(),), (labels,))
+    with pytest.raises(InvalidInputError, match="1 dims"):
+        pm.eval_step((tokens[0],), (labels,))
+    assert pm.steps == 0  # nothing ran
+    loss = pm.eval_step(inputs, targets)  # the right form still works
+    assert loss == pytest.approx(zm.loss_fn(zm.model(*inputs), *targets).item(), rel=1e-5)
+
+
+def test_integer_buffers_bert_position_ids():
+    """BERT keeps position (and token type) ids as int64 buffers: they are neither trained nor
+    cast, and pass through to every stage that reads them."""
+    zm, inputs, targets = _tiny("bert")
+    assert any(not b.is_floating_point() for b in zm.model.buffers())
+    pm = _parallelize(zm, inputs, targets, {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2},
+                      verify=True)
+    before = {k: v.clone() for k, v in pm.executor.buffers.items()}
+    losses = [pm.train_step(inputs, targets) for _ in range(2)]
+    assert losses[1] < losses[0]
+    for key, value in pm.executor.buffers.items():
+        assert torch.equal(value, before[key]) and value.dtype == before[key].dtype
+    pm.close()
+
+
+# -- plan files and fingerprints ------------------------------------------------------------------
+
+LLAMA = dict(hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=128, seq=32)
+
+
+def test_plan_file_from_autopar_plan_checks_the_model(tmp_path):
+    """`autopar plan --out` fingerprints a 2-block meta-device capture at the real depth (4); a
+    real 4-layer model accepts the file, a 2-layer one is refused naming both fingerprints."""
+    from autopar.cli import main
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "llama", "--layers", "4", "--hidden", "64", "--heads", "4",
+                 "--kv-heads", "2", "--ffn-hidden", "96", "--vocab", "128", "--max-seq", "32",
+                 "--cluster", "cpu", "--gpus", "1", "--global-batch", "4", "--seq", "16",
+                 "--out", str(path)]) == 0
+    made_for = json.loads(path.read_text())["plan"]["model_fingerprint"]
+    assert made_for.startswith(autopar.__version__.rsplit(".", 1)[0] + ":")
+
+    zm, inputs, targets = _tiny("llama", layers=4, **LLAMA)
+    pm = _parallelize(zm, inputs, targets, str(path))
+    assert pm.plan.model_fingerprint == made_for
+    pm.close()
+
+    other, inputs, targets = _tiny("llama", layers=2, **LLAMA)
+    with pytest.raises(PlanMismatchError, match="made for another model") as err:
+        _parallelize(other, inputs, targets, str(path))
+    assert made_for in err.value.found and autopar.plan_fingerprint(
+        autopar.capture(other.model, inputs, other.loss_fn, example_targets=targets)
+    ) in err.value.expected
+
+
+def test_fingerprint_ignores_batch_and_device_and_sees_shapes(tiny_models):
+    model, loss_fn, inputs, targets, captured = tiny_models["gpt"]
+    fp = autopar.plan_fingerprint(captured)
+    for batch in (3, 8):  # another batch and sequence length; a batch equal to the length
+        tokens = torch.randint(0, 128, (batch, 9))
+        again = autopar.capture(model, (tokens[:, :-1],), loss_fn,
+                                example_targets=(tokens[:, 1:],))
+        assert again.fingerprint() == fp, again.example_sizes
+    assert tiny_models["own_gpt"][4].fingerprint() != fp
+    assert captured.fingerprint(depth=5) != fp
+    with pytest.raises(InvalidInputError, match="cannot fingerprint 1 blocks"):
+        captured.fingerprint(depth=1)
+
+
+# -- dropout masks (no processes; across ranks: tests/test_reliability_distributed.py) ------------
+
+def test_dropout_masks_keep_one_minus_p_and_slice_consistently():
+    from autopar.runtime.rng import DropoutRNG
+    from autopar.runtime.tp import TPGroup
+
+    rng = DropoutRNG(seed=7)
+    rng.set_rows(16, 4)
+    p, shape = 0.1, (4, 64, 32)  # 4 samples of the micro-batch starting at global row 16
+    keep = rng.keep_mask("dropout_3", shape, 0, p, torch.device("cpu"))
+    n = keep.numel()
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * sigma
+    assert torch.equal(keep, rng.keep_mask("dropout_3", shape, 0, p, torch.device("cpu")))
+    assert not torch.equal(keep, rng.keep_mask("dropout_4", shape, 0, p, torch.device("cpu")))
+    # sample g's mask does not depend on the micro-batch it travels in
+    rng.set_rows(17, 1)
+    assert torch.equal(keep[1:2], rng.keep_mask("dropout_3", (1, 64, 32), 0, p,
+                                                torch.device("cpu")))
+    # a tensor-parallel rank holding Shard(1) keeps its chunk of the same full mask
+    rng.set_rows(16, 4)
+    x = torch.ones(4, 64, 32)
+    full = TPGroup(rng=rng).dropout(x, p, site="dropout_3")
+    for r in range(2):
+        fake = TPGroup(rng=rng)
+        fake.rank, fake.size = r, 2
+        piece = fake.dropout(x[:, 32 * r:32 * (r + 1)], p, site="dropout_3", shard_dim=1)
+        assert torch.equal(piece, full[:, 32 * r:32 * (r + 1)])
+    rng.step += 1
+    assert not torch.equal(full, TPGroup(rng=rng).dropout(x, p, site="dropout_3"))
+    rng.training = False
+    assert TPGroup(rng=rng).dropout(x, p, site="dropout_3") is x
+
+
+def test_verify_report_world1(world1):
+    """The report on one process: every layer compared, printable as a rich table."""
+    from rich.console import Console
+
+    pm, zm, inputs, targets = world1
+    report = pm.verify(inputs, targets)
+    assert report.ok and report.micro_batch_size == 2
+    assert [c.layer for c in report.layers] == [layer.name for layer in pm.captured.layers] + [
+        "loss"]
+    assert all(c.tensors >= 1 and c.max_rel <= 1e-6 for c in report.layers)
+    console = Console(record=True, width=120)
+    console.print(report.table())
+    text = console.export_text()
+    assert "transformer.h.1" in text and "relative: ok" in text

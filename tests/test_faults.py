@@ -1,0 +1,58 @@
+"""Faults on real gloo processes: a planning error on rank 0 reaches every rank as itself, a rank
+that stops answering or dies makes the others raise CommunicationTimeoutError naming this rank,
+its (dp, pp, tp) coordinates, what it was doing and the collective, within the timeout. Never a
+hang: every job has a timeout, and the pool reports what the survivors saw."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.runtime.local_pool import LocalPool, RemoteError
+
+import reliability_jobs as jobs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+#: Collective timeout of the faulty jobs (parallelize(timeout_s=...)): short, but far above
+#: what a tiny model's collective takes on a loaded 2-core runner.
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = LocalPool(2, timeout_s=180, death_grace_s=10)
+    yield pool
+    pool.close()
+
+
+def test_rank0_planning_error_is_raised_on_every_rank_as_itself(pool2):
+    # global batch 8 does not split into micro-batches of 3: found on rank 0, while planning
+    out = pool2.run(jobs.planning_error_everywhere,
+                    {"dp": 1, "tp": 1, "pp": 2, "micro_batch_size": 3})
+    assert out[0] == out[1], out
+    assert out[0][0] == "InvalidInputError" and "does not split as pinned" in out[0][1]
+
+
+def test_a_rank_that_stops_answering_times_out_the_others(pool2):
+    """tp=2: rank 1 sleeps before its second step; rank 0 waits in a tensor-parallel collective
+    and must give up after TIMEOUT_S, naming itself and the collective."""
+    # (the timed-out collective was on that job's own tensor-parallel group: the pool's world
+    # group stays usable for the next job)
+    out = pool2.run(jobs.stop_answering, {"dp": 1, "tp": 2, "pp": 1, "num_micro_batches": 1},
+                    1, TIMEOUT_S, TIMEOUT_S + 3)
+    kind, seconds, message = out[0]
+    assert kind == "CommunicationTimeoutError", out
+    assert TIMEOUT_S - 0.1 <= seconds < TIMEOUT_S + 2.5, seconds
+    assert "rank 0 (dp 0, pp 0, tp 0) timed out on tensor-parallel" in message
+    assert "pipeline stage 0 forward of micro-batch 0" in message and "fix:" in message
+    assert out[1][0] == "slept"
+
+
+def test_a_rank_that_dies_makes_the_others_exit_with_a_named_error(pool2):
+    """dp=2: rank 1 exits abruptly; rank 0's gradient reduction loses its peer and raises."""
+    with pytest.raises(RemoteError) as err:
+        pool2.run(jobs.die, {"dp": 2, "tp": 1, "pp": 1, "num_micro_batches": 1}, 1, TIMEOUT_S,
+                  timeout_s=120)
+    text = str(err.value)
+    assert "rank(s) [1] died" in text
+    assert "CommunicationTimeoutError: rank 0 (dp 0, pp 0, tp 0) lost a peer on" in text
