@@ -34,7 +34,7 @@ __all__ = ["parallelize", "PINNABLE"]
 
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
-            "schedule", "recompute", "zero", "sequence_parallel")
+            "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size")
 
 
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
@@ -56,12 +56,14 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         optimizer: an :class:`autopar.runtime.optim.OptimizerFactory`, a torch optimizer class,
             or ``functools.partial(torch.optim.AdamW, lr=...)``.
         plan: ``"auto"`` (search), a dict of pins (see :data:`PINNABLE`), or a :class:`Plan`.
+            ``zero_shard_size=k`` (with zero >= 1) shards ZeRO state over groups of k
+            data-parallel ranks and replicates across them (hybrid sharding; k = the data-parallel
+            ranks of one node).
         max_grad_norm: clip the global gradient norm (over all ranks) to this value.
-        mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction.
+        mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction;
+            pipeline stages exchange activations and their gradients in bf16.
         tp_cost: hardware numbers for the tensor-parallel sharding search (TPCostSpec).
     """
-    from autopar.frontend import capture
-
     _init_distributed(timeout_s)
     world = dist.get_world_size()
     device = _device()
@@ -70,7 +72,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                                 fix="build the model with real weights (autopar plan works on meta "
                                     "models)")
     _broadcast_model(model)
-    captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
     if not captured.has_loss:
         raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     batch = _batch_size(example_inputs)
@@ -135,6 +137,50 @@ def _broadcast_model(model: nn.Module) -> None:
                 t.copy_(moved.to(t.device))
             else:
                 dist.broadcast(t.data, src=0)
+
+
+def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_targets: Any,
+             mixed_precision: bool) -> Any:
+    """Capture the model as it will compute. Under mixed precision its floating parameters are
+    cast to the compute dtype for the trace (and restored after): torch.export records every
+    dtype, so ``.to(x.dtype)``, ``.to(device)`` (a cast to the traced dtype) or a rotary table
+    cast to the activations' dtype would otherwise stay fp32 casts in a bf16 run, and the
+    tensors crossing pipeline stages would be recorded as fp32. Buffers keep their dtype, as
+    the data-parallel layer leaves them. The parameters' specs then get their stored dtype back
+    (fp32: master weights, state dicts and checkpoints hold that)."""
+    import dataclasses
+
+    from autopar.frontend import capture
+    from autopar.ir import NodeKind, TensorSpec, info
+    from autopar.runtime.optim import MixedPrecision
+
+    if not mixed_precision:
+        return capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    compute = MixedPrecision().param_dtype
+    stored = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and id(p) not in stored:
+                stored[id(p)] = (p, p.data)
+                p.data = p.data.to(compute)
+    try:
+        captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    finally:
+        for p, data in stored.values():
+            p.data = data
+    dtypes = {fqn: t.dtype for fqn, t in model.named_parameters(remove_duplicate=False)}
+    for key, pinfo in list(captured.params.items()):
+        dtype = dtypes.get(pinfo.fqn, pinfo.spec.dtype)
+        if pinfo.spec.dtype != dtype:
+            spec = TensorSpec(pinfo.spec.shape, dtype)
+            captured.params[key] = dataclasses.replace(pinfo, spec=spec)
+    for node in captured.gm.graph.nodes:
+        if node.op == "placeholder" and info(node).kind is NodeKind.PARAMETER:
+            value = info(node).value
+            dtype = dtypes.get(info(node).fqn)
+            if isinstance(value, TensorSpec) and dtype is not None and value.dtype != dtype:
+                info(node).value = TensorSpec(value.shape, dtype)
+    return captured
 
 
 def _batch_size(inputs: Any) -> int:
@@ -266,7 +312,17 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
         "micro_batch_size" in pins or "num_micro_batches" in pins)
     if full:  # everything that shapes the mesh is pinned: no search needed
         return _plan_from_pins(pins, captured, world, global_batch), None, None
-    return _search(pins, captured, cluster, global_batch, seq, mixed_precision)
+    shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
+    decided, prediction, search_result = _search(pins, captured, cluster, global_batch, seq,
+                                                 mixed_precision)
+    if shard_size is not None:
+        try:
+            decided = decided.replace(zero_shard_size=shard_size)
+        except ValueError as exc:
+            raise InvalidInputError("zero_shard_size does not fit the searched plan",
+                                    found=f"{exc} (searched dp={decided.dp}, zero={decided.zero})",
+                                    fix="pin dp and zero too") from exc
+    return decided, prediction, search_result
 
 
 def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_batch: int) -> Plan:
@@ -466,7 +522,8 @@ def _rebuild_data_parallel(pm: Any) -> Any:
         tied = tuple(mesh.stage_rank(r) for r in pp_ranks) if len(pp_ranks) > 1 else ()
         specs.append(ParamSpec(name, replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
                                shared_with=tied, tie_id=fqn if tied else ""))
-    config = DataParallelConfig(zero=plan.zero, bucket_mb=args["bucket_mb"],
+    shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.dp else None
+    config = DataParallelConfig(zero=plan.zero, bucket_mb=args["bucket_mb"], shard_size=shard_size,
                                 mixed_precision=MixedPrecision() if args["mixed_precision"] else None,
                                 max_grad_norm=args["max_grad_norm"])
     dp = DataParallel(list(executor.stage_modules.values()), mesh, args["factory"], config,
