@@ -21,7 +21,7 @@ import torch
 from autopar.runtime.local_pool import LocalPool
 from autopar.tensor_parallel import tensor_parallelize
 from conftest import build_tiny
-from tp_helpers import TINY_COST, check_collectives, run_rank_programs
+from tp_helpers import TINY_COST, build_rms_gpt, check_collectives, run_rank_programs
 
 pytestmark = pytest.mark.distributed
 
@@ -104,7 +104,11 @@ def test_collectives_forward_and_backward(world, pool2, pool4):
 
 
 def test_tp2_matches_single_process(tiny_models, pool2):
-    configs, programs, refs = _configs(tiny_models, 2, with_graph={("gpt", False), ("llama", True)})
+    """The fixture's models, plus the own GPT with torch's nn.RMSNorm (``aten.rms_norm``, its
+    own sharding rule: replicated weight, sequence-split under SP)."""
+    models = dict(tiny_models)
+    models["rms_gpt"] = build_rms_gpt()
+    configs, programs, refs = _configs(models, 2, with_graph={("gpt", False), ("llama", True)})
     results = pool2.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 2)
 

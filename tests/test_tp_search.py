@@ -240,3 +240,63 @@ def test_placements_use_torch_vocabulary(tiny_models):
     plan = program.plan()
     assert plan.tp == 2 and plan.gemm_sharding == program.gemm_sharding
     assert any(isinstance(p, Partial) for p in program.placements.values())
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_torch_rms_norm_has_a_rule(sp):
+    """nn.RMSNorm is one ``aten.rms_norm`` node: like layer norm it is replicated over the
+    normalized (hidden) dim and may be split over the sequence; no op runs replicated for lack
+    of a rule, and the blocks get Megatron's layout and collective counts."""
+    from tp_helpers import build_rms_gpt
+
+    captured = build_rms_gpt()[4]
+    norms = [n for n in captured.gm.graph.nodes if n.op == "call_function"
+             and op_name(n) == "rms_norm"]
+    assert len(norms) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        program = tensor_parallelize(captured, 2, sequence_parallel=sp, cost=TINY_COST)
+    for layer in block_layers(program):
+        assert is_megatron_block(program, layer), block_gemms(program, layer)
+    placements = {info(n).placement for n in program.sharded.graph.nodes
+                  if n.op == "call_function" and op_name(n) == "rms_norm"}
+    assert placements == ({Shard(1)} if sp else {Replicate()}), placements
+    counts = [(c.count(Collective.ALL_REDUCE, Direction.FORWARD),
+               c.count(Collective.ALL_GATHER, Direction.FORWARD),
+               c.count(Collective.REDUCE_SCATTER, Direction.FORWARD))
+              for c in program.layer_comm if c.layer in block_layers(program)]
+    assert set(counts) == ({(0, 2, 2)} if sp else {(2, 0, 0)}), counts
+
+
+class _Baddbmm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 16))
+        self.bias = nn.Parameter(torch.randn(4, 1, 16))
+
+    def forward(self, x):
+        h = x.reshape(1, -1, 16).expand(4, -1, -1)
+        return torch.baddbmm(self.bias, h, self.w).sum()
+
+
+def test_baddbmm_splits_like_a_batched_gemm():
+    """baddbmm (Bloom's attention scores): split by its batch dim (heads) with the added input
+    split alike, or by columns with the added input following them; never a warning."""
+    from autopar.passes.sharding_rules import RuleContext, node_strategies
+
+    captured = capture(_Baddbmm(), (torch.randn(2, 8, 16),))
+    node = next(n for n in captured.gm.graph.nodes if n.op == "call_function"
+                and op_name(n) == "baddbmm")
+    strategies = {s.name: s for s in node_strategies(node, RuleContext(tp=2))}
+    bias, h, w = node.args[:3]
+    order = node.all_input_nodes
+    heads = strategies["S(0)"]
+    assert [heads.inputs[order.index(a)] for a in (bias, h, w)] == [Shard(0)] * 3
+    column = strategies["column"]
+    assert column.gemm is GemmSharding.COLUMN and column.output == Shard(2)
+    assert [column.inputs[order.index(a)] for a in (bias, h, w)] == [Shard(2), Replicate(),
+                                                                     Shard(2)]
+    assert "row" not in strategies  # the added input would be summed tp times
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        tensor_parallelize(captured, 2, cost=TINY_COST)
