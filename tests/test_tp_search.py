@@ -96,11 +96,14 @@ def test_tiny_models_megatron_and_collective_counts(tiny_models, family, sp):
     assert _no_full_vocab_collective(program, 128)
 
 
-def _closed_form_check(program, tp):
+def _closed_form_check(program, tp, hidden):
     """Per layer and micro-batch: 4 all-reduces of b*s*h (2 forward, 2 backward); with
     sequence parallelism 4 all-gathers and 4 reduce-scatters of b*s*h, the same bytes on the
-    wire, plus all-reduces of the replicated norm / bias gradients (h elements each)."""
+    wire, plus all-reduces of the replicated norm / bias gradients (h elements each). h is the
+    model config's hidden size: the graph's block input must be b*s*h fp32 elements, so the
+    check cannot pass on a misread activation."""
     act = activation_bytes(program)
+    assert sympy.simplify(act - BATCH * SEQ * hidden * 4) == 0, (act, hidden)
     ring_ar = sympy.Rational(2 * (tp - 1), tp)
     for comm in program.layer_comm:
         if comm.layer not in block_layers(program):
@@ -125,7 +128,7 @@ def test_comm_volume_per_layer_is_the_closed_form(full_size, sp):
         for tp in (2, 4):
             program = tensor_parallelize(full_size[name], tp, sequence_parallel=sp,
                                          sizes={"b": 4, "s": 1024})
-            _closed_form_check(program, tp)
+            _closed_form_check(program, tp, full_size[name].model.config.hidden_size)
 
 
 def test_gpt3_175b_searched_in_seconds():
@@ -141,7 +144,8 @@ def test_gpt3_175b_searched_in_seconds():
     assert all(is_megatron_block(program, b) for b in blocks)
     kinds = list(program.gemm_sharding.values())
     assert kinds.count(GemmSharding.COLUMN) == 96 * 2 + 1 and kinds.count(GemmSharding.ROW) == 96 * 2
-    _closed_form_check(program, 8)
+    _closed_form_check(program, 8, zm.spec.hidden)
+    assert zm.spec.hidden == 12288
     print(f"gpt3-175b tp=8: ILP {program.solution.num_variables} variables solved in "
           f"{program.solution.solve_s:.2f} s; tensor_parallelize {elapsed:.1f} s")
 
