@@ -321,7 +321,8 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
         except ValueError as exc:
             raise InvalidInputError("zero_shard_size does not fit the searched plan",
                                     found=f"{exc} (searched dp={decided.dp}, zero={decided.zero})",
-                                    fix="pin dp and zero too") from exc
+                                    fix="pin dp (a multiple of zero_shard_size) and zero >= 1 "
+                                        "too") from exc
     return decided, prediction, search_result
 
 
