@@ -117,7 +117,7 @@ class ParallelMesh:
                 f"dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")
 
 
-def group_options(timeout: timedelta) -> "dist.Backend.Options":
+def _group_options(timeout: timedelta):
     """Backend options carrying ``timeout`` for the default group's backend (NCCL needs its own
     options class; gloo and the rest take the base one)."""
     from torch._C._distributed_c10d import Backend as C10dBackend
@@ -137,4 +137,4 @@ def _device_mesh(device_type: str, grid: torch.Tensor, timeout: timedelta):
 
     names = ("dp", "pp", "tp")
     return DeviceMesh(device_type, grid, mesh_dim_names=names,
-                      backend_override=tuple((None, group_options(timeout)) for _ in names))
+                      backend_override=tuple((None, _group_options(timeout)) for _ in names))
