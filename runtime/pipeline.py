@@ -14,9 +14,9 @@ schedule's m micro-batches and walks the rank's actions:
 - ``I`` / ``W`` (zero-bubble): ``torch.autograd.grad`` over the stage inputs only, keeping the
   graph (``retain_graph``), then later over the weights. W walks the graph again: simple and
   exact, at the cost of running the input-gradient part twice.
-- runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the pipeline group, every
-  message tagged with (sending stage, direction, micro-batch, tensor) so that messages cannot be
-  confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
+- runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
+  group over its pipeline column, every message tagged with (sending stage, direction,
+  micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
   waited at the end of the step. Receive buffers take the crossing tensors' shapes with ``b``
   and ``s`` evaluated at the micro-batch's sizes, and their captured dtype (under mixed
   precision the model is captured with its parameters in the compute dtype, so the hidden state
