@@ -47,7 +47,7 @@ __all__ = ["parallelize", "PINNABLE"]
 
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
-            "schedule", "recompute", "zero", "sequence_parallel")
+            "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size")
 
 
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
@@ -72,9 +72,12 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         plan: ``"auto"`` (search), a dict of pins (see :data:`PINNABLE`), a :class:`Plan`, or
             the path of a plan file (``Plan.save``'s JSON/YAML or ``autopar plan --out``'s
             document). A plan made for another model (its ``model_fingerprint``) or another
-            autopar version is refused (PlanMismatchError).
+            autopar version is refused (PlanMismatchError). ``zero_shard_size=k`` (with
+            zero >= 1) shards ZeRO state over groups of k data-parallel ranks and replicates
+            across them (hybrid sharding; k = the data-parallel ranks of one node).
         max_grad_norm: clip the global gradient norm (over all ranks) to this value.
-        mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction.
+        mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction;
+            pipeline stages exchange activations and their gradients in bf16.
         timeout_s: the deadline of every collective and transfer (default AUTOPAR_TIMEOUT_S or
             300 s); a peer that does not answer in time makes every rank raise
             CommunicationTimeoutError naming itself and the collective.
@@ -105,7 +108,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
     factory = _optimizer_factory(optimizer)
     _broadcast_model(model)
-    captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
     batch = _batch_size(example_inputs)
     global_batch = global_batch or batch
     seq = seq or _seq_len(example_inputs)
@@ -169,6 +172,50 @@ def _broadcast_model(model: nn.Module) -> None:
                 t.copy_(moved.to(t.device))
             else:
                 collective(dist.broadcast, t.data, src=0, what=what)
+
+
+def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_targets: Any,
+             mixed_precision: bool) -> Any:
+    """Capture the model as it will compute. Under mixed precision its floating parameters are
+    cast to the compute dtype for the trace (and restored after): torch.export records every
+    dtype, so ``.to(x.dtype)``, ``.to(device)`` (a cast to the traced dtype) or a rotary table
+    cast to the activations' dtype would otherwise stay fp32 casts in a bf16 run, and the
+    tensors crossing pipeline stages would be recorded as fp32. Buffers keep their dtype, as
+    the data-parallel layer leaves them. The parameters' specs then get their stored dtype back
+    (fp32: master weights, state dicts and checkpoints hold that)."""
+    import dataclasses
+
+    from autopar.frontend import capture
+    from autopar.ir import NodeKind, TensorSpec, info
+    from autopar.runtime.optim import MixedPrecision
+
+    if not mixed_precision:
+        return capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    compute = MixedPrecision().param_dtype
+    stored = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and id(p) not in stored:
+                stored[id(p)] = (p, p.data)
+                p.data = p.data.to(compute)
+    try:
+        captured = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    finally:
+        for p, data in stored.values():
+            p.data = data
+    dtypes = {fqn: t.dtype for fqn, t in model.named_parameters(remove_duplicate=False)}
+    for key, pinfo in list(captured.params.items()):
+        dtype = dtypes.get(pinfo.fqn, pinfo.spec.dtype)
+        if pinfo.spec.dtype != dtype:
+            spec = TensorSpec(pinfo.spec.shape, dtype)
+            captured.params[key] = dataclasses.replace(pinfo, spec=spec)
+    for node in captured.gm.graph.nodes:
+        if node.op == "placeholder" and info(node).kind is NodeKind.PARAMETER:
+            value = info(node).value
+            dtype = dtypes.get(info(node).fqn)
+            if isinstance(value, TensorSpec) and dtype is not None and value.dtype != dtype:
+                info(node).value = TensorSpec(value.shape, dtype)
+    return captured
 
 
 def _batch_size(inputs: Any) -> int:
@@ -288,6 +335,12 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
         raise InvalidPlanError(f"pin zero={pins['zero']!r} is not a ZeRO stage",
                                expected="0, 1, 2 or 3", found=repr(pins["zero"]),
                                fix="pin zero to 0 (none), 1, 2 or 3")
+    k = pins.get("zero_shard_size")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 2):
+        raise InvalidPlanError(f"pin zero_shard_size={k!r} is not a shard group size",
+                               expected="an integer >= 2 dividing dp (or None: the whole dp group)",
+                               found=repr(k), fix="pin zero_shard_size to the data-parallel ranks "
+                                                  "of one node, or leave it out")
     if "sequence_parallel" in pins and not isinstance(pins["sequence_parallel"], bool):
         raise InvalidPlanError("pin sequence_parallel must be True or False",
                                expected="a bool", found=repr(pins["sequence_parallel"]),
@@ -396,8 +449,17 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     if full:  # everything that shapes the mesh is pinned: no search needed
         decided = _plan_from_pins(pins, captured, world, global_batch)
         return decided.replace(model_fingerprint=fingerprint), None, None
+    shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
                                           mixed_precision)
+    if shard_size is not None:
+        try:
+            decided = decided.replace(zero_shard_size=shard_size)
+        except ValueError as exc:
+            raise InvalidInputError("zero_shard_size does not fit the searched plan",
+                                    found=f"{exc} (searched dp={decided.dp}, zero={decided.zero})",
+                                    fix="pin dp (a multiple of zero_shard_size) and zero >= 1 "
+                                        "too") from exc
     return decided.replace(model_fingerprint=fingerprint), prediction, search
 
 
@@ -637,7 +699,8 @@ def _rebuild_data_parallel(pm: Any) -> Any:
         tied = tuple(mesh.stage_rank(r) for r in pp_ranks) if len(pp_ranks) > 1 else ()
         specs.append(ParamSpec(name, replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
                                shared_with=tied, tie_id=fqn if tied else ""))
-    config = DataParallelConfig(zero=plan.zero, bucket_mb=args["bucket_mb"],
+    shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.dp else None
+    config = DataParallelConfig(zero=plan.zero, bucket_mb=args["bucket_mb"], shard_size=shard_size,
                                 mixed_precision=MixedPrecision() if args["mixed_precision"] else None,
                                 max_grad_norm=args["max_grad_norm"])
     dp = DataParallel(list(executor.stage_modules.values()), mesh, args["factory"], config,

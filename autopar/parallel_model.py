@@ -69,8 +69,10 @@ class ParallelModel:
         """One optimizer step on a batch; returns the batch's mean loss (equal on every rank).
 
         ``inputs``/``targets``: the global batch, the same tensors on every rank; with
-        ``local=True``, this data-parallel rank's share only (rows ``dp_rank::dp`` of the global
-        batch, in order: see :meth:`local_batch`), which is how large jobs feed data.
+        ``local=True``, this data-parallel rank's share only: the contiguous rows
+        ``[dp_rank * B / dp, (dp_rank + 1) * B / dp)`` of the global batch of B rows (what
+        :meth:`local_batch` returns; Megatron-LM's samplers hand out the same contiguous
+        slices), which is how large jobs feed data. Both calls give the same step.
         """
         inputs, targets = self._prepare(inputs, targets, local)
         dp = self.data_parallel
@@ -127,7 +129,9 @@ class ParallelModel:
             self.tp_group.rng.set_rows(first + microbatch * size, size)
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This data-parallel rank's share of a global batch (dim 0), as train_step takes it."""
+        """This data-parallel rank's share of a global batch (dim 0), as train_step takes it:
+        the ``dp_rank``-th of ``dp`` contiguous chunks (rows ``[dp_rank * B / dp, (dp_rank + 1)
+        * B / dp)``), split in turn into the plan's micro-batches in order."""
         if batch.shape[0] % self.plan.dp:
             raise InvalidInputError("the global batch does not split over data-parallel ranks",
                                     expected=f"a batch divisible by dp={self.plan.dp}",

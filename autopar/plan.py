@@ -129,6 +129,9 @@ class Plan:
     #: checked (a plan written by hand).
     model_fingerprint: str | None = None
     format_version: int = PLAN_FORMAT_VERSION
+    #: Hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (one node) and
+    #: replicates across the groups; None shards over the whole data-parallel group.
+    zero_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
@@ -192,6 +195,14 @@ class Plan:
         gemm = {k: _enum(GemmSharding, v, f"gemm_sharding[{k!r}]")
                 for k, v in dict(self.gemm_sharding).items()}
         object.__setattr__(self, "gemm_sharding", gemm)
+        if self.zero_shard_size is not None:
+            k = self.zero_shard_size
+            if not isinstance(k, int) or isinstance(k, bool) or k < 2 or self.dp % k:
+                raise ValueError(f"zero_shard_size must be an integer >= 2 that divides dp "
+                                 f"({self.dp}), got {k!r}; use None to shard over all "
+                                 f"data-parallel ranks")
+            if self.zero == 0:
+                raise ValueError(f"zero_shard_size={k} needs zero >= 1 (zero=0 shards nothing)")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -226,6 +237,8 @@ class Plan:
                         "chunk": s.chunk} for s in self.stages],
             "gemm_sharding": {k: v.value for k, v in sorted(self.gemm_sharding.items())},
             "model_fingerprint": self.model_fingerprint,
+            # written only when set, so plans without hybrid sharding read as before
+            **({"zero_shard_size": self.zero_shard_size} if self.zero_shard_size else {}),
         }
 
     @classmethod

@@ -7,10 +7,11 @@ what a consumer requires, a collective is inserted (autopar.sharding.redistribut
 
 Rules, by op family (the dims named are those of the output unless said otherwise):
 
-- GEMMs (linear, mm, addmm, bmm, matmul): *replicate*; *column* (weight split on its output
+- GEMMs (linear, mm, addmm, bmm, baddbmm, matmul): *replicate*; *column* (weight split on its output
   features, output sharded on the last dim; a StridedShard when the output is later split into
   equal parts, e.g. fused QKV); *row* (weight split on its input features, input sharded on the
-  last dim, output Partial); for bmm / matmul also a batch dim (heads). Splitting the tokens
+  last dim, output Partial); for bmm / baddbmm / matmul also a batch dim (heads; baddbmm's
+  added input sharded alike, or replicated where it broadcasts). Splitting the tokens
   (rows) of a GEMM with the weight replicated is data parallelism, left to the dp axis. A
   GEMM's bias is split off before the search (passes/shard.py) because it must be added after a
   row-parallel reduction.
@@ -23,7 +24,9 @@ Rules, by op family (the dims named are those of the output unless said otherwis
   sharded with a replicated input. ``split`` into k equal parts along a dim gives k shards of
   that dim from a StridedShard of k blocks, which is how fused QKV's layout is derived.
 - Reductions (sum, mean) over a sharded dim give Partial (mean rescaled by 1/tp); softmax, layer
-  norm and the like need their reduced dims whole.
+  norm, RMS norm (``aten.rms_norm``: torch's nn.RMSNorm / F.rms_norm) and the like need their
+  reduced dims whole and may be sharded over the leading ones (heads or, with sequence
+  parallelism, the sequence), with their weight (and bias) replicated.
 - scaled_dot_product_attention: by heads (dim 1 of q, k, v and of the mask if it has heads).
 - embedding: vocab-parallel (table Shard(0), masked lookup, output Partial), hidden-parallel
   (table Shard(1)) or by tokens (indices sharded).
@@ -491,7 +494,7 @@ def _cat(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 # GEMMs
 # ---------------------------------------------------------------------------------------------
 
-_GEMM = frozenset({"linear", "mm", "addmm", "bmm", "matmul"})
+_GEMM = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
 
 
 def _linear(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
@@ -517,10 +520,12 @@ def _linear(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 
 def _mm(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
-    """mm / addmm / bmm / matmul with both operands at least 2-D."""
+    """mm / addmm / bmm / baddbmm / matmul with both operands at least 2-D (addmm and baddbmm:
+    ``beta * input + alpha * a @ b``, the added input placed like the product)."""
     name = op_name(node)
-    bias = node.args[0] if name == "addmm" else None
-    a, b = (node.args[1], node.args[2]) if name == "addmm" else (node.args[0], node.args[1])
+    added = name in ("addmm", "baddbmm")
+    bias = node.args[0] if added else None
+    a, b = (node.args[1], node.args[2]) if added else (node.args[0], node.args[1])
     sa, sb, so = tensor_spec(a), tensor_spec(b), info(node).spec
     if sa is None or sb is None or sa.ndim < 2 or sb.ndim < 2:
         return [_replicated(node, ctx)]
@@ -612,6 +617,8 @@ def _softmax(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 
 
 def _layer_norm(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """layer_norm and rms_norm: ``(input, normalized_shape, weight, ...)``; the trailing
+    normalized dims stay whole, the weight (and bias) replicated."""
     ndim = tensor_spec(node.args[0]).ndim
     k = len(node.args[1])
     return _along_dim_op(node, ctx, list(range(ndim - k, ndim)))
@@ -674,11 +681,11 @@ _CREATION = frozenset({"arange", "zeros", "ones", "full", "empty", "new_ones", "
                        "tensor", "empty_strided", "full_like_creation"})
 
 _RULES: dict[str, Callable[[torch.fx.Node, RuleContext], list[Strategy] | None]] = {
-    "linear": _linear, "mm": _mm, "addmm": _mm, "bmm": _mm, "matmul": _mm,
+    "linear": _linear, "mm": _mm, "addmm": _mm, "bmm": _mm, "baddbmm": _mm, "matmul": _mm,
     "sum": _reduction, "mean": _reduction, "amax": _reduction, "amin": _reduction,
     "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax,
     "_log_softmax": _softmax,
-    "layer_norm": _layer_norm, "scaled_dot_product_attention": _sdpa,
+    "layer_norm": _layer_norm, "rms_norm": _layer_norm, "scaled_dot_product_attention": _sdpa,
     "embedding": _embedding, "cross_entropy_loss": _cross_entropy,
     "split": _split, "split_with_sizes": _split, "chunk": _split, "unsafe_split": _split,
     "getitem": _getitem, "cat": _cat,

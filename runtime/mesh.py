@@ -2,16 +2,22 @@
 
 ``ParallelMesh(dp, pp, tp)`` is called on every rank after ``init_process_group``. Rank r has
 coordinates ``(r // (pp*tp), (r // tp) % pp, r % tp)``: tensor-parallel peers are adjacent ranks
-(one node, NVLink), pipeline stages stride by tp, data-parallel replicas are outermost. The groups
-are created with an explicit timeout (torch's subgroups default to 30 minutes otherwise) and are
-also exposed as a ``torch.distributed.device_mesh.DeviceMesh`` for DTensor and FSDP.
+(one node, NVLink), pipeline stages stride by tp, data-parallel replicas are outermost.
+
+The groups come from one ``torch.distributed.device_mesh.DeviceMesh`` with dims named
+``("dp", "pp", "tp")``: ``mesh.tp_group`` is ``mesh.device_mesh.get_group("tp")``, so DTensor,
+FSDP2 and autopar's own collectives run on the same groups. Every dim is given backend options
+carrying the mesh's timeout (``backend_override``; DeviceMesh passes the options' ``_timeout`` to
+``new_group``), because a group created without one waits torch's default 30 minutes (10 for
+NCCL), whatever ``init_process_group`` was given, and a DeviceMesh dim that spans the whole world
+would otherwise be the default group itself. An axis of size 1 has no group here (``None``; the
+collectives are then skipped), although DeviceMesh creates a one-rank group for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,22 +69,18 @@ class ParallelMesh:
                        f"tp {self.tp_rank})")
         grid = torch.arange(world).reshape(dp, pp, tp)
         self._grid = grid
-        self.axes = {
-            "dp": self._axis("dp", [grid[:, p, t].tolist() for p in range(pp) for t in range(tp)]),
-            "pp": self._axis("pp", [grid[d, :, t].tolist() for d in range(dp) for t in range(tp)]),
-            "tp": self._axis("tp", [grid[d, p, :].tolist() for d in range(dp) for p in range(pp)]),
-        }
-        self._device_mesh = None
+        self._device_mesh = _device_mesh(self.device_type, grid, self.timeout)  # collective
+        d, p, t = self.dp_rank, self.pp_rank, self.tp_rank
+        self.axes = {name: self._axis(name, tuple(int(r) for r in ranks)) for name, ranks in (
+            ("dp", grid[:, p, t]), ("pp", grid[d, :, t]), ("tp", grid[d, p, :]))}
 
-    def _axis(self, name: str, rank_lists: Sequence[Sequence[int]]) -> _Axis:
-        mine = None
-        group = None
-        for ranks in rank_lists:  # every rank must create every group, in the same order
-            g = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
-            if self.rank in ranks:
-                mine, group = tuple(ranks), g
-        assert mine is not None
-        return _Axis(name, len(mine), group, mine, mine.index(self.rank))
+    def _axis(self, name: str, ranks: tuple[int, ...]) -> _Axis:
+        group = self._device_mesh.get_group(name) if len(ranks) > 1 else None
+        if group is not None and tuple(dist.get_process_group_ranks(group)) != ranks:
+            raise PlanMismatchError(f"the DeviceMesh's {name} group does not hold this rank's "
+                                    f"{name} peers", expected=str(ranks),
+                                    found=str(dist.get_process_group_ranks(group)))
+        return _Axis(name, len(ranks), group, ranks, ranks.index(self.rank))
 
     # -- groups ---------------------------------------------------------------------------------
     @property
@@ -103,14 +105,32 @@ class ParallelMesh:
 
     @property
     def device_mesh(self):
-        """The same layout as a torch DeviceMesh (dims named dp, pp, tp), built on first use."""
-        if self._device_mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._device_mesh = DeviceMesh(self.device_type, self._grid,
-                                           mesh_dim_names=("dp", "pp", "tp"))
+        """The torch DeviceMesh (dims named dp, pp, tp) whose groups this mesh uses."""
         return self._device_mesh
 
     def __repr__(self) -> str:
         return (f"ParallelMesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; rank {self.rank} at "
                 f"dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")
+
+
+def _group_options(timeout: timedelta):
+    """Backend options carrying ``timeout`` for the default group's backend (NCCL needs its own
+    options class; gloo and the rest take the base one)."""
+    from torch._C._distributed_c10d import Backend as C10dBackend
+
+    backend = str(dist.get_backend())
+    if "nccl" in backend and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return C10dBackend.Options(backend.split(":")[-1], timeout)
+
+
+def _device_mesh(device_type: str, grid: torch.Tensor, timeout: timedelta):
+    """A DeviceMesh over ``grid`` (dims dp, pp, tp) whose every group has ``timeout``.
+    Collective: every rank creates every group, in the same order."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = ("dp", "pp", "tp")
+    return DeviceMesh(device_type, grid, mesh_dim_names=names,
+                      backend_override=tuple((None, _group_options(timeout)) for _ in names))

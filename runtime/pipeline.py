@@ -14,12 +14,22 @@ schedule's m micro-batches and walks the rank's actions:
 - ``I`` / ``W`` (zero-bubble): ``torch.autograd.grad`` over the stage inputs only, keeping the
   graph (``retain_graph``), then later over the weights. W walks the graph again: simple and
   exact, at the cost of running the input-gradient part twice.
-- runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the pipeline group, every
-  message tagged with (sending stage, direction, micro-batch, tensor) so that messages cannot be
-  confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
+- runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
+  group over its pipeline column, every message tagged with (sending stage, direction,
+  micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
   waited at the end of the step. Receive buffers take the crossing tensors' shapes with ``b``
-  and ``s`` evaluated at the micro-batch's sizes. Tensors between two stages of one rank are
-  handed over in memory.
+  and ``s`` evaluated at the micro-batch's sizes, and their captured dtype (under mixed
+  precision the model is captured with its parameters in the compute dtype, so the hidden state
+  and its gradient cross in bf16, as they are computed); a stage whose output has another dtype
+  than the split recorded is an error, not a garbled transfer. Tensors between two stages of one
+  rank are handed over in memory.
+
+A failure on one pipeline rank (an exception in a stage, a lost peer) shuts down the executor's
+own point-to-point group before the exception propagates: on gloo the neighbours' pending
+receives then fail at once ("connection closed") instead of waiting for the timeout, and they
+do the same, so the error travels down the pipeline in seconds. The executor is unusable
+afterwards (the step was left half done); rebuild it. On NCCL the peers still wait for the
+timeout unless the launcher stops them (torchrun does when this process exits).
 
 After the last action, parameters read by stages on several ranks (tied weights: GPT-2's
 embedding on the first stage and LM head on the last) get their gradients summed over those
@@ -34,6 +44,7 @@ passes; the expected attributes are spelled out by :class:`StageProgram`).
 
 from __future__ import annotations
 
+import gc
 from datetime import timedelta
 from typing import Callable, Any, Mapping, Protocol, Sequence
 
@@ -213,7 +224,11 @@ class PipelineExecutor:
                         raise InvalidInputError(f"no value for buffer {ph.key}",
                                                 fix="include model.named_buffers() in tensors")
                     self.buffers[ph.key] = tensors[ph.key].detach().clone()
+        self.device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)),
+                           torch.device("cpu"))
         self._tied = self._make_tied_groups() if sync_tied else []
+        self._p2p = self._make_p2p_group()
+        self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
         self.stage_modules = {s: StageModule(stage, self.params) for s, stage in self.local.items()}
@@ -243,6 +258,45 @@ class PipelineExecutor:
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
+
+    # -- groups ---------------------------------------------------------------------------------
+    def _make_p2p_group(self) -> Any:
+        """This executor's own group over its pipeline column, for the activations and their
+        gradients (one per (dp, tp) column, every rank creating every group in the same order).
+        Holding the only reference is what lets a failing rank close it (:meth:`_shut_down`)."""
+        mesh = self.mesh
+        if mesh.pp == 1:
+            return None
+        mine = None
+        for d in range(mesh.dp):
+            for t in range(mesh.tp):
+                ranks = [d * mesh.pp * mesh.tp + q * mesh.tp + t for q in range(mesh.pp)]
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if mesh.rank in ranks:
+                    mine = group
+        return mine
+
+    def _shut_down(self, exc: BaseException) -> None:
+        """After a failure: drop the point-to-point group (on gloo the last reference going
+        closes its connections, so the neighbours' pending receives fail now rather than at the
+        timeout) and refuse further steps."""
+        text = str(exc)
+        self._broken = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        self._pending_sends = []
+        group, self._p2p = self._p2p, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - best effort; the original error matters
+                pass
+            del group
+            gc.collect()
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise PlanMismatchError("this pipeline executor failed in an earlier step and was shut "
+                                    "down", found=self._broken,
+                                    fix="rebuild the parallel model (autopar.parallelize) to go on")
 
     # -- tied weights ---------------------------------------------------------------------------
     def _make_tied_groups(self) -> list[tuple[tuple[str, ...], Any]]:
@@ -291,14 +345,19 @@ class PipelineExecutor:
 
         Returns the batch's mean loss on the rank that holds the last stage, None elsewhere.
         """
+        self._check_usable()
         self._begin(inputs, targets)
-        for batch in comm_batches(self.actions):
-            if batch[0].kind.is_comm:
-                self._communicate(batch)
-            else:
-                self._compute(batch[0])
-        for work, what, _ in self._pending_sends:
-            self._wait(work, what)
+        try:
+            for batch in comm_batches(self.actions):
+                if batch[0].kind.is_comm:
+                    self._communicate(batch)
+                else:
+                    self._compute(batch[0])
+            for work, what, _ in self._pending_sends:
+                self._wait(work, what)
+        except BaseException as exc:
+            self._shut_down(exc)
+            raise
         leftovers = [d for d in (self._received, self._forward, self._grad_out, self._to_send,
                                  self._weight_todo) if d]
         if leftovers:
@@ -316,6 +375,7 @@ class PipelineExecutor:
         schedule's order, which is deadlock-free because forwards depend only on forwards."""
         keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
         actions = [a for a in self.actions if a.kind in keep]
+        self._check_usable()
         self._begin(inputs, targets)
         self._inference = True
         try:
@@ -327,6 +387,9 @@ class PipelineExecutor:
                         self._compute(batch[0])
                 for work, what, _ in self._pending_sends:
                     self._wait(work, what)
+        except BaseException as exc:
+            self._shut_down(exc)
+            raise
         finally:
             self._inference = False
         loss = self._loss_sum
@@ -391,7 +454,8 @@ class PipelineExecutor:
                 else:
                     out = module(*args)
             if stage.returns_loss:
-                self._loss_sum = out.detach() / self.m + (
+                # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here
+                self._loss_sum = out.detach().float() / self.m + (
                     self._loss_sum if self._loss_sum is not None else 0.0)
                 outs: Any = out / self.m
             else:
@@ -400,6 +464,7 @@ class PipelineExecutor:
                 self._forward[(s, mb)] = (leaves, outs)
             if not stage.returns_loss:
                 sent = [o.detach() for o in outs]
+                self._check_dtypes(s, sent, stage.outputs)
                 if self.stage_to_rank[s + 1] == self.pp_rank:
                     self._received[(s + 1, mb)] = sent
                 else:
@@ -455,6 +520,18 @@ class PipelineExecutor:
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     # -- communication ------------------------------------------------------------------------
+    @staticmethod
+    def _check_dtypes(stage: int, tensors: Sequence[torch.Tensor], cuts: Sequence[_Cut]) -> None:
+        """The receiver allocates each crossing tensor at the dtype the split recorded."""
+        for t, c in zip(tensors, cuts):
+            if t.dtype != c.spec.dtype:
+                raise PlanMismatchError(
+                    f"stage {stage} produced {c.name} as {t.dtype}, but the stage split "
+                    f"recorded {c.spec.dtype} (the receiving rank allocates that)",
+                    expected=f"{c.spec}", found=f"{t.dtype}{list(t.shape)}",
+                    fix="capture the model with its parameters in the dtype the stages compute "
+                        "in (autopar.parallelize(mixed_precision=True) captures in bf16)")
+
     def _tag(self, sender: int, direction: str, mb: int, i: int) -> int:
         return ((((0 if direction == "F" else 1) * self.num_stages + sender) * self.m + mb)
                 * 64 + i)
@@ -466,7 +543,7 @@ class PipelineExecutor:
         ops: list[dist.P2POp] = []
         kinds: list[tuple[bool, str]] = []
         landing: list[tuple[Action, list[torch.Tensor]]] = []
-        group = self.mesh.pp_group
+        group = self._p2p
         for a in batch:
             s, mb = a.stage, a.microbatch
             if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
@@ -486,7 +563,8 @@ class PipelineExecutor:
                     cuts = [c for c in self.local[s].outputs if c.requires_grad]
                     sender, direction = s + 1, "B"
                 peer = self._peer(sender)
-                buffers = [torch.empty(c.shape_at(**sizes), dtype=c.spec.dtype) for c in cuts]
+                buffers = [torch.empty(c.shape_at(**sizes), dtype=c.spec.dtype,
+                                       device=self.device) for c in cuts]
                 for i, buf in enumerate(buffers):
                     ops.append(dist.P2POp(dist.irecv, buf, peer, group,
                                           tag=self._tag(sender, direction, mb, i)))

@@ -1,9 +1,11 @@
-"""Jobs for tests/test_parallelize.py: run on every rank of a LocalPool (importable by name)."""
+"""Jobs for tests/test_parallelize.py: run on every rank of a LocalPool (importable by name),
+and the single-process references they are compared with."""
 
 from __future__ import annotations
 
 import functools
 import time
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,36 +37,91 @@ def batches(name: str, steps: int, batch: int = 8, seq: int = 16):
     return out
 
 
-def reference(name: str, steps: int = 3):
-    """Single-process losses and final parameters."""
+def reference(name: str, steps: int = 3, max_grad_norm: float | None = None):
+    """Single-process fp32 run: losses, final parameters, the loss of the first batch after
+    training (what eval_step must give) and, when clipping, the gradient norms before clipping
+    (torch.nn.utils.clip_grad_norm_)."""
     torch.manual_seed(0)
     model, loss_fn = make_model(name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for inputs, targets in batches(name, steps):
+    losses, norms = [], []
+    data = batches(name, steps)
+    for inputs, targets in data:
         opt.zero_grad()
         loss = loss_fn(model(*inputs), *targets)
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        eval_loss = loss_fn(model(*data[0][0]), *data[0][1]).item()
+    return dict(losses=losses, state={k: v.detach().clone() for k, v in model.state_dict().items()},
+                eval_loss=eval_loss, norms=norms)
+
+
+def reference_mixed(name: str, micro_batches: int, steps: int = 3):
+    """Single-process mixed precision (tests/dp_harness.py's SingleProcess: bf16 compute copy,
+    fp32 master weights updated by AdamW, micro-batch gradients accumulated in fp32), run on the
+    same ``micro_batches`` micro-batches (dp x m) the parallel run computes one by one."""
+    from dp_harness import SingleProcess
+    from autopar.runtime.optim import OptimizerFactory
+
+    model, loss_fn = make_model(name)
+    run = SingleProcess(model, loss_fn, OptimizerFactory(torch.optim.AdamW, {"lr": LR, "eps": EPS}),
+                        mp=True)
+    init = {k: v.detach().clone().float() for k, v in run.parameters().items()}
+    for inputs, targets in batches(name, steps):
+        run.step(inputs[0], targets[0], micro_batches=micro_batches)
+    return dict(losses=run.losses, state=run.parameters(), init=init)
 
 
 def train(configs, steps: int = 3):
-    """For each (model name, pins): parallelize, train ``steps`` steps, return losses and the
-    full state dict (rank 0 only, to keep the results small)."""
+    """For each ``(model name, pins)`` or ``(model name, pins, options)``: parallelize, train
+    ``steps`` steps and return losses, the full state dict (rank 0 only, to keep the results
+    small), the per-rank memory and local parameter count.
+
+    Options: ``mixed_precision``, ``max_grad_norm`` (passed to parallelize); ``local`` (feed each
+    data-parallel rank only its share, ``pm.local_batch``); ``probe`` (after training: the
+    first batch's loss through ``pm(...)`` and ``eval_step``, and every rank's
+    ``generated_code`` compiled)."""
     out = []
-    for name, pins in configs:
+    for config in configs:
+        name, pins = config[0], config[1]
+        options: Mapping[str, Any] = config[2] if len(config) > 2 else {}
         start = time.perf_counter()
         model, loss_fn = make_model(name)
         data = batches(name, steps)
         pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                                  loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
-        losses = [pm.train_step(inputs, targets) for inputs, targets in data]
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
+                                 mixed_precision=options.get("mixed_precision", False),
+                                 max_grad_norm=options.get("max_grad_norm"))
+        if options.get("local"):
+            losses = [pm.train_step([pm.local_batch(t) for t in inputs],
+                                    [pm.local_batch(t) for t in targets], local=True)
+                      for inputs, targets in data]
+        else:
+            losses = [pm.train_step(inputs, targets) for inputs, targets in data]
+        result: dict[str, Any] = dict(losses=losses)
+        if options.get("probe"):
+            inputs, targets = data[0]
+            result["call_loss"] = pm(inputs, targets)
+            result["eval_loss"] = pm.eval_step(inputs, targets)
+            sources = [pm.generated_code(r) for r in range(pm.plan.world_size)]
+            for r, source in enumerate(sources):
+                compile(source, f"<autopar rank {r}>", "exec")
+            result["code_lines"] = [len(s.splitlines()) for s in sources]
         state = pm.state_dict()
-        memory = pm.memory_bytes()
+        result.update(
+            state=state if dist.get_rank() == 0 else None, memory=pm.memory_bytes(),
+            # trained parameters this rank holds (its stages' tp shards; ZeRO-3 included)
+            local_params=sum(slot.numel for b in pm.data_parallel.buckets if b.requires_grad
+                             for slot in b.slots),
+            coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
+            shard_size=pm.data_parallel.groups.shard_size,
+            param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))
         pm.close()
-        out.append(dict(losses=losses, state=state if dist.get_rank() == 0 else None,
-                        memory=memory, seconds=time.perf_counter() - start))
+        result["seconds"] = time.perf_counter() - start
+        out.append(result)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,10 +23,16 @@ def _all_reduce_rank():
 
 
 def _mesh_coordinates(dp, pp, tp):
-    mesh = ParallelMesh(dp, pp, tp)
+    mesh = ParallelMesh(dp, pp, tp, timeout=timedelta(seconds=7))
     t = torch.ones(1)
     dist.all_reduce(t, group=mesh.tp_group)
-    return (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank, mesh.ranks("tp"), t.item())
+    # the groups are the DeviceMesh's, each with the mesh's timeout (not torch's 30 minutes)
+    groups = [(getattr(mesh, f"{axis}_group"), axis) for axis in ("dp", "pp", "tp")]
+    same = all(g is mesh.device_mesh.get_group(axis) for g, axis in groups if g is not None)
+    timeouts = {g._get_backend(torch.device("cpu")).options._timeout for g, _ in groups
+                if g is not None}
+    return (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank, mesh.ranks("tp"), t.item(), same,
+            timeouts, mesh.pp_group is None)
 
 
 def _fail_on_rank_one():
@@ -51,10 +58,11 @@ def test_jobs_share_one_group():
 def test_mesh_layout_tp_innermost():
     with LocalPool(4, timeout_s=60) as pool:
         out = pool.run(_mesh_coordinates, 2, 1, 2)
-    for rank, (d, p, t, tp_ranks, reduced) in enumerate(out):
+    for rank, (d, p, t, tp_ranks, reduced, same, timeouts, no_pp) in enumerate(out):
         assert (d, p, t) == coordinates(rank, 2, 1, 2)
         assert tp_ranks == (rank - rank % 2, rank - rank % 2 + 1)
         assert reduced == 2.0
+        assert same and timeouts == {timedelta(seconds=7)} and no_pp
 
 
 def test_failure_on_one_rank_is_reported_not_hung():

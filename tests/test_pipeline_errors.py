@@ -90,3 +90,38 @@ def test_silent_peer_times_out_with_the_action_named(tiny_models):
     finally:
         pool.close()
     assert time.monotonic() - start < 60
+
+
+def _one_rank_fails(split, tensors, inputs, targets, bad_key):
+    mesh = ParallelMesh(1, 2, 1)
+    if mesh.pp_rank == 1:  # a wrong-shaped weight: stage 1's forward raises
+        tensors = {**tensors, bad_key: torch.ones(3)}
+    executor = PipelineExecutor(split, build_schedule("1f1b", 2, 2), mesh, tensors=tensors)
+    return executor.step(inputs, targets)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_failing_stage_releases_its_peer_at_once(tiny_models):
+    """Stage 1 raises in its forward while rank 0 waits for its gradient: rank 0 must learn it
+    in seconds (the failing rank closes its point-to-point group), not at the 60 s timeout."""
+    from autopar.passes.split_stages import split_into_stages
+
+    model, _, inputs, targets, captured = tiny_models["llama"]
+    split = split_into_stages(captured.gm, captured.layers, [(0, 1), (2, 3)],
+                              constants=captured.constants)
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    bad_key = next(k for k in split.stages[1].params if k.endswith("norm.weight"))
+    pool = LocalPool(2, timeout_s=120, collective_timeout_s=60)
+    try:
+        pool.start()
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            pool.run(_one_rank_fails, split, tensors, inputs, targets, bad_key)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    assert "failed on rank(s) [0, 1]" in str(err.value)  # both answered: nobody was killed
+    assert "lost its peer on 0RECV_B" in str(err.value)
+    assert elapsed < 10

@@ -69,3 +69,17 @@ def test_plan_files_json_and_yaml(tmp_path):
 def test_prediction_round_trip():
     p = Prediction(1.5, 1000.0, 120.0, 0.4, 2**30, {"compute_s": 1.0}, {"weights": 10})
     assert Prediction.from_json(p.to_json()) == p
+
+
+def test_hybrid_shard_size_round_trips_and_old_json_reads():
+    plan = Plan(dp=4, zero=3, zero_shard_size=2, num_micro_batches=2)
+    data = plan.to_json()
+    assert data["zero_shard_size"] == 2 and Plan.from_json(data) == plan
+    plain = Plan(dp=4, zero=3).to_json()
+    assert "zero_shard_size" not in plain  # plans without it serialize as before
+    assert Plan.from_json(plain).zero_shard_size is None
+    for kwargs, match in ((dict(dp=4, zero=3, zero_shard_size=3), "divides dp"),
+                          (dict(dp=4, zero=3, zero_shard_size=1), ">= 2"),
+                          (dict(dp=4, zero=0, zero_shard_size=2), "needs zero >= 1")):
+        with pytest.raises(ValueError, match=match):
+            Plan(**kwargs)

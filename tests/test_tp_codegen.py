@@ -112,16 +112,23 @@ CLI = ["codegen", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--v
 
 
 def test_cli_writes_identical_files_across_processes(tmp_path, capsys):
+    """Every rank's file, written by this process and by another one with another hash seed,
+    byte for byte; ``--rank`` writes just that rank's file, the same bytes."""
     assert main(CLI + ["--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "wrote" in out and "rank1.py" in out
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     code = "import sys; from autopar.cli import main; sys.exit(main(sys.argv[1:]))"
-    subprocess.run([sys.executable, "-c", code, *CLI, "--rank", "1", "--out", str(tmp_path / "b")],
+    subprocess.run([sys.executable, "-c", code, *CLI, "--out", str(tmp_path / "b")],
                    check=True, env=env, cwd=ROOT, timeout=300, capture_output=True)
-    assert sorted(os.listdir(tmp_path / "b")) == ["rank1.py"]
-    assert (tmp_path / "a" / "rank1.py").read_bytes() == (tmp_path / "b" / "rank1.py").read_bytes()
-    compile((tmp_path / "a" / "rank0.py").read_text(), "rank0.py", "exec")
+    files = sorted(os.listdir(tmp_path / "a"))
+    assert files == ["rank0.py", "rank1.py"] == sorted(os.listdir(tmp_path / "b"))
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        compile((tmp_path / "a" / name).read_text(), name, "exec")
+    assert main(CLI + ["--rank", "1", "--out", str(tmp_path / "c")]) == 0
+    assert os.listdir(tmp_path / "c") == ["rank1.py"]
+    assert (tmp_path / "c" / "rank1.py").read_bytes() == (tmp_path / "a" / "rank1.py").read_bytes()
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from autopar.runtime.local_pool import LocalPool
-from autopar.tensor_parallel import tensor_parallelize
+from autopar.sharding import Collective
+from autopar.tensor_parallel import Direction, tensor_parallelize
 from conftest import build_tiny
-from tp_helpers import TINY_COST, check_collectives, run_rank_programs
+from tp_helpers import (TINY_COST, block_layers, build_rms_gpt, check_collectives,
+                        is_megatron_block, run_rank_programs)
 
 pytestmark = pytest.mark.distributed
 
@@ -91,6 +93,28 @@ def _check(results, programs, refs, tp):
     print("\n".join(report))
 
 
+def _assert_sharded(programs):
+    """The numbers above must come from sharded programs, not from every rank computing the
+    whole model: Megatron's layout in every block and its collectives per block forward (2
+    all-reduces; with SP 2 all-gathers + 2 reduce-scatters). LLaMA with 2 kv heads at tp 4 cannot
+    split keys and values by head: their projections are split by columns and the outputs are
+    all-gathered (2 more), or, with SP, re-split by all-to-alls (hidden -> sequence for k and v,
+    then sequence -> heads after the grouped-query expand: 4)."""
+    for (family, sp), program in programs.items():
+        want = {Collective.ALL_GATHER: 2, Collective.REDUCE_SCATTER: 2} if sp else \
+            {Collective.ALL_REDUCE: 2}
+        if family == "llama":  # kv_heads 2 < tp 4
+            want = {**want, Collective.ALL_TO_ALL: 4} if sp else {**want, Collective.ALL_GATHER: 2}
+        blocks = block_layers(program)
+        assert len(blocks) == 2
+        for comm in program.layer_comm:
+            if comm.layer not in blocks:
+                continue
+            assert is_megatron_block(program, comm.layer), (family, sp, comm.layer)
+            got = {c: comm.count(c, Direction.FORWARD) for c in Collective}
+            assert {c: n for c, n in got.items() if n} == want, (family, sp, got)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_forward_and_backward(world, pool2, pool4):
     """Each TPGroup collective and its backward (Megatron's f and g, all-gather / reduce-scatter
@@ -104,7 +128,11 @@ def test_collectives_forward_and_backward(world, pool2, pool4):
 
 
 def test_tp2_matches_single_process(tiny_models, pool2):
-    configs, programs, refs = _configs(tiny_models, 2, with_graph={("gpt", False), ("llama", True)})
+    """The fixture's models, plus the own GPT with torch's nn.RMSNorm (``aten.rms_norm``, its
+    own sharding rule: replicated weight, sequence-split under SP)."""
+    models = dict(tiny_models)
+    models["rms_gpt"] = build_rms_gpt()
+    configs, programs, refs = _configs(models, 2, with_graph={("gpt", False), ("llama", True)})
     results = pool2.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 2)
 
@@ -122,6 +150,7 @@ def test_tp4_matches_single_process(tiny_models, pool4):
     models["llama_kv4"] = (zm.model, zm.loss_fn, inputs, targets,
                            capture(zm.model, inputs, zm.loss_fn, example_targets=targets))
     configs, programs, refs = _configs(models, 4, with_graph={("bert", True)})
+    _assert_sharded(programs)
     results = pool4.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 4)
     kv4 = programs[("llama_kv4", False)]

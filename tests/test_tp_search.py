@@ -96,11 +96,14 @@ def test_tiny_models_megatron_and_collective_counts(tiny_models, family, sp):
     assert _no_full_vocab_collective(program, 128)
 
 
-def _closed_form_check(program, tp):
+def _closed_form_check(program, tp, hidden):
     """Per layer and micro-batch: 4 all-reduces of b*s*h (2 forward, 2 backward); with
     sequence parallelism 4 all-gathers and 4 reduce-scatters of b*s*h, the same bytes on the
-    wire, plus all-reduces of the replicated norm / bias gradients (h elements each)."""
+    wire, plus all-reduces of the replicated norm / bias gradients (h elements each). h is the
+    model config's hidden size: the graph's block input must be b*s*h fp32 elements, so the
+    check cannot pass on a misread activation."""
     act = activation_bytes(program)
+    assert sympy.simplify(act - BATCH * SEQ * hidden * 4) == 0, (act, hidden)
     ring_ar = sympy.Rational(2 * (tp - 1), tp)
     for comm in program.layer_comm:
         if comm.layer not in block_layers(program):
@@ -125,7 +128,7 @@ def test_comm_volume_per_layer_is_the_closed_form(full_size, sp):
         for tp in (2, 4):
             program = tensor_parallelize(full_size[name], tp, sequence_parallel=sp,
                                          sizes={"b": 4, "s": 1024})
-            _closed_form_check(program, tp)
+            _closed_form_check(program, tp, full_size[name].model.config.hidden_size)
 
 
 def test_gpt3_175b_searched_in_seconds():
@@ -141,7 +144,8 @@ def test_gpt3_175b_searched_in_seconds():
     assert all(is_megatron_block(program, b) for b in blocks)
     kinds = list(program.gemm_sharding.values())
     assert kinds.count(GemmSharding.COLUMN) == 96 * 2 + 1 and kinds.count(GemmSharding.ROW) == 96 * 2
-    _closed_form_check(program, 8)
+    _closed_form_check(program, 8, zm.spec.hidden)
+    assert zm.spec.hidden == 12288
     print(f"gpt3-175b tp=8: ILP {program.solution.num_variables} variables solved in "
           f"{program.solution.solve_s:.2f} s; tensor_parallelize {elapsed:.1f} s")
 
@@ -240,3 +244,63 @@ def test_placements_use_torch_vocabulary(tiny_models):
     plan = program.plan()
     assert plan.tp == 2 and plan.gemm_sharding == program.gemm_sharding
     assert any(isinstance(p, Partial) for p in program.placements.values())
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_torch_rms_norm_has_a_rule(sp):
+    """nn.RMSNorm is one ``aten.rms_norm`` node: like layer norm it is replicated over the
+    normalized (hidden) dim and may be split over the sequence; no op runs replicated for lack
+    of a rule, and the blocks get Megatron's layout and collective counts."""
+    from tp_helpers import build_rms_gpt
+
+    captured = build_rms_gpt()[4]
+    norms = [n for n in captured.gm.graph.nodes if n.op == "call_function"
+             and op_name(n) == "rms_norm"]
+    assert len(norms) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        program = tensor_parallelize(captured, 2, sequence_parallel=sp, cost=TINY_COST)
+    for layer in block_layers(program):
+        assert is_megatron_block(program, layer), block_gemms(program, layer)
+    placements = {info(n).placement for n in program.sharded.graph.nodes
+                  if n.op == "call_function" and op_name(n) == "rms_norm"}
+    assert placements == ({Shard(1)} if sp else {Replicate()}), placements
+    counts = [(c.count(Collective.ALL_REDUCE, Direction.FORWARD),
+               c.count(Collective.ALL_GATHER, Direction.FORWARD),
+               c.count(Collective.REDUCE_SCATTER, Direction.FORWARD))
+              for c in program.layer_comm if c.layer in block_layers(program)]
+    assert set(counts) == ({(0, 2, 2)} if sp else {(2, 0, 0)}), counts
+
+
+class _Baddbmm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 16))
+        self.bias = nn.Parameter(torch.randn(4, 1, 16))
+
+    def forward(self, x):
+        h = x.reshape(1, -1, 16).expand(4, -1, -1)
+        return torch.baddbmm(self.bias, h, self.w).sum()
+
+
+def test_baddbmm_splits_like_a_batched_gemm():
+    """baddbmm (Bloom's attention scores): split by its batch dim (heads) with the added input
+    split alike, or by columns with the added input following them; never a warning."""
+    from autopar.passes.sharding_rules import RuleContext, node_strategies
+
+    captured = capture(_Baddbmm(), (torch.randn(2, 8, 16),))
+    node = next(n for n in captured.gm.graph.nodes if n.op == "call_function"
+                and op_name(n) == "baddbmm")
+    strategies = {s.name: s for s in node_strategies(node, RuleContext(tp=2))}
+    bias, h, w = node.args[:3]
+    order = node.all_input_nodes
+    heads = strategies["S(0)"]
+    assert [heads.inputs[order.index(a)] for a in (bias, h, w)] == [Shard(0)] * 3
+    column = strategies["column"]
+    assert column.gemm is GemmSharding.COLUMN and column.output == Shard(2)
+    assert [column.inputs[order.index(a)] for a in (bias, h, w)] == [Shard(2), Replicate(),
+                                                                     Shard(2)]
+    assert "row" not in strategies  # the added input would be summed tp times
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        tensor_parallelize(captured, 2, cost=TINY_COST)

@@ -19,6 +19,31 @@ TINY_COST = TPCostSpec(peak_flops=1e9, hbm_bandwidth=1e10, link_bandwidth=1e8,
                        link_latency=1e-5)
 
 
+def build_rms_gpt():
+    """The own GPT with torch's nn.RMSNorm (``aten.rms_norm``) in place of every LayerNorm, the
+    norm weights randomized so a wrong shard or a missing gradient sum shows.
+    Returns (model, loss_fn, inputs, targets, captured)."""
+    import torch.nn as nn
+
+    from autopar import capture
+    from conftest import build_own_gpt
+
+    model, loss_fn = build_own_gpt()
+    hidden = model.config.hidden
+    for block in model.blocks:
+        block.ln_1, block.ln_2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+    model.ln_f = nn.RMSNorm(hidden)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+    tokens = torch.randint(0, 128, (2, 17), generator=gen)
+    inputs, targets = (tokens[:, :-1],), (tokens[:, 1:],)
+    return model, loss_fn, inputs, targets, capture(model, inputs, loss_fn,
+                                                    example_targets=targets)
+
+
 def run_rank_programs(configs):
     """On every rank of a LocalPool: exec this rank's generated source, load its shards, run
     forward and backward, and return {key: (loss, {attribute: grad}, graph_loss)}.
