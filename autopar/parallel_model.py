@@ -257,12 +257,20 @@ class ParallelModel:
         if isinstance(state, nn.Module):
             state = self.tp_program.full_tensors(state)
         shards = _fqn_shards(self.tp_program, state, self.mesh.tp_rank)
+        missing = sorted(set(self.executor.params) - set(shards))
+        if missing:
+            raise InvalidInputError(f"the state dict has no {missing[0]!r}"
+                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                                    expected="every parameter of the model")
+        # Undo the old engine first (it owns the parameters' storage: flat buckets, bf16 views
+        # under mixed precision, ZeRO-3 shards), then give the parameters their new values at the
+        # stored dtype, so the new engine's fp32 master weights are exact.
+        self.data_parallel.close()
+        self.data_parallel = None
+        stored = {p.fqn: p.spec.dtype for p in self.captured.params.values()}
         with torch.no_grad():
             for fqn, p in self.executor.params.items():
-                if fqn not in shards:
-                    raise InvalidInputError(f"the state dict has no {fqn!r}",
-                                            expected="every parameter of the model")
-                p.copy_(shards[fqn].to(p.dtype))
+                p.data = shards[fqn].to(device=p.device, dtype=stored.get(fqn, p.dtype)).clone()
         self.data_parallel = _rebuild_data_parallel(self)
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -236,3 +236,25 @@ def test_plan_for_another_world_size_is_refused():
         autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                             loss_fn=loss_fn, plan=autopar.Plan(dp=2, num_micro_batches=4),
                             optimizer=torch.optim.SGD)
+
+
+def test_load_state_dict_keeps_fp32_master_weights_under_mixed_precision():
+    """Under mixed precision the modules compute with bf16 copies; loading a state dict must
+    set the fp32 master weights from the given fp32 tensors, not from their bf16 roundings."""
+    model, loss_fn = jobs.make_model("own_gpt")
+    data = jobs.batches("own_gpt", 1)
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, mixed_precision=True,
+                             plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2},
+                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    pm.train_step(*data[0])
+    noisy: dict[int, torch.Tensor] = {}  # tied names share one tensor: one noisy copy each
+    state = {k: noisy.setdefault(id(v), v + 1e-4 * torch.randn_like(v))
+             if v.is_floating_point() else v
+             for k, v in pm.state_dict().items()}  # values bf16 cannot hold
+    pm.load_state_dict(state)
+    back = pm.state_dict()
+    for key, want in state.items():
+        assert torch.equal(back[key], want), key
+    pm.train_step(*data[0])  # and the engine still trains
+    pm.close()
