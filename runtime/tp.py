@@ -19,7 +19,7 @@ plus the two ops whose sharded form needs work of its own: the vocabulary-parall
 (masked lookup, partial result) and cross-entropy (one all-gather of each rank's log-sum-exp and
 target logit per token; the full-vocabulary logits never exist).
 
-Process groups come from :class:`autopar.runtime.mesh.ParallelMesh` (DeviceMesh-compatible,
+Process groups come from :class:`autopar.runtime.mesh.ParallelMesh` (the groups of one DeviceMesh,
 NCCL on GPUs, gloo on CPU). Every collective is waited through
 :func:`autopar.runtime.comm.wait_work` with the mesh's timeout, so a peer that never joins or
 has died raises :class:`~autopar.errors.CommunicationTimeoutError` naming this rank, what it was
