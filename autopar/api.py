@@ -27,7 +27,7 @@ import json
 import os
 import tempfile
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from autopar.errors import (
     PlanMismatchError,
     error_from_parts,
 )
-from autopar.plan import Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+from autopar.plan import Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.runtime.comm import collective, set_default_timeout
 
 __all__ = ["parallelize", "PINNABLE"]
@@ -557,7 +557,7 @@ def _runnable(plan: Plan | None) -> bool:
 
 
 def _with_stages(plan: Plan, captured: Any) -> Plan:
-    """Fill in stage cuts (balanced by forward FLOPs) when the plan has none, and check them."""
+    """Cut the stages with the planner's stage ILP when the plan has none, and check them."""
     n = len(captured.layers)
     k = plan.num_stages
     if k > n:
@@ -573,43 +573,9 @@ def _with_stages(plan: Plan, captured: Any) -> Plan:
                                     found=f"{plan.stages[0].layers[0]}..{plan.stages[-1].layers[1]}",
                                     fix="re-plan for this model")
         return plan
-    ranges = balanced_ranges(_layer_weights(captured), k)
-    stages = tuple(StagePlan(i, r, i % plan.pp, i // plan.pp) for i, r in enumerate(ranges))
-    return plan.replace(stages=stages)
+    from autopar.planner.stage_partition import stages_for_plan
 
-
-def _layer_weights(captured: Any) -> list[float]:
-    from autopar.ir import evaluate
-    from autopar.passes.analyze import analyze
-
-    profile = analyze(captured)
-    sizes = captured.example_size_kwargs()
-    return [max(float(evaluate(layer.flops, **sizes)), 1.0) for layer in profile.layers]
-
-
-def balanced_ranges(weights: Sequence[float], k: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of ``weights`` into ``k`` non-empty parts minimizing the largest sum
-    (exact dynamic program, O(n^2 k))."""
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n + 1):
-            for c in range(j - 1, i):
-                cost = max(best[j - 1][c], prefix[i] - prefix[c])
-                if cost < best[j][i]:
-                    best[j][i], cut[j][i] = cost, c
-    ranges, i = [], n
-    for j in range(k, 0, -1):
-        c = cut[j][i]
-        ranges.append((c, i - 1))
-        i = c
-    return ranges[::-1]
+    return plan.replace(stages=stages_for_plan(captured, plan))
 
 
 # ---------------------------------------------------------------------------------------------

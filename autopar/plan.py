@@ -341,6 +341,9 @@ class Prediction:
     breakdown: Mapping[str, float] = field(default_factory=dict)
     #: Per-rank memory: weights, gradients, optimizer, activations, ... (bytes).
     memory: Mapping[str, int] = field(default_factory=dict)
+    #: How the stages were cut and priced: method, the stage ILP's status, objective and LP
+    #: bound (seconds of modelled pipeline) and their gap, the simulated pipeline time.
+    stage_partition: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.step_time_s <= 0:
@@ -355,6 +358,7 @@ class Prediction:
             "peak_memory_bytes": int(self.peak_memory_bytes),
             "breakdown": dict(self.breakdown),
             "memory": {k: int(v) for k, v in self.memory.items()},
+            "stage_partition": dict(self.stage_partition),
         }
 
     @classmethod

@@ -45,8 +45,8 @@ def main() -> int:
     costs, _, _ = capture_model_costs("gpt3-175b")
     cm = CostModel(costs, Cluster.load("a100-80g").with_devices(1024), TrainingSetup(1536, 2048))
     for sched, v in ((ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED_1F1B, 2)):
-        ev = cm.reprice(cm.evaluate(Candidate(8, 8, 16, v, 1, sched, RecomputeKind.FULL, 0,
-                                              False)), cm.components.simulator)
+        ev = cm.refine(cm.evaluate(Candidate(8, 8, 16, v, 1, sched, RecomputeKind.FULL, 0,
+                                             False)))
         print(row("GPT-3 175B, Megatron layout", ev, 1024, 300e9,
                   "140 TFLOP/s (HFU 0.449)"))
     best = search(cm).best
@@ -58,9 +58,8 @@ def main() -> int:
     implied = 380 * per_token / A100_PEAK
     label = f"380 tokens/s (MFU {implied:.3f})"
     for dp, tp, pp in ((64, 8, 4), (32, 8, 8)):
-        ev = cm.reprice(cm.evaluate(Candidate(dp, tp, pp, 1, 1, ScheduleKind.ONE_F_ONE_B,
-                                              RecomputeKind.SELECTIVE, 0, True)),
-                        cm.components.simulator)
+        ev = cm.refine(cm.evaluate(Candidate(dp, tp, pp, 1, 1, ScheduleKind.ONE_F_ONE_B,
+                                             RecomputeKind.SELECTIVE, 0, True)))
         print(row(f"LLaMA-65B, Megatron-style tp={tp} pp={pp}", ev, 2048, 1.4e12, label))
     best = search(cm).best
     print(row("LLaMA-65B, autopar's plan", best, 2048, 1.4e12, label))

@@ -23,9 +23,9 @@ The result, :class:`StageSplit`, holds one :class:`StageGraph` per stage: the gr
 placeholders are any other objects it reads, such as a tensor-parallel communicator, bound by
 name at run time; the parameters, buffers and constants it reads; the received tensors; the model
 inputs and targets it reads), the :class:`CutTensor` s it receives and sends (name,
-symbolic shape, dtype, whether a gradient comes back), and which stages read each parameter (a
-tied weight read by two stages, like GPT-2's embedding and LM head, is held by both and its
-gradients must be summed).
+symbolic shape, dtype, whether a gradient comes back, placement over the tensor-parallel axis),
+and which stages read each parameter (a tied weight read by two stages, like GPT-2's embedding
+and LM head, is held by both and its gradients must be summed).
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ class CutTensor:
     requires_grad: bool
     #: The stage that computes it (earlier than the sender for a pass-through tensor).
     producer: int
+    #: Its placement over the tensor-parallel axis (``node.meta["autopar"].placement`` of a
+    #: tensor-parallel graph: Replicate, Shard(dim), ...; None on a graph without one). ``spec``
+    #: is then each rank's shard, so a sharded cut (sequence parallelism) sends 1/tp per rank.
+    placement: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, TensorSpec):
@@ -369,7 +373,8 @@ def _cut_tensor(node: torch.fx.Node, producer: int) -> CutTensor:
         raise PassError(f"{node.name} ({op_name(node)}) crosses a stage cut but is not a tensor "
                         f"({spec})", expected="only tensors between stages",
                         fix="move the cut, or make the value recomputable from the inputs")
-    return CutTensor(node.name, spec, bool(info(node).requires_grad and spec.is_float), producer)
+    return CutTensor(node.name, spec, bool(info(node).requires_grad and spec.is_float), producer,
+                     info(node).placement)
 
 
 @graph_pass(ensures=("stages_split",))

@@ -15,13 +15,19 @@
 If at some point no rank can move, the schedule deadlocks: :class:`ScheduleError` names each
 rank's blocked action and what it waits for. The result has the step time, each rank's busy,
 communication and idle time, the bubble fraction and a timeline of (rank, action, start, end)
-events for Chrome traces and Gantt charts. This is the schedule model of the cost model.
+events for Chrome traces and Gantt charts.
+
+This is the cost model's schedule model: the plan search prices its finalists by simulating
+``build_schedule(kind, p, m, v)`` with the cost model's per-stage forward, backward (input and
+weight) and transfer times (``autopar/planner/schedule_model.py``), and ``autopar simulate``
+draws that simulation. (The runtime does not import the planner; the planner imports this.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from operator import attrgetter
+from typing import NamedTuple, Sequence
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import Action, ActionKind, PipelineSchedule, add_communication
@@ -95,9 +101,9 @@ class Durations:
                 ActionKind.BACKWARD_WEIGHT: self.backward_weight}[action.kind][s]
 
 
-@dataclass(frozen=True, slots=True)
-class TimelineEvent:
-    """One action of one rank; for a receive, start is when the rank began to wait."""
+class TimelineEvent(NamedTuple):
+    """One action of one rank; for a receive, start is when the rank began to wait. (A named
+    tuple: a simulated step has tens of thousands of them.)"""
 
     rank: int
     action: Action
@@ -174,44 +180,62 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     channel_taken: dict[tuple[int, int], int] = {}
     events: list[TimelineEvent] = []
 
+    F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                  ActionKind.BACKWARD_WEIGHT)
+    RECV_F, RECV_B, SEND_F, SEND_B = (ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.SEND_F,
+                                      ActionKind.SEND_B)
+
     def backward_done(stage: int, mb: int) -> float | None:
-        for kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
-            if (stage, kind, mb) in done:
-                return done[(stage, kind, mb)]
-        return None
+        t = done.get((stage, B, mb))
+        return t if t is not None else done.get((stage, I, mb))
 
-    def ready_time(rank: int, a: Action) -> tuple[float | None, str]:
-        """When ``a``'s inputs are there (None: not yet), and what it waits for."""
-        s, mb = a.stage, a.microbatch
-        if a.kind is ActionKind.FORWARD:
+    def ready_time(rank: int, a: Action) -> float | None:
+        """When ``a``'s inputs are there (None: not yet)."""
+        s, mb, kind = a.stage, a.microbatch, a.kind
+        if kind is F:
             if s == 0:
-                return 0.0, ""
+                return 0.0
             if where[s - 1] == rank:
-                return done.get((s - 1, ActionKind.FORWARD, mb)), f"{s - 1}F{mb}"
-            return done.get((s, ActionKind.RECV_F, mb)), f"{s}RECV_F{mb}"
-        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
-            fwd = done.get((s, ActionKind.FORWARD, mb))
-            if fwd is None:
-                return None, f"{s}F{mb}"
-            if s == last:
-                return fwd, ""
-            if where[s + 1] == rank:
-                t = backward_done(s + 1, mb)
-                return (None if t is None else max(t, fwd)), f"{s + 1}B{mb} or {s + 1}I{mb}"
-            t = done.get((s, ActionKind.RECV_B, mb))
-            return (None if t is None else max(t, fwd)), f"{s}RECV_B{mb}"
-        if a.kind is ActionKind.BACKWARD_WEIGHT:
-            return done.get((s, ActionKind.BACKWARD_INPUT, mb)), f"{s}I{mb}"
-        if a.kind is ActionKind.SEND_F:
-            return done.get((s, ActionKind.FORWARD, mb)), f"{s}F{mb}"
-        if a.kind is ActionKind.SEND_B:
-            return backward_done(s, mb), f"{s}B{mb} or {s}I{mb}"
-        key = _message_key(a)  # a receive
-        if key not in posted:
-            return None, f"the send of {key[0]}{'SEND_F' if key[1] == 'F' else 'SEND_B'}{mb} " \
-                         f"on rank {where[key[0]]}"
-        return posted[key][0], ""
+                return done.get((s - 1, F, mb))
+            return done.get((s, RECV_F, mb))
+        if kind is B or kind is I:
+            fwd = done.get((s, F, mb))
+            if fwd is None or s == last:
+                return fwd
+            t = backward_done(s + 1, mb) if where[s + 1] == rank else done.get((s, RECV_B, mb))
+            return None if t is None else max(t, fwd)
+        if kind is W:
+            return done.get((s, I, mb))
+        if kind is SEND_F:
+            return done.get((s, F, mb))
+        if kind is SEND_B:
+            return backward_done(s, mb)
+        arrival = posted.get(_message_key(a))  # a receive
+        return None if arrival is None else arrival[0]
 
+    def waits_for(rank: int, a: Action) -> str:
+        """What a blocked action waits for (for the deadlock report)."""
+        s, mb = a.stage, a.microbatch
+        if a.kind is F:
+            return f"{s - 1}F{mb}" if where[s - 1] == rank else f"{s}RECV_F{mb}"
+        if a.kind in (B, I):
+            if (s, F, mb) not in done:
+                return f"{s}F{mb}"
+            return f"{s + 1}B{mb} or {s + 1}I{mb}" if where[s + 1] == rank else f"{s}RECV_B{mb}"
+        if a.kind is W:
+            return f"{s}I{mb}"
+        if a.kind is SEND_F:
+            return f"{s}F{mb}"
+        if a.kind is SEND_B:
+            return f"{s}B{mb} or {s}I{mb}"
+        key = _message_key(a)
+        return f"the send of {key[0]}{'SEND_F' if key[1] == 'F' else 'SEND_B'}{mb} on rank " \
+               f"{where[key[0]]}"
+
+    compute_time = {F: durations.forward, B: durations.backward, I: durations.backward_input,
+                    W: durations.backward_weight}
+    in_flight = [0] * p
+    peaks = [0] * p
     remaining = sum(len(r) for r in schedule.ranks)
     while remaining:
         progressed = False
@@ -219,24 +243,30 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
             actions = schedule.ranks[rank]
             while pos[rank] < len(actions):
                 a = actions[pos[rank]]
-                ready, _ = ready_time(rank, a)
+                ready = ready_time(rank, a)
                 if ready is None:
                     break
                 start = clock[rank]
-                if a.kind.is_compute:
+                kind = a.kind
+                if kind in compute_time:
                     begin = max(start, ready)
-                    end = begin + durations.compute(a)
+                    end = begin + compute_time[kind][a.stage]
                     busy[rank] += end - begin
-                    done[(a.stage, a.kind, a.microbatch)] = end
+                    done[(a.stage, kind, a.microbatch)] = end
                     events.append(TimelineEvent(rank, a, begin, end))
-                elif a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    if kind is F:
+                        in_flight[rank] += 1
+                        peaks[rank] = max(peaks[rank], in_flight[rank])
+                    elif kind is B or kind is W:
+                        in_flight[rank] -= 1
+                elif kind is SEND_F or kind is SEND_B:
                     begin = max(start, ready)
                     end = begin + durations.send_overhead
                     comm[rank] += durations.send_overhead
-                    transfer = (durations.p2p[a.stage] if a.kind is ActionKind.SEND_F
+                    transfer = (durations.p2p[a.stage] if kind is SEND_F
                                 else durations.p2p_grad[a.stage - 1])
                     key = _message_key(a)
-                    dst = where[a.stage + 1] if a.kind is ActionKind.SEND_F else where[a.stage - 1]
+                    dst = where[a.stage + 1] if kind is SEND_F else where[a.stage - 1]
                     sent = channel_sent.setdefault((rank, dst), [])
                     posted[key] = (end + transfer, len(sent))
                     sent.append(key)
@@ -270,7 +300,7 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
             for rank in range(p):
                 if pos[rank] < len(schedule.ranks[rank]):
                     a = schedule.ranks[rank][pos[rank]]
-                    blocked.append(f"rank {rank} at {a} waits for {ready_time(rank, a)[1]}")
+                    blocked.append(f"rank {rank} at {a} waits for {waits_for(rank, a)}")
             raise ScheduleError("the pipeline schedule deadlocks",
                                 expected="every rank's next action to become ready",
                                 found="; ".join(blocked),
@@ -280,6 +310,6 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     total_busy = sum(busy)
     bubble = (p * step - total_busy) / total_busy if total_busy > 0 else 0.0
     idle = tuple(step - b - c for b, c in zip(busy, comm))
-    peaks = tuple(schedule.peak_in_flight(r) for r in range(p))
-    events.sort(key=lambda e: (e.start, e.rank))
-    return SimulationResult(step, tuple(busy), tuple(comm), idle, bubble, peaks, tuple(events))
+    events.sort(key=attrgetter("start", "rank"))
+    return SimulationResult(step, tuple(busy), tuple(comm), idle, bubble, tuple(peaks),
+                            tuple(events))

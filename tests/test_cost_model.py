@@ -1,5 +1,5 @@
-"""Compute model: roofline GEMM times with wave quantization, the TP pattern stand-in's layout
-and collectives, and model FLOPs against Megatron-LM's formula."""
+"""Compute model: roofline GEMM times with wave quantization, the sharding search's layout and
+collectives as the cost model prices them, and model FLOPs against Megatron-LM's formula."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from autopar import Cluster, capture, models
 from autopar.plan import GemmSharding, RecomputeKind, ScheduleKind
 from autopar.planner.comm import Collective, collective_time, mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
-                                        gemm_time, price_layer, wave_efficiency)
+                                        gemm_time, wave_efficiency)
 
 A100 = Cluster.load("a100-80g")
 RATE = 312e12 * 0.869
@@ -54,65 +54,79 @@ def test_gemm_roofline_regimes():
 @pytest.fixture(scope="module")
 def shallow():
     out = {}
-    for name, kw in (("gpt3-1.3b", {}), ("bert-large", {}), ("llama-7b", {})):
+    for name in ("gpt3-1.3b", "bert-large", "llama-7b"):
         spec = models.resolve_spec(name)
-        zm = models.build(name, device="meta", layers=2)
+        vocab = -(-spec.vocab // 128) * 128  # padded as autopar plan does: tp divides it
+        zm = models.build(name, device="meta", layers=2, vocab=vocab)
         inputs, targets = zm.example_inputs(batch=2, seq=16)
         captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
         out[name] = (spec, ModelCosts(captured, depth=spec.layers))
     return out
 
 
-def _block_gemms(costs):
-    t = costs.template(2)
-    rep = costs.captured.layers[t.representative]
+def _cost_model(costs, n=8, batch=8, seq=1024, dtype="bf16"):
+    return CostModel(costs, A100.with_devices(n), TrainingSetup(batch, seq, dtype))
+
+
+def _gemms(costs, layer, layout):
+    """module path (inside the layer) -> the sharding search's choice for its GEMMs."""
+    rep = costs.captured.layers[costs.template(layer).representative]
     from autopar.ir import info
 
     return {info(costs.captured.node(n)).module_path.replace(rep.name + ".", ""): g
-            for n, g in t.sharding.gemms.items()}
+            for n, g in layout.gemm_sharding.items() if n in rep.nodes}
 
 
-def test_megatron_pattern_per_family(shallow):
-    gpt = _block_gemms(shallow["gpt3-1.3b"][1])
+def test_the_sharding_search_finds_megatron_per_family(shallow):
+    """The cost model's layout is the sharding ILP's (passes/shard.py), solved once per (tp, sp)
+    on the captured graph: Megatron's column/row pairs in every family."""
+    gpt = _gemms(shallow["gpt3-1.3b"][1], 2, _cost_model(shallow["gpt3-1.3b"][1]).layout(8, False))
     assert gpt == {"attn.c_attn": GemmSharding.COLUMN, "attn.c_proj": GemmSharding.ROW,
                    "mlp.c_fc": GemmSharding.COLUMN, "mlp.c_proj": GemmSharding.ROW}
-    llama = _block_gemms(shallow["llama-7b"][1])
+    llama_costs = shallow["llama-7b"][1]
+    llama = _gemms(llama_costs, 2, _cost_model(llama_costs).layout(8, True))
     assert llama == {"self_attn.q_proj": GemmSharding.COLUMN,
                      "self_attn.k_proj": GemmSharding.COLUMN,
                      "self_attn.v_proj": GemmSharding.COLUMN,
                      "self_attn.o_proj": GemmSharding.ROW, "mlp.gate_proj": GemmSharding.COLUMN,
                      "mlp.up_proj": GemmSharding.COLUMN, "mlp.down_proj": GemmSharding.ROW}
-    bert = _block_gemms(shallow["bert-large"][1])
-    assert sorted(bert.values()).count(GemmSharding.COLUMN) == 4
-    # BERT's masked-LM transform feeds a LayerNorm: it stays replicated; the decoder is split
-    costs = shallow["bert-large"][1]
-    post = costs.template(costs.num_layers - 1).sharding.gemms
-    assert sorted(g.value for g in post.values()) == ["column", "replicate"]
+    bert_costs = shallow["bert-large"][1]
+    layout = _cost_model(bert_costs, seq=512).layout(8, False)
+    bert = _gemms(bert_costs, 2, layout)
+    assert sorted(g.value for g in bert.values()) == ["column"] * 4 + ["row"] * 2
+    # the masked-LM decoder (the vocabulary GEMM) is split by columns
+    post = _gemms(bert_costs, bert_costs.num_layers - 1, layout)
+    assert GemmSharding.COLUMN in post.values()
 
 
 @pytest.mark.parametrize("name", ["gpt3-1.3b", "bert-large", "llama-7b"])
 @pytest.mark.parametrize("sp", [False, True])
 def test_four_collectives_of_bsh_per_block(shallow, name, sp):
     """MISSION.md: TP needs 4 all-reduces of b s h per layer per micro-batch (forward and
-    backward); with sequence parallelism each becomes an all-gather + reduce-scatter."""
+    backward); with sequence parallelism each becomes an all-gather + reduce-scatter (and the
+    norm weights' and row biases' gradients, used on sequence shards, get an all-reduce of h
+    elements each). The cost model prices the program's own collectives."""
     spec, costs = shallow[name]
-    block = costs.template(2)
-    kinds = sorted(kind.value for kind, _ in block.sites)
-    assert kinds == ["f", "f", "g", "g"]
-    cluster = A100.with_devices(8)
-    span = mesh_span(cluster, 1, 1, 8, "tp")
-    b, s = 2, 1024
-    lc = price_layer(block, cluster, "bf16", 8, sp, b, s, 4, span)
-    nbytes = b * s * spec.hidden * 2
+    b, s, tp = 2, 1024, 8
+    cm = _cost_model(costs, seq=s)
+    lc = cm.layer_costs(tp, sp, b)[2]
+    bsh = b * s * spec.hidden * 2  # bf16
+    big = sorted((kind, direction) for kind, direction, nbytes in lc.tp_calls if nbytes == bsh)
+    small = [(kind, nbytes) for kind, _, nbytes in lc.tp_calls if nbytes != bsh]
     if sp:
-        one = (collective_time(cluster, Collective.ALL_GATHER, nbytes, span).seconds
-               + collective_time(cluster, Collective.REDUCE_SCATTER, nbytes, span).seconds)
-        # each all-reduce becomes an all-gather on one side and a reduce-scatter on the other
-        assert lc.tp_forward_s + lc.tp_backward_s == pytest.approx(4 * one)
+        assert big == sorted([("all-gather", "forward"), ("reduce-scatter", "backward")] * 2
+                             + [("reduce-scatter", "forward"), ("all-gather", "backward")] * 2)
+        assert small and all(kind == "all-reduce" and nbytes <= 4 * spec.hidden
+                             for kind, nbytes in small)
     else:
-        ar = collective_time(cluster, Collective.ALL_REDUCE, nbytes, span).seconds
-        assert lc.tp_forward_s == pytest.approx(2 * ar)
-        assert lc.tp_backward_s == pytest.approx(2 * ar)
+        assert big == [("all-reduce", "backward")] * 2 + [("all-reduce", "forward")] * 2
+        assert small == []
+    span = mesh_span(cm.cluster, 1, 1, tp, "tp")
+    fwd = sum(collective_time(cm.cluster, Collective(kind), nbytes, span).seconds
+              for kind, d, nbytes in lc.tp_calls if d == "forward")
+    bwd = sum(collective_time(cm.cluster, Collective(kind), nbytes, span).seconds
+              for kind, d, nbytes in lc.tp_calls if d == "backward")
+    assert (lc.tp_forward_s, lc.tp_backward_s) == pytest.approx((fwd, bwd))
 
 
 def test_model_flops_equal_megatron(shallow):
@@ -120,7 +134,7 @@ def test_model_flops_equal_megatron(shallow):
     recompute), i.e. 3 x (24 s h^2 + 4 s^2 h) per layer + 6 s h V per sequence."""
     spec, costs = shallow["gpt3-1.3b"]
     cm = CostModel(costs, A100.with_devices(8), TrainingSetup(8, 2048))
-    l, h, s, v = spec.layers, spec.hidden, 2048, spec.vocab
+    l, h, s, v = spec.layers, spec.hidden, 2048, -(-spec.vocab // 128) * 128
     want = 72 * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
     assert cm.model_flops_per_sequence == pytest.approx(want, rel=1e-3)
 
@@ -129,12 +143,9 @@ def test_tensor_parallel_splits_the_work(shallow):
     """A block's GEMM time at tp=t is its tp=1 time over t (same wave efficiency by
     construction here: the shapes are multiples of 128 x t), backward about twice forward."""
     _, costs = shallow["gpt3-1.3b"]
-    block = costs.template(2)
-    cluster = A100.with_devices(8)
-    one = price_layer(block, cluster, "bf16", 1, False, 4, 2048, 4, mesh_span(cluster, 8, 1, 1,
-                                                                              "tp"))
-    two = price_layer(block, cluster, "bf16", 2, True, 4, 2048, 4, mesh_span(cluster, 4, 1, 2,
-                                                                             "tp"))
+    cm = _cost_model(costs, seq=2048)
+    one = cm.layer_costs(1, False, 4)[2]
+    two = cm.layer_costs(2, True, 4)[2]
     assert two.forward_s == pytest.approx(one.forward_s / 2, rel=0.05)
     assert 1.8 < (one.backward_s + one.weight_s) / one.forward_s < 2.4
 
@@ -154,17 +165,11 @@ def test_candidate_checks_name_the_problem(shallow):
     assert ev.infeasible and "GiB usable" in ev.infeasible  # 6.7B x 16 bytes > 80 GB
 
 
-def test_measured_tables_replace_the_roofline():
-    """A calibrated device prices a GEMM at its measured rate (exactly at a measured shape,
-    between its neighbours elsewhere) and attention from its (s, d) table."""
-    from autopar.planner.cost_model import table_rate
-
-    cpu = Cluster.load("tests/fixtures/calibration/cpu-2proc.json")
-    for m, n, k, rate in cpu.device.gemm_table[:5]:
-        assert gemm_time(cpu, "fp32", 1, m, n, k) == pytest.approx(
-            max(2 * m * n * k / rate, cpu.device.kernel_floor_s))
-    rows = [(1.0, 1.0, 10.0), (4.0, 1.0, 20.0)]
-    assert table_rate(rows, (1, 1)) == 10.0 and table_rate(rows, (4, 1)) == 20.0
-    assert 10.0 < table_rate(rows, (2, 1)) < 20.0
-    assert table_rate(rows, (2, 1)) == pytest.approx(15.0)  # the middle, in log space
-    assert table_rate(rows, (1024, 1)) == pytest.approx(20.0, rel=0.01)  # flat outside
+def test_a_tp_the_model_does_not_divide_is_refused_with_the_search_s_reason(shallow):
+    """The sharding search's own check (tensor_parallelize, strict): heads and vocabulary must
+    divide by tp, as the runtime requires (16 heads over tp=3, on 6-device nodes)."""
+    _, costs = shallow["gpt3-1.3b"]
+    cm = CostModel(costs, A100.with_devices(6, devices_per_node=6), TrainingSetup(8, 1024))
+    c = Candidate(2, 3, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0, False)
+    reason = cm.evaluate(c).infeasible
+    assert "ShardingError" in reason and "16 heads" in reason

@@ -75,15 +75,42 @@ def test_memory_decides_on_a_small_device(costs):
     assert any("GiB usable" in reason for _, reason in result.infeasible_examples)
 
 
-def test_search_is_deterministic_and_refines_with_the_simulator(costs):
+def test_finalists_are_cut_by_the_stage_ilp_and_timed_by_the_runtime_simulator(costs):
+    """The search is deterministic; its plan's stages are what partition_stages gives on the
+    cost model's inputs (the prediction carries the ILP's objective, LP bound and gap), and its
+    pipeline time is runtime/simulator.py's run of runtime/schedules.py's action lists (what the
+    executor runs) with the plan's per-stage costs."""
+    from autopar.planner.stage_partition import partition_stages
+    from autopar.runtime.schedules import build_schedule
+    from autopar.runtime.simulator import Durations, simulate
+
     cm = CostModel(costs["gpt2-small"], A100.with_devices(16), TrainingSetup(64, 1024))
     a = search(cm, SearchSpace(pp=4))
     cm2 = CostModel(costs["gpt2-small"], A100.with_devices(16), TrainingSetup(64, 1024))
     b = search(cm2, SearchSpace(pp=4))
     assert _top(a) == _top(b)
     assert a.best.prediction == b.best.prediction
-    closed = cm.evaluate(a.best.candidate)  # re-priced by the event simulator: never slower
-    assert a.best.step_time_s <= closed.step_time_s * (1 + 1e-12)
+    best = a.best
+    assert best.refined and all(ev.refined for ev in a.alternatives)
+    part = partition_stages(cm.partition_problem(best.candidate))
+    assert [s.layers for s in best.plan.stages] == list(part.ranges)
+    info = best.prediction.stage_partition
+    assert info["method"] == "ilp" and info["status"] == "optimal"
+    assert info["objective_s"] == pytest.approx(part.step_time)
+    assert info["lp_bound_s"] <= info["objective_s"] * (1 + 1e-9)
+    assert info["gap"] == pytest.approx(1 - info["lp_bound_s"] / info["objective_s"])
+    plan, st = best.plan, best.stages
+    zb = plan.schedule is ScheduleKind.ZB_H1
+    durations = Durations(tuple(x.forward_s for x in st),
+                          tuple(x.backward_s + x.weight_s for x in st),
+                          tuple(x.backward_s if zb else x.backward_s + x.weight_s for x in st),
+                          tuple(x.weight_s for x in st), tuple(x.p2p_s for x in st[:-1]))
+    sim = simulate(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
+                                  plan.virtual_stages), durations)
+    breakdown = best.prediction.breakdown
+    assert sim.step_time == pytest.approx(best.step_time_s - breakdown["dp_comm_s"]
+                                          - breakdown["optimizer_s"])
+    assert info["simulated_pipeline_s"] == pytest.approx(sim.step_time)
 
 
 def test_pins_are_respected(costs):

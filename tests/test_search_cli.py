@@ -17,11 +17,22 @@ BREAKDOWN = {"compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "re
 
 
 @pytest.fixture(scope="module")
-def plan_file(tmp_path_factory):
+def planned(tmp_path_factory):
+    """One `autopar plan` run: its human output and the document it wrote."""
+    import contextlib
+    import io
+
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert main(["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "16",
-                 "--global-batch", "64", "--pp", "2", "--out", str(path)]) == 0
-    return path
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "16",
+                     "--global-batch", "64", "--pp", "2", "--tp", "2", "--out", str(path)]) == 0
+    return path, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def plan_file(planned):
+    return planned[0]
 
 
 def test_plan_json_has_the_documented_fields(capsys):
@@ -38,14 +49,20 @@ def test_plan_json_has_the_documented_fields(capsys):
     assert {"time_s", "candidates_evaluated"} <= set(doc["search"])
     assert pred["tokens_per_s"] == pytest.approx(32 * 256 / pred["step_time_s"])
     assert doc["tp_placement"] and doc["model"]["layers"] == 4
+    # the sharding search's layout, per GEMM of each distinct layer; the plan names GEMMs only
+    # for a full-depth capture (the CLI captures 2 of the 4 blocks: tests/test_plan_integration)
+    assert {"column", "row"} <= {row["sharding"] for row in doc["tp_placement"]}
+    assert doc["model"]["captured_blocks"] == 2 and doc["plan"]["gemm_sharding"] == {}
+    assert set(doc["search"]["components"]) == {"sharding", "stage_partition", "schedule"}
+    assert "stand-in" not in json.dumps(doc["search"]["components"])
+    sp = pred["stage_partition"]
+    assert sp["lp_bound_s"] <= sp["objective_s"] * (1 + 1e-9) and 0 <= sp["gap"] < 1
 
 
-def test_human_output_tables(plan_file, capsys):
-    assert main(["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8",
-                 "--global-batch", "32", "--tp", "2"]) == 0
-    out = capsys.readouterr().out
+def test_human_output_tables(planned):
+    out = planned[1]
     for title in ("pipeline stages", "tensor-parallel placement", "predicted step",
-                  "step time breakdown", "next best plans", "MFU"):
+                  "step time breakdown", "next best plans", "MFU", "stages: the stage ILP"):
         assert title in out
 
 
@@ -53,7 +70,7 @@ def test_explain(plan_file, capsys):
     assert main(["explain", str(plan_file)]) == 0
     out = capsys.readouterr().out
     for part in ("Where the time goes", "Why this plan", "Alternatives", "Search:",
-                 "pp=2 cuts the layers"):
+                 "pp=2 cuts the layers", "the stage ILP (CBC", "LP bound", "simulated pipeline"):
         assert part in out
 
 
@@ -68,8 +85,12 @@ def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pipeline = doc["prediction"]["step_time_s"] - doc["prediction"]["breakdown"]["dp_comm_s"] \
         - doc["prediction"]["breakdown"]["optimizer_s"]
-    end = max(e["ts"] + e["dur"] for e in slices) / 1e6
+    compute = [e for e in events if e.get("ph") == "X"
+               and e["cat"] in ("forward", "backward", "weight grad")]
+    end = max(e["ts"] + e["dur"] for e in compute) / 1e6
     assert end == pytest.approx(pipeline, rel=1e-6)  # the plan's prediction is the simulator's
+    assert json.loads(trace.read_text())["otherData"]["simulated_pipeline_s"] == \
+        pytest.approx(doc["prediction"]["stage_partition"]["simulated_pipeline_s"])
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -77,8 +98,9 @@ def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
      "ClusterSpecError"),
     (["plan", "gpt2-small", "--cluster", "tpu-v9", "--gpus", "8", "--global-batch", "8"],
      "ClusterSpecError"),
-    (["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
-      "--tp", "3"], "InfeasiblePlanError"),
+    (["plan", "gpt", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
+      "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8", "--tp", "3"],
+     "InfeasiblePlanError"),
     (["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
       "--seq", "4096"], "InvalidInputError"),
     (["simulate", "nope.json", "--png", "x.png"], "InvalidInputError"),

@@ -223,3 +223,25 @@ def test_pass_form_reads_the_plan(deep_models):
         [1] * len(captured.layers[4].nodes)
     with pytest.raises(PlanMismatchError, match="plan with stages"):
         PassManager([split_stages]).run(captured.gm, PassContext(captured=captured, plan=Plan()))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_cut_tensors_carry_their_tensor_parallel_placement(deep_models, sp):
+    """On a tensor-parallel graph every crossing tensor carries its placement over the tp axis
+    (from node.meta["autopar"]) and each rank's shape: the hidden state is replicated, or split
+    along the sequence with sequence parallelism (each rank then sends 1/tp of it)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.tensor_parallel import tensor_parallelize
+
+    *_, captured = deep_models["own_gpt"]
+    program = tensor_parallelize(captured, 2, sequence_parallel=sp, sizes={"b": 4, "s": 16})
+    split = split_into_stages(program.gm, captured.layers, [(0, 2), (3, 5)],
+                              constants=captured.constants)
+    (cut,) = split.cut(0)
+    assert cut.placement == (Shard(1) if sp else Replicate())
+    assert cut.shape_at(b=4, s=16) == ((4, 8, 64) if sp else (4, 16, 64))
+    assert split.stages[1].inputs == (cut,)
+    plain = split_into_stages(captured.gm, captured.layers, [(0, 2), (3, 5)],
+                              constants=captured.constants)
+    assert plain.cut(0)[0].placement is None  # no tensor-parallel axis

@@ -45,6 +45,7 @@ def explain_lines(doc) -> list[str]:
                   f"{fmt_bytes(limit)} usable ({1 - pred['peak_memory_bytes'] / limit:.0%} "
                   f"headroom): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()
                                              if v)]
+    lines += ["", "Stages:"] + [f"  {line}" for line in stage_partition_lines(doc)]
     lines += ["", "Why this plan:"]
     reasons = _reasons(doc)
     lines += [f"  - {r}" for r in reasons]
@@ -57,7 +58,8 @@ def explain_lines(doc) -> list[str]:
               if (m["plan"]["dp"], m["plan"]["tp"], m["plan"]["pp"])
               != (plan["dp"], plan["tp"], plan["pp"])]
     if meshes:
-        lines += ["", "Best plan of each other mesh that was priced:"]
+        lines += ["", "Best plan of each other mesh that was priced (first-pass prices: min-max "
+                      "stages, closed-form schedule):"]
         for alt in meshes[:8]:
             lines.append(f"  dp={alt['plan']['dp']} tp={alt['plan']['tp']} pp={alt['plan']['pp']}"
                          f": {fmt_seconds(alt['prediction']['step_time_s'])} "
@@ -75,6 +77,35 @@ def explain_lines(doc) -> list[str]:
     return lines
 
 
+def stage_partition_lines(doc) -> list[str]:
+    """How the stages were cut and priced: the stage ILP's objective, its LP bound and gap, the
+    first pass's cut under the same model, and the simulated pipeline."""
+    from autopar.units import fmt_seconds
+
+    sp = doc["prediction"].get("stage_partition") or {}
+    plan = doc["plan"]
+    cuts = ", ".join(f"{s['layers'][0]}-{s['layers'][1]}" for s in plan["stages"])
+    method = sp.get("method")
+    if method == "ilp":
+        solve = doc["prediction"].get("stage_ilp_solve_s")
+        took = f"{solve:.2f} s, " if solve is not None else ""
+        out = [f"the stage ILP (CBC, {sp['integer_variables']} integer variables, {took}"
+               f"{sp['status']}) cut the layers as {cuts}",
+               f"modelled pipeline {fmt_seconds(sp['objective_s'])}; LP bound "
+               f"{fmt_seconds(sp['lp_bound_s'])}: at most {sp['gap']:.1%} above the optimum of "
+               f"the model",
+               f"the first pass's min-max cut models at {fmt_seconds(sp['first_pass_objective_s'])}"
+               f" ({sp['first_pass_objective_s'] / sp['objective_s'] - 1:+.1%})"]
+    elif method == "single stage":
+        out = [f"one stage (pp=1): layers {cuts}"]
+    else:
+        return [f"stages {cuts} from the first pass ({method or 'unknown'}); not re-cut by the "
+                f"stage ILP"]
+    out.append(f"simulated pipeline (runtime/simulator.py over the executor's action lists): "
+               f"{fmt_seconds(sp['simulated_pipeline_s'])}")
+    return out
+
+
 def _reasons(doc) -> list[str]:
     plan, pred = doc["plan"], doc["prediction"]
     b = pred["breakdown"]
@@ -85,8 +116,13 @@ def _reasons(doc) -> list[str]:
                f"{comm / t:.0%}, pipeline bubble {b['bubble_s'] / t:.0%}, recompute "
                f"{b['recompute_s'] / t:.0%}")
     if plan["tp"] > 1:
-        out.append(f"tp={plan['tp']} splits each layer's GEMMs over NVLink peers (costing "
-                   f"{b['tp_comm_s'] / t:.0%} in all-reduces) so the weights and activations fit")
+        gemms = {}
+        for row in doc.get("tp_placement", []):
+            gemms[row["sharding"]] = gemms.get(row["sharding"], 0) + row["count"]
+        layout = ", ".join(f"{n} {k}" for k, n in sorted(gemms.items()))
+        out.append(f"tp={plan['tp']} splits each layer's GEMMs over NVLink peers as the sharding "
+                   f"search chose ({layout or 'see tp_placement'}), costing "
+                   f"{b['tp_comm_s'] / t:.0%} in collectives, so the weights and activations fit")
     if plan["pp"] > 1:
         out.append(f"pp={plan['pp']} cuts the layers into {len(plan['stages'])} stages; "
                    f"{plan['num_micro_batches']} micro-batches keep the bubble at "

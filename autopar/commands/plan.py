@@ -111,9 +111,15 @@ def print_plan(doc) -> None:
                        fmt_seconds(s["forward_s"]), fmt_seconds(s["backward_s"]),
                        fmt_bytes(s["rank_memory_bytes"]))
     out.print(stages)
+    from autopar.commands.explain import stage_partition_lines
+
+    for line in stage_partition_lines(doc):
+        out.print(f"stages: {line}", markup=False, highlight=False)
 
     if doc["tp_placement"]:
-        tp = Table(title=f"tensor-parallel placement (tp={plan['tp']}, Megatron column/row)")
+        sp = " with sequence parallelism" if plan["sequence_parallel"] else ""
+        tp = Table(title=f"tensor-parallel placement (tp={plan['tp']}{sp}: the sharding "
+                         f"search's layout)")
         for col in ("layers", "GEMM", "split"):
             tp.add_column(col)
         for row in doc["tp_placement"]:

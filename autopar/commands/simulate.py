@@ -8,8 +8,9 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate a plan's step: Chrome trace and Gantt chart",
-                       description="Run the pipeline schedule of a plan document through the "
-                                   "schedule simulator with the plan's per-stage costs; write a "
+                       description="Run the pipeline schedule of a plan document (the action "
+                                   "lists the executor runs) through the runtime's simulator "
+                                   "with the plan's per-stage costs; write a "
                                    "Chrome-trace timeline (open it in https://ui.perfetto.dev) "
                                    "and/or a Gantt picture of the schedule.")
     p.add_argument("plan", metavar="PLAN.json")
@@ -21,11 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def simulate_document(doc):
-    """(events, pipeline end, step end) of the plan document's step, simulated."""
+    """(simulation, per-stage costs) of the plan document's pipeline: the runtime's simulator
+    (``runtime/simulator.py``) over the action lists the executor runs
+    (``runtime/schedules.py``), with the plan's per-stage costs, as the planner priced it."""
     from autopar.plan import ScheduleKind
-    from autopar.planner.components import default_components
     from autopar.planner.cost_model import StageCost
-    from autopar.planner.schedule_model import PipelineWork
+    from autopar.planner.schedule_model import PipelineWork, simulate_pipeline
 
     plan = doc["plan"]
     stages = [StageCost.from_json(s) for s in doc["stage_costs"]]
@@ -33,12 +35,19 @@ def simulate_document(doc):
                         plan["num_micro_batches"], tuple(s.forward_s for s in stages),
                         tuple(s.backward_s for s in stages), tuple(s.weight_s for s in stages),
                         tuple(s.p2p_s for s in stages[:-1]))
-    events = default_components().simulator.simulate(work)
-    return events, stages
+    return simulate_pipeline(work), stages
 
 
-def chrome_trace(doc, events, stages) -> dict:
-    """Chrome trace-event JSON: one thread per pipeline rank, one per rank's sends."""
+#: Action kind (text spelling) -> trace category and Gantt colour.
+_CATEGORY = {"F": ("forward", "#4C72B0"), "B": ("backward", "#55A868"),
+             "I": ("backward", "#55A868"), "W": ("weight grad", "#DD8452"),
+             "SEND_F": ("p2p", "#333333"), "SEND_B": ("p2p", "#333333"),
+             "RECV_F": ("p2p wait", "#BBBBBB"), "RECV_B": ("p2p wait", "#BBBBBB")}
+
+
+def chrome_trace(doc, sim, stages) -> dict:
+    """Chrome trace-event JSON: one thread per pipeline rank for its compute, one for its sends
+    and receives (a receive lasts from when the rank starts waiting to the tensor's arrival)."""
     plan, pred = doc["plan"], doc["prediction"]
     us = 1e6
     out = [{"name": "process_name", "ph": "M", "pid": 0,
@@ -48,18 +57,22 @@ def chrome_trace(doc, events, stages) -> dict:
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 2 * r,
                     "args": {"name": f"pp rank {r}"}})
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 2 * r + 1,
-                    "args": {"name": f"pp rank {r} sends"}})
-    names = {"F": "forward", "B": "backward", "W": "weight grad", "p2p": "p2p"}
-    for e in events:
-        tid = 2 * e.rank + (1 if e.category == "p2p" else 0)
-        out.append({"name": e.name, "cat": names[e.category], "ph": "X", "pid": 0, "tid": tid,
-                    "ts": e.start_s * us, "dur": (e.end_s - e.start_s) * us,
-                    "args": {"stage": e.stage, "micro_batch": e.micro_batch}})
-        st = stages[e.stage] if e.stage >= 0 else None
-        if st is not None and e.category == "B" and st.recompute_s > 0:
+                    "args": {"name": f"pp rank {r} sends and receives"}})
+    for e in sim.events:
+        a = e.action
+        cat = _CATEGORY[a.kind.value][0]
+        comm = a.kind.is_comm
+        if comm and e.end <= e.start:
+            continue  # a send is posted in no time; its transfer is the receiver's wait
+        tid = 2 * e.rank + (1 if comm else 0)
+        out.append({"name": str(a), "cat": cat, "ph": "X", "pid": 0, "tid": tid,
+                    "ts": e.start * us, "dur": (e.end - e.start) * us,
+                    "args": {"stage": a.stage, "micro_batch": a.microbatch}})
+        st = stages[a.stage]
+        if a.kind.value in ("B", "I") and st.recompute_s > 0:
             out.append({"name": "recompute", "cat": "recompute", "ph": "X", "pid": 0, "tid": tid,
-                        "ts": e.start_s * us, "dur": st.recompute_s * us})
-    end = max(e.end_s for e in events)
+                        "ts": e.start * us, "dur": st.recompute_s * us})
+    end = sim.step_time
     b = pred["breakdown"]
     for r in range(plan["pp"]):
         t = end
@@ -74,7 +87,7 @@ def chrome_trace(doc, events, stages) -> dict:
                           "simulated_pipeline_s": end}}
 
 
-def gantt(doc, events, path: str, max_micro_batches: int | None = None) -> None:
+def gantt(doc, sim, path: str, max_micro_batches: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,25 +96,26 @@ def gantt(doc, events, path: str, max_micro_batches: int | None = None) -> None:
 
     plan = doc["plan"]
     p = plan["pp"]
-    colors = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "p2p": "#333333"}
-    shown = [e for e in events if max_micro_batches is None or e.micro_batch < max_micro_batches]
+    shown = [e for e in sim.events if e.action.kind.is_compute
+             and (max_micro_batches is None or e.action.microbatch < max_micro_batches)]
     fig, ax = plt.subplots(figsize=(12, 1 + 0.5 * p))
-    for cat in ("F", "B", "W"):
+    for kind in ("F", "B", "I", "W"):
         for r in range(p):
-            bars = [(e.start_s, e.end_s - e.start_s) for e in shown
-                    if e.rank == r and e.category == cat]
+            bars = [(e.start, e.end - e.start) for e in shown
+                    if e.rank == r and e.action.kind.value == kind]
             if bars:
-                ax.broken_barh(bars, (p - 1 - r - 0.4, 0.8), facecolors=colors[cat],
+                ax.broken_barh(bars, (p - 1 - r - 0.4, 0.8), facecolors=_CATEGORY[kind][1],
                                edgecolors="white", linewidth=0.3)
-    end = max(e.end_s for e in shown)
+    end = max(e.end for e in shown)
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"pp {p - 1 - i}" for i in range(p)])
     ax.set_xlabel("seconds")
     ax.set_xlim(0, end * 1.01)
     ax.set_title(f"{doc['model']['name']}: {plan['schedule']}, pp={p}, "
                  f"v={plan['virtual_stages']}, {plan['num_micro_batches']} micro-batches "
-                 f"(pipeline {end:.3g} s of a {doc['prediction']['step_time_s']:.3g} s step)")
-    ax.legend(handles=[Patch(color=colors[k], label=label) for k, label in
+                 f"(pipeline {sim.step_time:.3g} s of a {doc['prediction']['step_time_s']:.3g} s "
+                 f"step)")
+    ax.legend(handles=[Patch(color=_CATEGORY[k][1], label=label) for k, label in
                        (("F", "forward"), ("B", "backward"), ("W", "weight grad"))],
               loc="upper right", fontsize=8)
     fig.tight_layout()
@@ -118,18 +132,18 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("nothing to write", expected="--trace FILE and/or --png FILE",
                                 found="neither", fix="add --trace out.json or --png out.png")
     doc = read_document(args.plan)
-    events, stages = simulate_document(doc)
+    sim, stages = simulate_document(doc)
     if args.trace:
         with open(args.trace, "w") as fh:
-            json.dump(chrome_trace(doc, events, stages), fh)
+            json.dump(chrome_trace(doc, sim, stages), fh)
     if args.png:
-        gantt(doc, events, args.png, args.max_micro_batches)
-    end = max(e.end_s for e in events)
+        gantt(doc, sim, args.png, args.max_micro_batches)
+    end = sim.step_time
     pred = doc["prediction"]
     console().print(f"simulated pipeline {fmt_seconds(end)} + data-parallel "
                     f"{fmt_seconds(pred['breakdown'].get('dp_comm_s', 0))} + optimizer "
                     f"{fmt_seconds(pred['breakdown'].get('optimizer_s', 0))}; predicted step "
-                    f"{fmt_seconds(pred['step_time_s'])}; {len(events)} events"
+                    f"{fmt_seconds(pred['step_time_s'])}; {len(sim.events)} events"
                     + (f"; trace -> {args.trace}" if args.trace else "")
                     + (f"; Gantt -> {args.png}" if args.png else ""), highlight=False)
     return 0

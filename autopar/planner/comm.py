@@ -7,6 +7,8 @@ message ``S`` bytes (for all-gather / reduce-scatter, ``S`` is the gathered size
 
 ring all-reduce      t = a0 + 2(n-k) a_in + 2(k-1) a_x + 2 (n-1)/n * S / B
 ring all-gather/RS   t = a0 + (n-k) a_in + (k-1) a_x + (n-1)/n * S / B
+all-to-all           t = a0 + (n-k) a_in + (k-1) a_x + (n-1)/n * (S/n) / B   (pairwise: each
+                     rank sends all but its own n-th of its S/n bytes)
 tree all-reduce      t = a0 + 2 ((g-1) a_in + ceil(log2 k) a_x) + 2 S / (0.92 B)
 hierarchical AR      RS over g (intra) + AR over k of S/g (inter, one NIC share each)
                      + AG over g (intra), each priced as a ring
@@ -30,7 +32,7 @@ from functools import lru_cache
 from autopar.cluster import Cluster, GroupSpan
 
 __all__ = ["Collective", "Algorithm", "CollectiveCost", "collective_time", "p2p_time",
-           "mesh_span", "TREE_BANDWIDTH_FACTOR"]
+           "p2p_link", "mesh_span", "TREE_BANDWIDTH_FACTOR"]
 
 #: NCCL tuning model: tree all-reduce reaches 92% of the ring's bus bandwidth.
 TREE_BANDWIDTH_FACTOR = 0.92
@@ -40,6 +42,7 @@ class Collective(str, enum.Enum):
     ALL_REDUCE = "all-reduce"
     ALL_GATHER = "all-gather"
     REDUCE_SCATTER = "reduce-scatter"
+    ALL_TO_ALL = "all-to-all"
 
 
 class Algorithm(str, enum.Enum):
@@ -81,7 +84,8 @@ def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> C
     intra_steps = factor * (n - 1) - inter_steps
     latency = (cluster.collective_latency_s + intra_steps * cluster.intra_node.latency_s
                + inter_steps * cluster.inter_node.latency_s)
-    return CollectiveCost(latency + factor * (n - 1) / n * nbytes / bus, Algorithm.RING, bus)
+    volume = nbytes / n if op is Collective.ALL_TO_ALL else factor * nbytes
+    return CollectiveCost(latency + (n - 1) / n * volume / bus, Algorithm.RING, bus)
 
 
 def _tree(cluster: Cluster, nbytes: float, span: GroupSpan) -> CollectiveCost:
@@ -124,20 +128,27 @@ def collective_time(cluster: Cluster, op: Collective, nbytes: float, span: Group
         options.append(_ring(cluster, op, nbytes, span))
     if algorithm in (None, Algorithm.TREE) and op is Collective.ALL_REDUCE:
         options.append(_tree(cluster, nbytes, span))
-    if algorithm in (None, Algorithm.HIERARCHICAL) and span.nodes > 1 and span.per_node > 1:
+    if algorithm in (None, Algorithm.HIERARCHICAL) and span.nodes > 1 and span.per_node > 1 \
+            and op is not Collective.ALL_TO_ALL:
         options.append(_hierarchical(cluster, op, nbytes, span))
     if not options:
         raise ValueError(f"{algorithm} does not apply to {op.value} over {span}")
     return min(options, key=lambda c: c.seconds)
 
 
+def p2p_link(cluster: Cluster, *, inter_node: bool) -> tuple[float, float]:
+    """(latency, bandwidth) of a point-to-point transfer between two devices."""
+    if inter_node:
+        return cluster.inter_node.latency_s, _nic_share(cluster)
+    return cluster.intra_node.latency_s, _intra_bw(cluster)
+
+
 def p2p_time(cluster: Cluster, nbytes: float, *, inter_node: bool) -> float:
     """One point-to-point transfer (pipeline activations or gradients)."""
     if nbytes <= 0:
         return 0.0
-    if inter_node:
-        return cluster.inter_node.latency_s + nbytes / _nic_share(cluster)
-    return cluster.intra_node.latency_s + nbytes / _intra_bw(cluster)
+    latency, bandwidth = p2p_link(cluster, inter_node=inter_node)
+    return latency + nbytes / bandwidth
 
 
 @lru_cache(maxsize=4096)

@@ -12,8 +12,9 @@ end-to-end throughput. docs/cost-model.md has the same formulas with their sourc
   ``sm_count``, the best of the 256x128, 128x256 and 128x128 tiles (shrunk to a power of two
   >= 16 for a dimension shorter than the tile). A device with a measured ``gemm_table``
   (``autopar calibrate``) uses ``t = max(2 batch M N K / rate(batch M, N, K), floor)`` instead,
-  the rate interpolated between measured shapes; likewise ``attention_table`` for attention. Backward: the input-gradient
-  GEMM ``(batch, M, K, N)`` and, for weights, the weight-gradient GEMM ``(1, N, K, batch M)``.
+  the rate interpolated between measured shapes; likewise ``attention_table`` for attention.
+  Backward: the input-gradient GEMM ``(batch, M, K, N)`` and, for weights, the weight-gradient
+  GEMM ``(1, N, K, batch M)``.
 - fused attention: ``t = max(F / (peak * e_attn), bytes / (bw * e_mem), floor)``, backward
   ``2.5 F`` (FlashAttention-2 recomputes the scores: 5 matmuls to the forward's 2).
 - everything else is memory-bound: ``t = max(bytes / (bw * e_mem), floor)``, backward twice the
@@ -21,29 +22,39 @@ end-to-end throughput. docs/cost-model.md has the same formulas with their sourc
 
 Bytes are the analysis pass's, re-priced at the training precision.
 
-**Tensor parallel** (``t``; layout from :mod:`autopar.planner.tp_pattern` until the sharding
-search lands): split nodes do ``1/t`` of the work (column GEMMs ``N/t``, row GEMMs ``K/t``,
-attention ``heads/t``); with sequence parallelism the replicated activations are split along
-the sequence too. Communication per micro-batch: each column group's input, all-reduce backward
-(SP: all-gather forward, reduce-scatter backward); each row output and the vocab-parallel
-embedding, all-reduce forward (SP: reduce-scatter forward, all-gather backward); the
-vocab-parallel loss, three all-reduces of ``b s`` floats. Megatron does not overlap these.
+**Tensor parallel** (``t``): the layout is the sharding search's (:mod:`autopar.planner.tp_layout`:
+``tensor_parallelize`` on the captured graph, once per ``(t, SP)``). A node whose strategy splits
+it does ``1/t`` of the work (column GEMMs ``N/t``, row GEMMs ``K/t``, batched GEMMs and attention
+by heads, everything else ``1/t`` of its bytes); a saved activation, a pipeline boundary tensor
+or a parameter costs ``1/t`` of its bytes per rank when its producer's placement is sharded.
+Communication per micro-batch is the program's own list (``TPProgram.layer_comm``: each
+collective's kind, direction and bytes), priced by :mod:`autopar.planner.comm` on the
+tensor-parallel group; Megatron-LM does not overlap it, neither does this model.
 
 **Recompute**: full re-runs each block's forward (with its TP communication) in backward and
 keeps only the block's input; selective re-runs the attention core (the nodes whose saved tensors
 grow as ``s^2``) and drops those tensors (Korthikanti et al. 2022).
 
-**Step** = pipeline time (schedule model, :mod:`autopar.planner.schedule_model`) + exposed
-data-parallel communication + optimizer step. Data-parallel gradients are reduced in 25 MB
-buckets (PyTorch DDP's default) overlapped with the backward of the last micro-batch; the last
-bucket and anything beyond the overlap window are exposed, and while a collective overlaps
-compute it holds ``collective_sms`` of the ``sm_count`` SMs (one per NCCL channel), slowing that
-compute by the same fraction of the overlapped time. ZeRO-1/2 add an all-gather of the
-updated weights after the step (exposed); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3
-gathers weights before each forward and backward and reduce-scatters gradients every micro-batch,
-prefetched so only the excess over the compute it overlaps is exposed. The optimizer step is
-memory-bound: 28 bytes moved per parameter of the local optimizer shard (Adam reads weights,
-gradients, two moments and writes three, plus the low-precision copy).
+**Stages and schedule**: :meth:`CostModel.evaluate` is the search's first pass: the min-max
+contiguous split (:func:`autopar.planner.stage_partition.min_max_split`) and the closed-form
+pipeline time (:func:`autopar.planner.schedule_model.closed_form_pipeline_time`).
+:meth:`CostModel.refine` prices a finalist for real: the stage ILP
+(:func:`autopar.planner.stage_partition.partition_stages`, with this model's per-layer times,
+parameters, activations, transfers and the memory left by the ZeRO stage) cuts the stages, and
+the runtime's simulator runs the executor's action lists
+(:func:`autopar.planner.schedule_model.simulated_pipeline_time`); activation memory follows the
+in-flight micro-batches of those lists.
+
+**Step** = pipeline time + exposed data-parallel communication + optimizer step. Data-parallel
+gradients are reduced in 25 MB buckets (PyTorch DDP's default) overlapped with the backward of
+the last micro-batch; the last bucket and anything beyond the overlap window are exposed, and
+while a collective overlaps compute it holds ``collective_sms`` of the ``sm_count`` SMs (one per
+NCCL channel), slowing that compute by the same fraction of the overlapped time. ZeRO-1/2 add an
+all-gather of the updated weights after the step (exposed); ZeRO-2 reduce-scatters every
+micro-batch; ZeRO-3 gathers weights before each forward and backward and reduce-scatters
+gradients every micro-batch, prefetched so only the excess over the compute it overlaps is
+exposed. The optimizer step is memory-bound: 28 bytes moved per parameter of the local optimizer
+shard (Adam reads weights, gradients, two moments and writes three, plus the low-precision copy).
 
 **Reported**: MFU = model FLOPs / (step x devices x peak), model FLOPs = 3 x forward GEMM FLOPs
 of the graph (6 P per token + attention, as Megatron-LM counts); the hardware FLOP rate also
@@ -62,16 +73,19 @@ import sympy
 import torch.fx
 
 from autopar.cluster import Cluster, LinkKind
+from autopar.errors import AutoparError
 from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, op_name
 from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
-from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_time
-from autopar.planner.components import Components, default_components
+from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link, p2p_time
 from autopar.planner.memory import STATE_BYTES, RankMemory, model_state_bytes
-from autopar.planner.schedule_model import PipelineTime, PipelineWork, in_flight_micro_batches
-from autopar.planner.tp_pattern import LayerSharding, Role, SiteKind, seq_degree
+from autopar.planner.stage_partition import min_max_split
+from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
+                                            closed_form_pipeline_time, in_flight_micro_batches,
+                                            simulated_pipeline_time)
+from autopar.planner.tp_layout import TPLayout, solve_layout, tp_cost_spec
 
 __all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "StageCost",
-           "TrainingSetup", "price_layer", "lower_bound_step",
+           "TrainingSetup", "price_layer", "lower_bound_step", "COMPONENTS",
            "gemm_time", "wave_efficiency", "DDP_BUCKET_BYTES", "OPTIMIZER_BYTES_PER_PARAM"]
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb=25).
@@ -83,6 +97,14 @@ GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 #: FlashAttention-2's backward does 5 matmuls to the forward's 2.
 ATTENTION_BACKWARD_FACTOR = 2.5
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: What the plan search uses (reported in the plan document).
+COMPONENTS = {
+    "sharding": "sharding ILP (passes/shard.py via tensor_parallelize), per (tp, sp)",
+    "stage_partition": "stage ILP (planner/stage_partition.py) for the finalists; "
+                       "min-max contiguous split as the first pass",
+    "schedule": "runtime/simulator.py over runtime/schedules.py action lists for the "
+                "finalists; closed form as the first pass",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,15 +180,12 @@ class _Split(enum.Enum):
     COLUMN = 1  # N / t
     ROW = 2  # K / t
     BATCH = 3  # batch (heads) / t
-    ALL = 4  # memory-bound or attention node on split tensors: everything / t
 
 
 @dataclass(slots=True)
 class _Term:
     kind: _Kind
     name: str
-    split: _Split
-    replicated_activation: bool  # a replicated non-GEMM node: split by SP
     backward: bool
     weight_grad: bool  # a GEMM whose second operand is a trainable weight
     input_grads: int  # activation inputs that need a gradient (GEMM backward count)
@@ -175,25 +194,31 @@ class _Term:
 
 
 @dataclass(slots=True)
+class _Tensor:
+    """A tensor the layer holds or sends: its per-rank share follows the placement its reader
+    requires of it (``reader``: node and input index) or else ``owner``'s placement."""
+
+    owner: str
+    is_float: bool  # value = float elements (priced at the training precision), else bytes
+    core: bool  # an attention-core tensor (dropped by selective recompute)
+    index: int
+    reader: tuple[str, int] | None = None
+
+
+@dataclass(slots=True)
 class _Template:
     signature: str
     kind: LayerKind
     representative: int
+    layer_name: str
     terms: list[_Term]
     exprs: list[sympy.Expr]
-    #: value indices: saved float elements / other bytes, by (replicated?, core?)
-    act_float: dict[tuple[bool, bool], int]
-    act_other: dict[tuple[bool, bool], int]
-    ckpt_float: int
-    ckpt_other: int
-    boundary_float: int
-    boundary_other: int
+    saved: list[_Tensor]  # saved activations
+    checkpoint: list[_Tensor]  # the block's input (what full recomputation keeps)
+    boundary: list[_Tensor]  # what a pipeline cut after the layer sends
     gemm_flops: int
     core_flops: int
-    sites: list[tuple[SiteKind, int]]  # (kind, index of the tensor's element count)
-    params: dict[str, tuple[int, bool]]  # fqn -> (numel, split over tp)
-    split_dims: list[tuple[str, int]]
-    sharding: LayerSharding
+    params: dict[str, int]  # fqn -> numel (a tied table is read by two layers)
     #: True when several layers use this template (repeated blocks).
     shared: bool = False
     fn: Any = None
@@ -208,6 +233,72 @@ class _Template:
             out = tuple(float(v) for v in self.fn(b, s))
             self.cache[key] = out
         return out
+
+
+@dataclass(slots=True)
+class _LayerSplit:
+    """A template under one tensor-parallel layout (see :func:`_layer_split`)."""
+
+    gemm: list[_Split]  # per term
+    divisor: list[int]  # per term: 1 or tp (non-GEMM work)
+    saved: list[int]  # per saved tensor: 1 or tp
+    checkpoint: list[int]
+    boundary: list[int]
+    #: (collective, forward?, re-priced at the training precision?) per call
+    comm: list[tuple[Collective, bool, bool]]
+    comm_fn: Any  # (b, s) -> bytes of each call at the graph's dtype
+    sharded_params: frozenset[str]
+    cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
+
+    def comm_bytes(self, b: int, s: int) -> tuple[float, ...]:
+        out = self.cache.get((b, s))
+        if out is None:
+            out = tuple(float(v) for v in self.comm_fn(b, s)) if self.comm else ()
+            self.cache[(b, s)] = out
+        return out
+
+
+_COMM_KIND = {"all_reduce": Collective.ALL_REDUCE, "all_gather": Collective.ALL_GATHER,
+              "reduce_scatter": Collective.REDUCE_SCATTER, "all_to_all": Collective.ALL_TO_ALL}
+
+
+def _layer_split(template: _Template, layout: TPLayout | None, tp: int) -> _LayerSplit:
+    """Which of the template's work, tensors and parameters ``layout`` splits over tp ranks,
+    and the layer's collectives."""
+    if layout is None or tp == 1:
+        n = len(template.terms)
+        return _LayerSplit([_Split.NONE] * n, [1] * n, [1] * len(template.saved),
+                           [1] * len(template.checkpoint), [1] * len(template.boundary), [],
+                           None, frozenset())
+    gemm, divisor = [], []
+    for term in template.terms:
+        scale = layout.compute_scale.get(term.name, 1.0)
+        div = max(1, round(1.0 / scale))
+        divisor.append(div)
+        g = layout.gemm_sharding.get(term.name)
+        if term.kind is not _Kind.GEMM:
+            gemm.append(_Split.NONE)
+        elif g is GemmSharding.COLUMN:
+            gemm.append(_Split.COLUMN)
+        elif g is GemmSharding.ROW:
+            gemm.append(_Split.ROW)
+        else:
+            gemm.append(_Split.BATCH if div > 1 else _Split.NONE)
+
+    def shares(tensors: list[_Tensor]) -> list[int]:
+        out = []
+        for t in tensors:
+            read = layout.read_sharded(*t.reader) if t.reader else None
+            out.append(tp if (layout.sharded(t.owner) if read is None else read) else 1)
+        return out
+
+    calls = layout.comm.get(template.layer_name, ())
+    comm = [(_COMM_KIND[c.collective.value], c.direction == "forward", c.float_tensor)
+            for c in calls]
+    fn = sympy.lambdify((BATCH, SEQ), [sympy.sympify(c.message_bytes) for c in calls],
+                        modules="math") if calls else None
+    return _LayerSplit(gemm, divisor, shares(template.saved), shares(template.checkpoint),
+                       shares(template.boundary), comm, fn, layout.sharded_params)
 
 
 def _spec(a: Any) -> TensorSpec | None:
@@ -250,13 +341,14 @@ def _is_weight(a: Any) -> bool:
 
 
 class ModelCosts:
-    """A captured model's costs as per-layer templates (repeated blocks share one).
+    """A captured model's costs as per-layer templates (repeated blocks share one), and its
+    tensor-parallel layouts (solved on demand, cached).
 
     Independent of the cluster and the plan: :class:`CostModel` prices the templates.
     """
 
-    def __init__(self, captured: Any, profile: Any = None, *, components: Components | None
-                 = None, name: str | None = None, depth: int | None = None) -> None:
+    def __init__(self, captured: Any, profile: Any = None, *, name: str | None = None,
+                 depth: int | None = None) -> None:
         """``depth``: the number of repeated blocks the real model has, when ``captured`` is
         a shallower copy of it (same shapes, fewer blocks: capture time grows with depth).
         Blocks are identical computations, so the last captured block stands for the rest."""
@@ -264,16 +356,16 @@ class ModelCosts:
 
         self.captured = captured
         self.profile = profile if profile is not None else analyze(captured)
-        self.components = components or default_components()
         self.name = name
         self.graph_float_bytes = self.profile.layers[0].graph_float_bytes
         layers = captured.layers
-        self._vocab = self._vocab_embedding()
         self._param_numel = {}
         for p in captured.params.values():
             for fqn in (p.fqn, *p.aliases):
                 self._param_numel[fqn] = int(p.spec.numel)
         self._canonical = {a: p.fqn for p in captured.params.values() for a in (p.fqn, *p.aliases)}
+        self._layouts: dict[tuple, TPLayout | str] = {}
+        self._splits: dict[tuple[int, int], _LayerSplit] = {}
         saved = self._saved_entries()
         # one template per signature, built from its last layer (the first block may carry
         # tables made before the blocks; later ones are the repeated steady state)
@@ -309,44 +401,26 @@ class ModelCosts:
         for t in self.templates:
             t.shared = uses[id(t)] > 1
         self.num_layers = len(self.templates)
-        self.vocab_size = None if self._vocab is None else self._param_rows(self._vocab)
 
     # -- construction -------------------------------------------------------------------------
-    def _param_rows(self, fqn: str) -> int:
-        for p in self.captured.params.values():
-            if fqn in (p.fqn, *p.aliases):
-                return int(p.spec.shape[0])
-        raise KeyError(fqn)
-
-    def _vocab_embedding(self) -> str | None:
-        """The embedding table with the most rows (the vocabulary), if any."""
-        best: tuple[int, str] | None = None
-        for node in self.captured.gm.graph.nodes:
-            if node.op == "call_function" and op_name(node) == "embedding":
-                from autopar.planner.tp_pattern import _param_root
-
-                table = _param_root(node.args[0])
-                if table is not None:
-                    rows = int(info(table).spec.shape[0])
-                    if best is None or rows > best[0]:
-                        best = (rows, info(table).fqn)
-        return best[1] if best else None
-
-    def _saved_entries(self) -> dict[str, list[tuple[TensorSpec, str]]]:
-        """Per layer name: (saved tensor, node it belongs to), charged exactly as the analysis
-        pass charges them (a tensor saved by several ops once; tables made before the blocks
-        and read by all of them to their maker)."""
-        from autopar.passes.analyze import _saved
+    def _saved_entries(self) -> dict[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]:
+        """Per layer name: (saved tensor, node it belongs to, (the op that saves it, input index)
+        when it saves an input), charged exactly as the analysis pass charges them (a tensor
+        saved by several ops once; tables made before the blocks and read by all of them to
+        their maker)."""
+        from autopar.passes.analyze import _identity_root, _saved
 
         captured = self.captured
         index = {layer.name: layer.index for layer in captured.layers}
         kind = {layer.name: layer.kind for layer in captured.layers}
         nodes = {n.name: n for n in captured.gm.graph.nodes}
         charged: set[Any] = set()
-        out: dict[str, list[tuple[TensorSpec, str]]] = {layer.name: [] for layer in captured.layers}
+        out: dict[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]] = {
+            layer.name: [] for layer in captured.layers}
         for node in captured.gm.graph.nodes:
             if node.op != "call_function":
                 continue
+            roots = [_identity_root(a).name for a in node.all_input_nodes]
             for key, spec in _saved(node, op_name(node)):
                 if key in charged:
                     continue
@@ -360,17 +434,18 @@ class ModelCosts:
                             and index.get(info(node).layer, 0) > index.get(p_layer, 0) + 1):
                         target = producer
                 layer = info(target).layer
+                reader = (node.name, roots.index(key)) if isinstance(key, str) \
+                    and key != node.name and key in roots else None
                 if layer in out:
-                    out[layer].append((spec, owner))
+                    out[layer].append((spec, owner, reader))
         return out
 
-    def _template(self, layer: Any, saved: Mapping[str, list[tuple[TensorSpec, str]]]
+    def _template(self, layer: Any,
+                  saved: Mapping[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]
                   ) -> _Template:
         from autopar.passes.analyze import GEMM_OPS, VIEW_OPS
 
         captured = self.captured
-        sharding = self.components.sharding.shard_layer(captured, layer,
-                                                        vocab_embedding=self._vocab)
         exprs: list[sympy.Expr] = []
 
         def add(expr: Any) -> int:
@@ -388,7 +463,6 @@ class ModelCosts:
             meta = info(node)
             op = op_name(node)
             moved = meta.bytes_read + meta.bytes_written
-            role = sharding.role(name)
             if op in GEMM_OPS:
                 gemm_flops = gemm_flops + meta.flops
                 if name in core_nodes:
@@ -400,9 +474,7 @@ class ModelCosts:
                         if info(a).requires_grad and not _is_weight(a)
                         and info(a).kind not in (NodeKind.PARAMETER,))
             if op == "scaled_dot_product_attention":
-                terms.append(_Term(_Kind.ATTENTION, name,
-                                   _Split.ALL if role is Role.SHARDED else _Split.NONE,
-                                   False, meta.requires_grad, False, grads, core,
+                terms.append(_Term(_Kind.ATTENTION, name, meta.requires_grad, False, grads, core,
                                    add(meta.flops)))
                 add(moved)
                 q = info(node.args[0]).spec
@@ -411,45 +483,28 @@ class ModelCosts:
                 continue
             dims = _gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
-                gs = sharding.gemms.get(name)
                 weighted = op == "linear" and _is_weight(node.args[1])
-                if gs is GemmSharding.COLUMN:
-                    split = _Split.COLUMN
-                elif gs is GemmSharding.ROW:
-                    split = _Split.ROW
-                elif gs is None and role is Role.SHARDED:
-                    split = _Split.BATCH
-                else:
-                    split = _Split.NONE
                 idx = add(dims[0])
                 for d in dims[1:]:
                     add(d)
-                terms.append(_Term(_Kind.GEMM, name, split, False, meta.requires_grad, weighted,
-                                   grads, core, idx))
+                terms.append(_Term(_Kind.GEMM, name, meta.requires_grad, weighted, grads, core,
+                                   idx))
                 continue
             # memory-bound (including GEMM-like ops the model has no shape rule for)
-            terms.append(_Term(_Kind.MEMORY, name,
-                               _Split.ALL if role is Role.SHARDED else _Split.NONE,
-                               role is Role.REPLICATED, meta.requires_grad, False, grads, core,
+            terms.append(_Term(_Kind.MEMORY, name, meta.requires_grad, False, grads, core,
                                add(meta.flops)))
             add(moved)
 
-        # saved activations by layout and attention-core membership
-        act_f = {(r, c): sympy.Integer(0) for r in (True, False) for c in (True, False)}
-        act_o = dict(act_f)
-        owner_layer = {n: layer for n in layer.nodes}
-        for spec, owner in saved.get(layer.name, ()):
-            replicated = self._role_of(owner, sharding, owner_layer) is Role.REPLICATED
-            core = seq_degree(spec.numel) >= 2
-            if spec.is_float:
-                act_f[(replicated, core)] += spec.numel
-            else:
-                act_o[(replicated, core)] += spec.nbytes
-        act_float = {k: add(v) for k, v in act_f.items()}
-        act_other = {k: add(v) for k, v in act_o.items()}
+        def tensor(owner: str, spec: TensorSpec, core: bool = False,
+                   reader: tuple[str, int] | None = None) -> _Tensor:
+            return _Tensor(owner, spec.is_float, core,
+                           add(spec.numel if spec.is_float else spec.nbytes), reader)
 
+        # saved activations (the placement their saving op reads them in decides the share)
+        saved_tensors = [tensor(owner, spec, seq_degree(spec.numel) >= 2, reader)
+                         for spec, owner, reader in saved.get(layer.name, ())]
         # the block's input (all full recomputation keeps)
-        ckpt_f, ckpt_o = sympy.Integer(0), sympy.Integer(0)
+        checkpoint = []
         inside = set(layer.nodes)
         prev = layer.index - 1
         seen: set[str] = set()
@@ -463,59 +518,26 @@ class ModelCosts:
                 if src != prev:
                     continue
                 seen.add(a.name)
-                if info(a).spec.is_float:
-                    ckpt_f += info(a).spec.numel
-                else:
-                    ckpt_o += info(a).spec.nbytes
+                checkpoint.append(tensor(a.name, info(a).spec))
         # what a pipeline cut after this layer sends
         lc = self.profile.layers[layer.index]
-        bnd_f, bnd_o = sympy.Integer(0), sympy.Integer(0)
-        for name in lc.boundary_tensors:
-            spec = info(captured.node(name)).spec
-            if spec.is_float:
-                bnd_f += spec.numel
-            else:
-                bnd_o += spec.nbytes
-        sites = []
-        for site in sharding.sites:
-            if site.kind is SiteKind.CE:
-                spec = info(captured.node(site.tensor)).spec
-                sites.append((site.kind, add(_prod(spec.shape[:-1]))))
-            else:
-                sites.append((site.kind, add(info(captured.node(site.tensor)).spec.numel)))
+        boundary = [tensor(name, info(captured.node(name)).spec) for name in lc.boundary_tensors]
         # parameters the layer reads (a tied table is read by two layers)
-        params: dict[str, tuple[int, bool]] = {}
+        params: dict[str, int] = {}
         for name in layer.nodes:
             for fqn in info(captured.node(name)).reads:
                 canon = self._canonical.get(fqn)
-                if canon is None:
-                    continue
-                split = fqn in sharding.sharded_params or canon in sharding.sharded_params
-                numel = self._param_numel[canon]
-                old = params.get(canon)
-                params[canon] = (numel, split or (old[1] if old else False))
+                if canon is not None:
+                    params[canon] = self._param_numel[canon]
         for fqn in layer.params:  # owned but not read directly (rare)
             canon = self._canonical.get(fqn, fqn)
             if canon in self._param_numel and canon not in params:
-                params[canon] = (self._param_numel[canon], canon in sharding.sharded_params)
-        split_dims = []
-        for node_name, size in sharding.split_dims:
-            try:
-                split_dims.append((node_name, int(size)))
-            except TypeError:
-                continue
+                params[canon] = self._param_numel[canon]
         return _Template(
             signature=layer.signature, kind=layer.kind, representative=layer.index,
-            terms=terms, exprs=exprs, act_float=act_float, act_other=act_other,
-            ckpt_float=add(ckpt_f), ckpt_other=add(ckpt_o), boundary_float=add(bnd_f),
-            boundary_other=add(bnd_o), gemm_flops=add(gemm_flops), core_flops=add(core_flops),
-            sites=sites, params=params, split_dims=split_dims, sharding=sharding)
-
-    def _role_of(self, owner: str, sharding: LayerSharding, owner_layer: Mapping[str, Any]
-                 ) -> Role:
-        if owner in owner_layer:
-            return sharding.role(owner)
-        return Role.REPLICATED  # produced in an earlier layer: a replicated block input
+            layer_name=layer.name, terms=terms, exprs=exprs, saved=saved_tensors,
+            checkpoint=checkpoint, boundary=boundary, gemm_flops=add(gemm_flops),
+            core_flops=add(core_flops), params=params)
 
     def _core_nodes(self, layer: Any) -> set[str]:
         """The attention core: fused attention, and the nodes whose output grows as s^2
@@ -538,6 +560,43 @@ class ModelCosts:
                     out.add(user.name)
         return out
 
+    # -- tensor-parallel layouts ---------------------------------------------------------------
+    def layout(self, tp: int, sequence_parallel: bool, *, cost: Any, sizes: Mapping[str, int]
+               ) -> TPLayout | None:
+        """The sharding search's layout for ``tp`` (None at tp=1); raises
+        :class:`autopar.errors.AutoparError` (ShardingError, ...) when tp does not fit."""
+        if tp == 1:
+            return None
+        key = (tp, sequence_parallel, cost, tuple(sorted(sizes.items())))
+        hit = self._layouts.get(key)
+        if hit is None:
+            try:
+                hit = solve_layout(self.captured, tp, sequence_parallel, cost=cost, sizes=sizes)
+            except AutoparError as exc:
+                found = f" ({_short(exc.found)})" if exc.found else ""
+                hit = f"{type(exc).__name__}: {exc.summary}{found}"
+            self._layouts[key] = hit
+        if isinstance(hit, str):
+            raise _LayoutProblem(hit)
+        return hit
+
+    def tp_problem(self, tp: int, sequence_parallel: bool, *, cost: Any,
+                   sizes: Mapping[str, int]) -> str | None:
+        """Why tensor parallelism of ``tp`` does not fit the model (None if it does)."""
+        try:
+            self.layout(tp, sequence_parallel, cost=cost, sizes=sizes)
+        except _LayoutProblem as exc:
+            return str(exc)
+        return None
+
+    def split(self, template: _Template, layout: TPLayout | None, tp: int) -> _LayerSplit:
+        key = (id(template), id(layout))
+        out = self._splits.get(key)
+        if out is None:
+            out = _layer_split(template, layout, tp)
+            self._splits[key] = out
+        return out
+
     # -- queries ------------------------------------------------------------------------------
     def template(self, layer: int) -> _Template:
         return self.templates[layer]
@@ -546,36 +605,44 @@ class ModelCosts:
     def layer_kinds(self) -> list[LayerKind]:
         return list(self.kinds)
 
-    def tp_placement(self) -> list[dict[str, Any]]:
-        """Each GEMM's tensor-parallel split, once per distinct layer: layers, module, op node,
-        split."""
+    def tp_placement(self, layout: TPLayout | None) -> list[dict[str, Any]]:
+        """Each GEMM's tensor-parallel split in ``layout``, once per distinct layer: layers,
+        module, op node, split."""
+        if layout is None:
+            return []
         rows = []
         seen: dict[int, list[int]] = {}
         for i, t in enumerate(self.templates):
             seen.setdefault(id(t), []).append(i)
-        for ident, idxs in seen.items():
+        for idxs in seen.values():
             t = self.templates[idxs[0]]
             rep = self.captured.layers[t.representative]
             for name in rep.nodes:
-                g = t.sharding.gemms.get(name)
+                g = layout.gemm_sharding.get(name)
                 if g is None:
                     continue
                 module = info(self.captured.node(name)).module_path
                 if rep.kind is LayerKind.BLOCK:
                     module = module.replace(rep.name + ".", "", 1)
                 rows.append({"layers": [idxs[0], idxs[-1]], "count": len(idxs),
-                             "module": module, "sharding": g.value})
+                             "module": module, "node": name, "sharding": g.value})
         return rows
 
-    def tp_problem(self, tp: int) -> str | None:
-        """Why tensor parallelism of ``tp`` does not fit the model (None if it does)."""
-        if tp == 1:
-            return None
-        for template in {id(t): t for t in self.templates}.values():
-            for node_name, size in template.split_dims:
-                if size % tp and size != self.vocab_size:  # the vocabulary is padded
-                    return f"{node_name} splits a dimension of {size}, not divisible by tp={tp}"
-        return None
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class _LayoutProblem(Exception):
+    """tensor parallelism of some degree does not fit the model (the message says why)."""
+
+
+def seq_degree(expr: Any) -> int:
+    """Degree of ``expr`` in the sequence symbol (2 for attention scores)."""
+    try:
+        return int(sympy.degree(sympy.sympify(expr), SEQ))
+    except Exception:  # noqa: BLE001 - non-polynomial: treat as linear
+        return 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,23 +665,28 @@ class LayerCosts:
     boundary_bytes: float  # what a pipeline cut after it sends (per tp rank)
     gemm_flops: float  # forward GEMM FLOPs of the whole layer (unsplit)
     core_flops: float
+    #: (collective, "forward"/"backward", bytes at the training precision) per call
+    tp_calls: tuple[tuple[str, str, float], ...] = ()
 
 
-def price_layer(template: _Template, cluster: Cluster, dtype: str, tp: int, sp: bool,
+def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype: str, tp: int,
                 b: int, s: int, graph_float_bytes: int, tp_span: Any) -> LayerCosts:
+    """One micro-batch of ``b`` sequences of ``s`` through a layer on one tensor-parallel rank
+    (``split`` is the template under the plan's layout: :meth:`ModelCosts.split`)."""
     v = template.values(b, s)
     esize = PRECISION_BYTES[dtype]
     scale = esize / graph_float_bytes
     fwd = bwd = wgt = core = 0.0
-    for term in template.terms:
+    d = cluster.device
+    for term, how, div in zip(template.terms, split.gemm, split.divisor):
         i = term.index
         if term.kind is _Kind.GEMM:
             batch, m, n, k = v[i], v[i + 1], v[i + 2], v[i + 3]
-            if term.split is _Split.COLUMN:
+            if how is _Split.COLUMN:
                 n = math.ceil(n / tp)
-            elif term.split is _Split.ROW:
+            elif how is _Split.ROW:
                 k = k / tp
-            elif term.split is _Split.BATCH:
+            elif how is _Split.BATCH:
                 batch = batch / tp
             f = gemm_time(cluster, dtype, batch, m, n, k)
             fwd += f
@@ -630,10 +702,7 @@ def price_layer(template: _Template, cluster: Cluster, dtype: str, tp: int, sp: 
                     if term.input_grads >= 2:
                         bwd += gemm_time(cluster, dtype, batch, k, n, m)
             continue
-        flops, moved = v[i], v[i + 1] * scale
-        div = tp if (term.split is _Split.ALL or (sp and term.replicated_activation)) else 1
-        flops, moved = flops / div, moved / div
-        d = cluster.device
+        flops, moved = v[i] / div, v[i + 1] * scale / div
         if term.kind is _Kind.ATTENTION and d.attention_table and dtype == d.default_dtype:
             seq, head = v[i + 2], v[i + 3]
             rows_f = [(r[0], r[1], r[2]) for r in d.attention_table]
@@ -654,44 +723,35 @@ def price_layer(template: _Template, cluster: Cluster, dtype: str, tp: int, sp: 
             core += f
         if term.backward:
             bwd += fb
-    # tensor-parallel communication
+    # tensor-parallel communication: the program's collectives
     tp_f = tp_b = 0.0
-    if tp > 1:
-        for kind, idx in template.sites:
-            nbytes = v[idx] * esize
-            if kind is SiteKind.CE:
-                tp_f += 3 * collective_time(cluster, Collective.ALL_REDUCE, v[idx] * 4,
-                                            tp_span).seconds
-                continue
-            if sp:
-                ag = collective_time(cluster, Collective.ALL_GATHER, nbytes, tp_span).seconds
-                rs = collective_time(cluster, Collective.REDUCE_SCATTER, nbytes, tp_span).seconds
-                tp_f += ag if kind is SiteKind.F else rs
-                tp_b += rs if kind is SiteKind.F else ag
-            else:
-                ar = collective_time(cluster, Collective.ALL_REDUCE, nbytes, tp_span).seconds
-                if kind is SiteKind.F:
-                    tp_b += ar
-                else:
-                    tp_f += ar
-    # activations
-    def act(include_core: bool) -> float:
+    calls = []
+    for (kind, forward, float_tensor), nbytes in zip(split.comm, split.comm_bytes(b, s)):
+        nbytes = nbytes * scale if float_tensor else nbytes
+        t = collective_time(cluster, kind, nbytes, tp_span).seconds
+        if forward:
+            tp_f += t
+        else:
+            tp_b += t
+        calls.append((kind.value, "forward" if forward else "backward", nbytes))
+
+    def nbytes(tensors: list[_Tensor], shares: list[int], include_core: bool = True) -> float:
         total = 0.0
-        for (replicated, is_core), idx in template.act_float.items():
-            if is_core and not include_core:
+        for t, share in zip(tensors, shares):
+            if t.core and not include_core:
                 continue
-            div = (tp if sp else 1) if replicated else tp
-            total += (v[idx] * esize + v[template.act_other[(replicated, is_core)]]) / div
+            total += v[t.index] * (esize if t.is_float else 1) / share
         return total
 
-    sp_div = tp if sp else 1
-    ckpt = (v[template.ckpt_float] * esize + v[template.ckpt_other]) / sp_div
-    boundary = v[template.boundary_float] * esize / tp + v[template.boundary_other]
     return LayerCosts(
         forward_s=fwd, backward_s=bwd, weight_s=wgt, core_forward_s=core,
-        tp_forward_s=tp_f, tp_backward_s=tp_b, act_bytes=act(True),
-        act_selective_bytes=act(False), ckpt_bytes=ckpt, boundary_bytes=boundary,
-        gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops])
+        tp_forward_s=tp_f, tp_backward_s=tp_b,
+        act_bytes=nbytes(template.saved, split.saved),
+        act_selective_bytes=nbytes(template.saved, split.saved, include_core=False),
+        ckpt_bytes=nbytes(template.checkpoint, split.checkpoint),
+        boundary_bytes=nbytes(template.boundary, split.boundary),
+        gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
+        tp_calls=tuple(calls))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -776,6 +836,7 @@ class _Staging:
     weight: tuple[float, ...]
     p2p: tuple[float, ...]
     recompute_flops: float  # per micro-batch
+    cuts: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -788,6 +849,8 @@ class Evaluation:
     ranks: tuple[RankMemory, ...] = ()
     stages: tuple[StageCost, ...] = ()
     extra: Mapping[str, float] = field(default_factory=dict)
+    #: Priced by :meth:`CostModel.refine` (stage ILP + simulator), not the first pass.
+    refined: bool = False
 
     @property
     def feasible(self) -> bool:
@@ -818,21 +881,34 @@ class TrainingSetup:
 class CostModel:
     """Prices candidates of one model on one cluster at one global batch."""
 
-    def __init__(self, model: ModelCosts, cluster: Cluster, setup: TrainingSetup,
-                 components: Components | None = None) -> None:
+    #: CBC's time limit for one stage ILP (a finalist's; GPT-3 175B's solve in 0.1-2.5 s). When
+    #: it is hit the status says so and the LP bound still certifies the gap.
+    ilp_time_limit_s: float = 5.0
+
+    def __init__(self, model: ModelCosts, cluster: Cluster, setup: TrainingSetup) -> None:
         self.model = model
         self.cluster = cluster
         self.setup = setup
-        self.components = components or model.components
+        #: What the sharding search prices with, and the sizes it is solved at.
+        self.tp_cost = tp_cost_spec(cluster, setup.dtype)
+        self.tp_sizes = {"b": 1, "s": setup.seq}
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, _Staging] = {}
-        self._gemm_cache: dict[str, GemmSharding] | None = None
+        self._params_cache: dict[tuple, tuple[float, float]] = {}
+        self._coll_cache: dict[Any, dict[tuple, float]] = {}
+        self._tp_problems: dict[tuple[int, bool], str | None] = {}
+        self._refined: dict[tuple, Evaluation] = {}
         self.device_peak = cluster.peak_flops(setup.dtype)
         t = [model.template(i) for i in range(model.num_layers)]
         self.model_flops_per_sequence = 3 * sum(
             tt.values(1, setup.seq)[tt.gemm_flops] for tt in t)
         self.is_block = [k is LayerKind.BLOCK for k in model.layer_kinds]
+
+    # -- tensor parallelism -------------------------------------------------------------------
+    def layout(self, tp: int, sequence_parallel: bool) -> TPLayout | None:
+        """The sharding search's layout (None at tp=1)."""
+        return self.model.layout(tp, sequence_parallel, cost=self.tp_cost, sizes=self.tp_sizes)
 
     # -- per-layer ---------------------------------------------------------------------------
     def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1
@@ -841,14 +917,16 @@ class CostModel:
         key = (tp, sp, mbs, span)
         out = self._layer_cache.get(key)
         if out is None:
+            layout = self.layout(tp, sp)
             priced: dict[int, LayerCosts] = {}
             out = []
             for i in range(self.model.num_layers):
                 tmpl = self.model.template(i)
                 lc = priced.get(id(tmpl))
                 if lc is None:
-                    lc = price_layer(tmpl, self.cluster, self.setup.dtype, tp, sp, mbs,
-                                     self.setup.seq, self.model.graph_float_bytes, span)
+                    lc = price_layer(tmpl, self.model.split(tmpl, layout, tp), self.cluster,
+                                     self.setup.dtype, tp, mbs, self.setup.seq,
+                                     self.model.graph_float_bytes, span)
                     priced[id(tmpl)] = lc
                 out.append(lc)
             self._layer_cache[key] = out
@@ -869,12 +947,21 @@ class CostModel:
                         lc.weight_s, r, tp))
         return out
 
+    def _activation(self, i: int, lc: LayerCosts, recompute: RecomputeKind) -> float:
+        """Saved bytes of layer ``i`` per micro-batch at the recompute setting."""
+        if self.is_block[i] and recompute is RecomputeKind.FULL:
+            return lc.ckpt_bytes
+        if self.is_block[i] and recompute is RecomputeKind.SELECTIVE:
+            return lc.act_selective_bytes
+        return lc.act_bytes
+
     def split(self, times: Sequence[float], num_stages: int, key: tuple
               ) -> tuple[tuple[int, int], ...]:
+        """The first pass's stage cut (min-max contiguous split), cached by ``key``."""
         k = (key, num_stages)
         out = self._split_cache.get(k)
         if out is None:
-            out = self.components.partitioner.split(times, num_stages)
+            out = min_max_split(times, num_stages)
             self._split_cache[k] = out
         return out
 
@@ -891,11 +978,15 @@ class CostModel:
         if c.tp > self.cluster.devices_per_node or self.cluster.devices_per_node % c.tp:
             return (f"tp={c.tp} does not fit inside a node of "
                     f"{self.cluster.devices_per_node} devices")
-        problem = self.model.tp_problem(c.tp)
-        if problem:
-            return problem
         if c.sequence_parallel and (c.tp == 1 or self.setup.seq % c.tp):
             return f"sequence parallel needs tp > 1 dividing seq={self.setup.seq}"
+        if c.tp > 1:
+            key = (c.tp, c.sequence_parallel)
+            if key not in self._tp_problems:
+                self._tp_problems[key] = self.model.tp_problem(
+                    c.tp, c.sequence_parallel, cost=self.tp_cost, sizes=self.tp_sizes)
+            if self._tp_problems[key]:
+                return self._tp_problems[key]
         if c.pp * c.virtual_stages > self.model.num_layers:
             return (f"{c.pp * c.virtual_stages} stages but only {self.model.num_layers} "
                     f"layers to place")
@@ -909,40 +1000,126 @@ class CostModel:
         return None
 
     def evaluate(self, c: Candidate) -> Evaluation:
+        """The first pass: min-max stage split and closed-form pipeline time (fast)."""
         problem = self.check(c)
         if problem:
             return Evaluation(c, problem)
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         st = self._staging(c)
-        work = PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
-                            st.weight, st.p2p)
-        return self._finish(c, m, st, self.components.schedule_model.pipeline_time(work))
+        return self._finish(c, m, st, closed_form_pipeline_time(self._work(c, m, st)))
 
-    def reprice(self, ev: Evaluation, schedule_model: Any) -> Evaluation:
-        """The same candidate with its pipeline time from another schedule model (the
-        simulator)."""
+    def refine(self, ev: Evaluation) -> Evaluation:
+        """``ev``'s candidate priced for real: stages from the stage ILP, pipeline time from the
+        runtime's simulator, activation memory from the schedule's in-flight micro-batches
+        (cached by the candidate). Infeasible when no cut fits the memory the ILP is given."""
+        from autopar.planner.stage_partition import modeled_step_time, partition_stages
+
+        c = ev.candidate
         if ev.plan is None:
             return ev
-        c = ev.candidate
+        hit = self._refined.get(c)
+        if hit is not None:
+            return hit
         m = ev.plan.num_micro_batches
-        st = self._staging(c)
-        work = PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
-                            st.weight, st.p2p)
-        return self._finish(c, m, st, schedule_model.pipeline_time(work))
+        problem = self.partition_problem(c)
+        first_cut = self._staging(c).cuts
+        try:
+            part = partition_stages(problem, time_limit_s=self.ilp_time_limit_s)
+        except AutoparError as exc:
+            found = f" ({exc.found})" if exc.found else ""
+            out = Evaluation(c, f"stage ILP: {exc.summary}{found}")
+            self._refined[c] = out
+            return out
+        st = self._staging(c, part.ranges)
+        pipe, _ = simulated_pipeline_time(self._work(c, m, st))
+        acts = self._schedule_activations(c, problem, st)
+        lp = part.lp_bound if part.lp_bound is not None else part.step_time
+        info_ = {"method": "ilp" if problem.num_stages > 1 else "single stage",
+                 "status": part.status, "objective_s": part.step_time, "lp_bound_s": lp,
+                 "gap": max(0.0, (part.step_time - lp) / part.step_time) if part.step_time
+                 else 0.0,
+                 "integer_variables": part.num_variables,
+                 "first_pass_objective_s": modeled_step_time(problem, first_cut),
+                 "simulated_pipeline_s": pipe.total_s}
+        out = self._finish(c, m, st, pipe, rank_acts=acts, partition=info_)
+        out = dataclasses.replace(out, refined=True,
+                                  extra={**out.extra, "stage_ilp_solve_s": part.solve_seconds})
+        self._refined[c] = out
+        return out
 
-    def _staging(self, c: Candidate) -> "_Staging":
-        """Stage cut and per-stage, per-rank sums of a candidate (cached: many candidates share
-        them; only m, ZeRO and the schedule's shape differ)."""
+    def partition_problem(self, c: Candidate) -> Any:
+        """The stage ILP's inputs for ``c``: this model's per-layer times (TP communication and
+        recomputation included), per-rank parameters, activations at the recompute setting and
+        boundary transfers; memory is what the ZeRO stage, ZeRO-3's gathered layers and the
+        recomputed block leave of the device."""
+        from autopar.planner.stage_partition import LayerCosts as StageLayer
+        from autopar.planner.stage_partition import PartitionProblem
+
+        m = self.setup.global_batch // (c.dp * c.micro_batch_size)
+        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp)
+        times = self._layer_times(costs, c.recompute)
+        layout = self.layout(c.tp, c.sequence_parallel)
+        layers = []
+        largest = working = 0.0
+        for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
+            params = self._layer_params(i, layout, c.tp)
+            largest = max(largest, params)
+            if self.is_block[i] and c.recompute is not RecomputeKind.NONE:
+                working = max(working, lc.act_bytes - self._activation(i, lc, c.recompute))
+            layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
+                                     self._activation(i, lc, c.recompute), lc.boundary_bytes))
+        w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
+        per_param = (w_bytes / (c.dp if c.zero >= 3 else 1) + g_bytes / (c.dp if c.zero >= 2
+                     else 1) + o_bytes / (c.dp if c.zero >= 1 else 1))
+        buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0
+        memory = max(self.cluster.device.usable_memory_bytes - buffers - working, 1.0)
+        p, v = c.pp, c.virtual_stages
+        nodes = {self._stage_node(r, c.tp) for r in range(p)}
+        latency, bandwidth = p2p_link(self.cluster, inter_node=len(nodes) > 1)
+        return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
+                                bandwidth, latency)
+
+    def _schedule_activations(self, c: Candidate, problem: Any, st: "_Staging") -> list[float]:
+        """Per pipeline rank: the peak over its action list of the activations its in-flight
+        micro-batches hold, per local stage (what the stage ILP constrains), plus a recomputed
+        block's working set."""
+        from autopar.planner.stage_partition import in_flight_vectors
+
+        if problem.num_stages == 1:
+            return [st.ranks[0].activations * in_flight_micro_batches(
+                c.schedule, 1, 1, problem.num_microbatches, 0) + st.ranks[0].working]
+        vectors = in_flight_vectors(problem)
+        out = []
+        for r, rs in enumerate(st.ranks):
+            mine = [s.activation_bytes for s in st.stages if s.pp_rank == r]
+            peak = max((sum(n * a for n, a in zip(vec, mine)) for vec in vectors[r]),
+                       default=0.0)
+            out.append(peak + rs.working)
+        return out
+
+    def _work(self, c: Candidate, m: int, st: "_Staging") -> PipelineWork:
+        return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
+                            st.weight, st.p2p)
+
+    def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
+                 ) -> "_Staging":
+        """Stage cut (the first pass's unless ``cuts`` are given) and per-stage, per-rank sums
+        of a candidate (cached: many candidates share them; only m, ZeRO and the schedule's
+        shape differ)."""
         zero_bubble = c.schedule is ScheduleKind.ZB_H1
         key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
-               c.virtual_stages, zero_bubble)
+               c.virtual_stages, zero_bubble, tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
         if hit is not None:
             return hit
         p, v = c.pp, c.virtual_stages
         costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, p)
         times = self._layer_times(costs, c.recompute)
-        cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v, key[:6])
+        if cuts is None:
+            cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
+                              (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
+                               mesh_span(self.cluster, c.dp, p, c.tp, "tp")))
+        layout = self.layout(c.tp, c.sequence_parallel)
         stages: list[StageCost] = []
         for s, (first, last) in enumerate(cuts):
             rng = range(first, last + 1)
@@ -953,15 +1130,7 @@ class CostModel:
             tpc = sum(times[i][4] for i in rng)
             if not zero_bubble:
                 b, w = b + w, 0.0
-            act = 0.0
-            for i in rng:
-                lc = costs[i]
-                if self.is_block[i] and c.recompute is RecomputeKind.FULL:
-                    act += lc.ckpt_bytes
-                elif self.is_block[i] and c.recompute is RecomputeKind.SELECTIVE:
-                    act += lc.act_selective_bytes
-                else:
-                    act += lc.act_bytes
+            act = sum(self._activation(i, costs[i], c.recompute) for i in rng)
             p2p = 0.0
             if s < len(cuts) - 1:
                 inter = self._stage_node(s % p, c.tp) != self._stage_node((s + 1) % p, c.tp)
@@ -970,16 +1139,14 @@ class CostModel:
         ranks = []
         for rank in range(p):
             mine = [st for st in stages if st.pp_rank == rank]
-            held, largest = self._rank_params(mine, c.tp)
+            held, largest = self._rank_params(tuple(st.layers for st in mine), layout, c.tp)
             working = 0.0
             if c.recompute is not RecomputeKind.NONE:  # one block re-materialized at a time
                 for st in mine:
                     for i in range(st.layers[0], st.layers[1] + 1):
                         if self.is_block[i]:
-                            lc = costs[i]
-                            kept = lc.ckpt_bytes if c.recompute is RecomputeKind.FULL \
-                                else lc.act_selective_bytes
-                            working = max(working, lc.act_bytes - kept)
+                            working = max(working, costs[i].act_bytes
+                                          - self._activation(i, costs[i], c.recompute))
             ranks.append(_RankSums(
                 params=held, largest_layer_params=largest,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
@@ -998,30 +1165,48 @@ class CostModel:
         out = _Staging(tuple(stages), tuple(ranks),
                        tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
                        tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
-                       rec_flops)
+                       rec_flops, tuple(cuts))
         self._staging_cache[key] = out
         return out
 
     def _stage_node(self, pp_rank: int, tp: int) -> int:
         return (pp_rank * tp) // self.cluster.devices_per_node
 
-    def _rank_params(self, mine: Sequence[StageCost], tp: int) -> tuple[float, float]:
-        """(parameters held, largest layer's parameters) of one tp rank of a pipeline rank."""
+    def _layer_params(self, i: int, layout: TPLayout | None, tp: int) -> float:
+        """Parameters layer ``i`` reads, per tensor-parallel rank."""
+        split = layout.sharded_params if layout is not None else frozenset()
+        return float(sum(numel / tp if fqn in split else numel
+                         for fqn, numel in self.model.template(i).params.items()))
+
+    def _rank_params(self, ranges: tuple[tuple[int, int], ...], layout: TPLayout | None,
+                     tp: int) -> tuple[float, float]:
+        """(parameters held, largest layer's parameters) of one tp rank holding the layers of
+        ``ranges`` (a tied table read by two of them once)."""
+        key = (ranges, id(layout), tp)
+        hit = self._params_cache.get(key)
+        if hit is not None:
+            return hit
+        split = layout.sharded_params if layout is not None else frozenset()
         seen: dict[Any, float] = {}
         largest = 0.0
-        for st in mine:
-            for i in range(st.layers[0], st.layers[1] + 1):
-                layer_total = 0.0
+        for first, last in ranges:
+            for i in range(first, last + 1):
                 tmpl = self.model.template(i)
-                for fqn, (numel, split) in tmpl.params.items():
-                    share = numel / tp if split else numel
+                layer_total = 0.0
+                for fqn, numel in tmpl.params.items():
+                    share = numel / tp if fqn in split else numel
                     layer_total += share
                     # a repeated block's template names its representative's parameters
                     seen[(i, fqn) if tmpl.shared else fqn] = share
                 largest = max(largest, layer_total)
-        return sum(seen.values()), largest
+        out = (sum(seen.values()), largest)
+        self._params_cache[key] = out
+        return out
 
-    def _finish(self, c: Candidate, m: int, st: "_Staging", pipe: PipelineTime) -> Evaluation:
+
+    def _finish(self, c: Candidate, m: int, st: "_Staging", pipe: PipelineTime,
+                rank_acts: Sequence[float] | None = None,
+                partition: Mapping[str, Any] | None = None) -> Evaluation:
         cl, setup = self.cluster, self.setup
         p, v = c.pp, c.virtual_stages
         dtype = setup.dtype
@@ -1037,8 +1222,14 @@ class CostModel:
         for r, rs in enumerate(st.ranks):
             # -- memory
             states = model_state_bytes(rs.params, c.dp, c.zero, dtype)
-            acts = rs.activations * in_flight_micro_batches(c.schedule, p, v, m, r) + rs.working
-            buffers = 2 * rs.largest_layer_params * w_bytes if c.zero == 3 else 0.0
+            if rank_acts is not None:
+                acts = rank_acts[r]
+            else:
+                acts = rs.activations * in_flight_micro_batches(c.schedule, p, v, m, r) \
+                    + rs.working
+            # ZeRO-3: the gathered weights of the layer running and of the one prefetched, and
+            # the unsharded gradients of the layer computed and of the one reduce-scattered
+            buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
             ranks.append(RankMemory(r, states.weights, states.gradients, states.optimizer, acts,
                                     buffers))
             # -- data-parallel communication, overlapped with the last micro-batch's backward;
@@ -1046,13 +1237,20 @@ class CostModel:
             grads, weights = rs.params * g_bytes, rs.params * w_bytes
             window = rs.backward
             if dp_span is not None:
+                cache = self._coll_cache.setdefault(dp_span, {})
+
+                def one(op: Collective, nbytes: float) -> float:
+                    t = cache.get((op, nbytes))
+                    if t is None:
+                        t = cache[(op, nbytes)] = collective_time(cl, op, nbytes, dp_span).seconds
+                    return t
+
                 def coll(op: Collective, nbytes: float, unit: float) -> float:
                     """``nbytes`` moved as collectives of ``unit`` bytes (buckets, layers)."""
                     if nbytes <= 0:
                         return 0.0
                     whole, rest = divmod(nbytes, unit)
-                    t = whole * collective_time(cl, op, unit, dp_span).seconds
-                    return t + collective_time(cl, op, rest, dp_span).seconds
+                    return whole * one(op, unit) + one(op, rest)
 
                 reduce_op = Collective.ALL_REDUCE if c.zero == 0 else Collective.REDUCE_SCATTER
                 bucket = DDP_BUCKET_BYTES
@@ -1107,7 +1305,9 @@ class CostModel:
             tflops_per_gpu=model_flops / step / n / 1e12,
             mfu=model_flops / (step * n * self.device_peak),
             peak_memory_bytes=int(peak_rank.total), breakdown=breakdown,
-            memory={k: val for k, val in peak_rank.to_json().items() if k != "total"})
+            memory={k: val for k, val in peak_rank.to_json().items() if k != "total"},
+            stage_partition=dict(partition or {"method": "min-max split (first pass)",
+                                               "pipeline": pipe.method}))
         plan = Plan(dp=c.dp, tp=c.tp, pp=p, virtual_stages=v, micro_batch_size=c.micro_batch_size,
                     num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
                     sequence_parallel=c.sequence_parallel,
@@ -1128,27 +1328,14 @@ class CostModel:
         return Evaluation(c, infeasible, plan, prediction, tuple(ranks), st.stages, extra)
 
     def with_sharding(self, ev: Evaluation) -> Evaluation:
-        """``ev`` with its plan's per-GEMM tensor-parallel choices filled in (by node name of
-        the captured graph; left empty when the graph is a shallower copy of the model)."""
+        """``ev`` with its plan's per-GEMM tensor-parallel choices (the sharding search's, by
+        node name of the captured graph; left empty when the graph is a shallower copy of the
+        model: the names of the blocks it did not capture do not exist)."""
         if ev.plan is None or ev.candidate.tp == 1 or self.model.extended:
             return ev
-        if self._gemm_cache is None:
-            self._gemm_cache = self._gemm_sharding()
-        return dataclasses.replace(ev, plan=ev.plan.replace(gemm_sharding=self._gemm_cache))
-
-    def _gemm_sharding(self) -> dict[str, GemmSharding]:
-        out: dict[str, GemmSharding] = {}
-        captured = self.model.captured
-        for layer in captured.layers:
-            tmpl = self.model.template(layer.index)
-            rep = captured.layers[tmpl.representative]
-            if rep.index == layer.index:
-                out.update(tmpl.sharding.gemms)
-            else:  # same structure: map by position
-                pos = {n: i for i, n in enumerate(rep.nodes)}
-                for name, g in tmpl.sharding.gemms.items():
-                    out[layer.nodes[pos[name]]] = g
-        return out
+        layout = self.layout(ev.candidate.tp, ev.candidate.sequence_parallel)
+        return dataclasses.replace(
+            ev, plan=ev.plan.replace(gemm_sharding=dict(layout.gemm_sharding)))
 
 
 def lower_bound_step(cm: CostModel, c: Candidate) -> float:

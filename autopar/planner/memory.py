@@ -14,11 +14,13 @@ ZeRO     weights        gradients      optimizer      total, mixed precision
 3        w P / d        g P / d        o P / d        16 P / d
 =======  =============  =============  =============  ============================
 
-ZeRO-3 also holds the gathered parameters of the layer it runs and of the one it prefetches.
+ZeRO-3 also holds the gathered parameters of the layer it runs and of the one it prefetches, and
+the unsharded gradients of the layer whose backward runs and of the one being reduce-scattered.
 
 Activations: a rank holds the activations of ``in_flight`` micro-batches (see
-:func:`autopar.planner.schedule_model.in_flight_micro_batches`) at the recompute setting's size,
-plus, with recomputation, one layer's full activations while that layer's backward runs.
+:func:`autopar.planner.schedule_model.in_flight_micro_batches`: the peaks of the runtime's
+action lists) at the recompute setting's size, plus, with recomputation, one layer's full
+activations while that layer's backward runs.
 """
 
 from __future__ import annotations

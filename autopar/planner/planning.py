@@ -23,6 +23,10 @@ __all__ = ["PlanReport", "capture_model_costs", "plan_model", "read_document", "
 DOCUMENT_VERSION = 1
 #: Blocks captured when a model is deeper (the rest are copies of the last one).
 CAPTURE_BLOCKS = 2
+#: A preset's vocabulary is padded to a multiple of this (Megatron-LM's
+#: --make-vocab-size-divisible-by default), so that every tensor-parallel degree up to it
+#: divides the embedding, the LM head and the loss. A vocabulary given with --vocab is kept.
+VOCAB_MULTIPLE = 128
 
 
 @dataclass
@@ -44,6 +48,7 @@ class PlanReport:
         """The plan document (JSON-ready)."""
         best = self.best
         names = self.cost_model.model.layer_names
+        layout = self.cost_model.layout(best.plan.tp, best.plan.sequence_parallel)
         plan = best.plan.to_json()
         rank_mem = {r.pp_rank: r.total for r in best.ranks}
         for st, row in zip(best.stages, plan["stages"]):
@@ -63,14 +68,16 @@ class PlanReport:
                        "capture_s": round(self.capture_s, 3)},
             "memory_per_rank": [r.to_json() | {"pp_rank": r.pp_rank} for r in best.ranks],
             "stage_costs": [st.to_json() for st in best.stages],
-            "tp_placement": self.cost_model.model.tp_placement() if best.plan.tp > 1 else [],
+            "tp_placement": self.cost_model.model.tp_placement(layout),
+            "tp_unruled_ops": list(layout.unruled) if layout is not None else [],
             "alternatives": [_summary(ev, best) for ev in self.result.alternatives],
             "best_per_mesh": [_summary(ev, best) for ev in self.result.best_per_mesh],
         }
 
 
 def _extra(ev: Evaluation) -> dict[str, float]:
-    return {k: ev.extra[k] for k in ("hfu", "hardware_tflops_per_gpu", "tokens_per_s_per_gpu")}
+    return {k: ev.extra[k] for k in ("hfu", "hardware_tflops_per_gpu", "tokens_per_s_per_gpu",
+                                     "stage_ilp_solve_s") if k in ev.extra}
 
 
 def _summary(ev: Evaluation, best: Evaluation) -> dict[str, Any]:
@@ -95,6 +102,10 @@ def capture_model_costs(name: str, *, attention: str = "sdpa", **overrides: Any
     spec = resolve_spec(name, **overrides)
     shallow = dict(overrides)
     shallow["layers"] = min(spec.layers, CAPTURE_BLOCKS)
+    vocab = spec.vocab
+    if overrides.get("vocab") is None and spec.vocab % VOCAB_MULTIPLE:
+        vocab = -(-spec.vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        shallow["vocab"] = vocab
     zm = build(name, device="meta", attention=attention, **shallow)
     inputs, targets = zm.example_inputs(batch=2, seq=min(16, spec.seq))
     captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
@@ -102,16 +113,18 @@ def capture_model_costs(name: str, *, attention: str = "sdpa", **overrides: Any
     params = _full_params(costs, spec.layers)
     model = {"name": spec.name or spec.family, "family": spec.family, "layers": spec.layers,
              "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.num_kv_heads,
-             "ffn_hidden": spec.ffn, "vocab": spec.vocab, "max_seq": spec.seq, "params": params,
+             "ffn_hidden": spec.ffn, "vocab": vocab, "max_seq": spec.seq, "params": params,
              "overrides": {k: v for k, v in overrides.items() if v is not None},
              "attention": attention, "captured_blocks": min(spec.layers, CAPTURE_BLOCKS)}
+    if vocab != spec.vocab:
+        model["vocab_padded_from"] = spec.vocab
     return costs, model, time.perf_counter() - start
 
 
 def _full_params(costs: ModelCosts, layers: int) -> int:
     seen: dict[Any, int] = {}
     for i, t in enumerate(costs.templates):
-        for fqn, (numel, _) in t.params.items():
+        for fqn, numel in t.params.items():
             seen[(i, fqn) if t.shared else fqn] = numel
     return int(sum(seen.values()))
 
@@ -124,17 +137,22 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
     """Search the best plan for a zoo model on ``cluster`` (all its devices); ``overrides``
     shape a preset or family (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
     positions)."""
+    from autopar.models import resolve_spec
+
     start = time.perf_counter()
-    costs, model, capture_s = model_costs or capture_model_costs(name, attention=attention,
-                                                                 **dict(overrides or {}))
-    seq = seq or model["max_seq"]
-    if seq > model["max_seq"]:
+    # the inputs' own errors first: capturing a large model takes seconds
+    max_seq = model_costs[1]["max_seq"] if model_costs else resolve_spec(
+        name, **dict(overrides or {})).seq
+    seq = seq or max_seq
+    if seq > max_seq:
         raise InvalidInputError(f"sequence length {seq} exceeds the model's positions",
-                                expected=f"--seq <= {model['max_seq']}", found=str(seq),
+                                expected=f"--seq <= {max_seq}", found=str(seq),
                                 fix="lower --seq or raise --max-seq")
     if global_batch < 1:
         raise InvalidInputError("the global batch must be positive", expected=">= 1",
                                 found=str(global_batch), fix="pass --global-batch B")
+    costs, model, capture_s = model_costs or capture_model_costs(name, attention=attention,
+                                                                 **dict(overrides or {}))
     setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype)
     cost_model = CostModel(costs, cluster, setup)
     result = search(cost_model, space, top_k=top_k, progress=progress)

@@ -11,17 +11,24 @@ The space (every axis can be pinned):
 - recompute none / selective / full; ZeRO 0-3 (only 0 when ``dp = 1``: nothing to shard);
   sequence parallel when ``tp > 1``.
 
-Each candidate gets its stage cut from the stage partitioner and its TP layout from the sharding
-model (:mod:`autopar.planner.components`), and is priced by :class:`CostModel`. Candidates that
-do not fit memory are kept with the reason.
+Each candidate's tensor-parallel layout is the sharding search's for its (tp, sp) (solved once
+per pair on the captured graph, :mod:`autopar.planner.tp_layout`), and it is priced by
+:class:`CostModel` in two passes:
 
-Exact branch and bound: candidates are grouped by (tp, pp, dp, micro-batch, sp); a group's lower
-bound is its compute alone spread evenly over the pipeline (``m * sum(F + B + W) / pp``; no
-bubble, communication or recompute can make a step shorter). Groups are visited by increasing
-bound and skipped once the bound reaches the ``k``-th best step found, so the top ``k`` equal
-those of exhaustive enumeration (``exhaustive=True``, which the tests compare against). The top
-``k`` are then re-priced by the schedule simulator and re-ranked. Ties break on the candidate's
-key, so the result is deterministic.
+1. **First pass** (every candidate, :meth:`CostModel.evaluate`): the min-max contiguous stage
+   split and the closed-form pipeline time. Candidates that do not fit memory are kept with the
+   reason. Exact branch and bound: candidates are grouped by (tp, pp, dp, micro-batch, sp); a
+   group's lower bound is its compute alone spread evenly over the pipeline
+   (``m * sum(F + B + W) / pp``; no bubble, communication or recompute can make a step
+   shorter). Groups are visited by increasing bound and skipped once the bound reaches the
+   ``k``-th best step found, so the top ``k`` equal those of exhaustive enumeration
+   (``exhaustive=True``, which the tests compare against).
+2. **Finalists** (the first pass's top ``refine``, :meth:`CostModel.refine`): the stage ILP
+   cuts the stages (its objective and LP bound go into the prediction), the runtime's simulator
+   runs the executor's action lists, and the finalists are re-ranked by that price. A finalist
+   whose stages fit no cut under the ILP's memory model drops out and the next one is refined.
+
+Ties break on the candidate's key, so the result is deterministic.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from typing import Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import RecomputeKind, ScheduleKind
-from autopar.planner.cost_model import Candidate, CostModel, Evaluation, lower_bound_step
+from autopar.planner.cost_model import (COMPONENTS, Candidate, CostModel, Evaluation,
+                                        lower_bound_step)
 
 __all__ = ["SearchSpace", "SearchResult", "search", "enumerate_candidates"]
 
@@ -164,9 +172,11 @@ def _rank_key(ev: Evaluation) -> tuple:
 
 
 def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
-           exhaustive: bool = False, refine: int = 3, progress: bool | None = None
+           exhaustive: bool = False, refine: int | None = None, progress: bool | None = None
            ) -> SearchResult:
-    """The best feasible plan of ``space`` (see the module docstring)."""
+    """The best feasible plan of ``space`` (see the module docstring); ``refine`` finalists
+    (default ``top_k``; 0: first pass only) are priced with the stage ILP and the simulator."""
+    refine = top_k if refine is None else refine
     start = time.perf_counter()
     candidates = enumerate_candidates(cm, space)
     pruned = {"structure": 0, "memory": 0, "bound": 0}
@@ -226,15 +236,34 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
         raise _nothing_fits(cm, candidates, pruned, examples, leanest)
     ranked = sorted((item[2] for item in top), key=_rank_key)
     if refine:
-        refined = [cm.reprice(ev, cm.components.simulator) for ev in ranked[:refine]]
-        ranked = sorted(refined, key=_rank_key) + ranked[refine:]
+        ranked = _refine(cm, ranked, refine, pruned, examples)
     meshes = sorted(best_mesh.values(), key=_rank_key)
     ranked[0] = cm.with_sharding(ranked[0])
     return SearchResult(best=ranked[0], alternatives=tuple(ranked[1:top_k]),
                         best_per_mesh=tuple(meshes), candidates=len(candidates),
                         evaluated=evaluated, pruned=pruned, infeasible_examples=tuple(examples),
-                        time_s=time.perf_counter() - start,
-                        components=cm.components.describe())
+                        time_s=time.perf_counter() - start, components=dict(COMPONENTS))
+
+
+def _refine(cm: CostModel, ranked: list[Evaluation], count: int, pruned: dict[str, int],
+            examples: list[tuple[str, str]]) -> list[Evaluation]:
+    """The first ``count`` of ``ranked`` that the stage ILP can cut, priced by
+    :meth:`CostModel.refine` and re-ranked ahead of the rest (first-pass prices)."""
+    refined: list[Evaluation] = []
+    rest: list[Evaluation] = []
+    for ev in ranked:
+        if len(refined) >= count:
+            rest.append(ev)
+            continue
+        better = cm.refine(ev)
+        if better.feasible:
+            refined.append(better)
+        else:
+            pruned["memory"] += 1
+            examples.append((ev.candidate.label(), better.infeasible))
+    if not refined:  # the ILP's memory model is stricter than the first pass's: keep those
+        return ranked
+    return sorted(refined, key=_rank_key) + rest
 
 
 class _neg(tuple):

@@ -79,12 +79,20 @@ even when CBC stops at its time limit.
 
 :func:`brute_force_partition` enumerates every partition (small instances, tests) and
 :func:`modeled_step_time` evaluates one; :func:`problem_from_profile` builds the inputs from the
-analysis of a captured graph with a flops/peak time model; :func:`cut_points` finds, with
-networkx, where the graph can be cut and which tensors cross.
+analysis of a captured graph with a flops/peak time model, and :func:`stages_for_plan` cuts a
+plan's stages from it (what ``autopar.parallelize`` does for a plan given without stages);
+:func:`cut_points` finds, with networkx, where the graph can be cut and which tensors cross.
+
+:func:`min_max_split` is the plan search's fast first pass (thousands of candidates, no solver):
+the contiguous split whose busiest stage is least busy. That stage's time bounds the ILP's
+steady state from below ((C4): ``Y >= t(s)``, ``v t(s)`` interleaved, ``Y_F + Y_B >= t(s)``
+GPipe), so the objective above at that steady state, without transfers, is a lower bound of the
+ILP's (tested). The search re-cuts its finalists with the ILP.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time
@@ -111,6 +119,8 @@ __all__ = [
     "CutPoint",
     "cut_points",
     "even_partition",
+    "min_max_split",
+    "stages_for_plan",
 ]
 
 
@@ -362,6 +372,59 @@ def _result(problem, ranges, lp_bound, seconds, status, vectors, num_vars) -> St
         status=status, num_ranks=problem.num_ranks, num_variables=num_vars)
 
 
+def min_max_split(layer_times: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous non-empty stages minimising the largest stage sum of ``layer_times``.
+
+    Bisection on the answer with the greedy feasibility test (pack layers left to right while
+    the stage stays within X: feasible iff at most ``num_stages`` stages), to a relative
+    1e-12; the greedy packing at the smallest feasible X is refined to exactly ``num_stages``
+    stages by splitting the widest ones (which never raises the maximum)."""
+    n = len(layer_times)
+    if not 1 <= num_stages <= n:
+        raise InfeasiblePlanError(f"cannot cut {n} layers into {num_stages} non-empty stages",
+                                  expected=f"at most {n} stages", found=f"{num_stages}",
+                                  fix="reduce pp or the virtual stages")
+    costs = [max(float(c), 0.0) for c in layer_times]
+    prefix = [0.0, *itertools.accumulate(costs)]
+    lo, hi = max(costs), prefix[-1]
+    if len(_greedy(prefix, lo, num_stages)) > num_stages:
+        for _ in range(200):
+            if hi - lo <= 1e-12 * hi:
+                break
+            mid = (lo + hi) / 2
+            if len(_greedy(prefix, mid, num_stages)) <= num_stages:
+                hi = mid
+            else:
+                lo = mid
+    else:
+        hi = lo
+    stages = _greedy(prefix, hi)
+    while len(stages) < num_stages:  # split the widest splittable stage
+        i = max((j for j, (a, b) in enumerate(stages) if b > a),
+                key=lambda j: (stages[j][1] - stages[j][0], -j))
+        a, b = stages[i]
+        stages[i:i + 1] = [(a, b - 1), (b, b)]
+    return tuple(stages)
+
+
+def _greedy(prefix: list[float], limit: float, most: int | None = None
+            ) -> list[tuple[int, int]]:
+    """Pack layers left to right into stages of at most ``limit`` (a layer above it alone);
+    stops after ``most + 1`` stages (enough to know the limit is infeasible)."""
+    n = len(prefix) - 1
+    stages: list[tuple[int, int]] = []
+    start = 0
+    eps = 1e-12 * max(limit, 1e-300)
+    while start < n:
+        end = max(bisect.bisect_right(prefix, prefix[start] + limit + eps, start + 1) - 1,
+                  start + 1)
+        stages.append((start, end - 1))
+        start = end
+        if most is not None and len(stages) > most:
+            break
+    return stages
+
+
 def even_partition(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
     """Equal layer counts (the baseline the ILP is compared with)."""
     if num_stages > num_layers:
@@ -516,13 +579,13 @@ def _add_memory(model: _Model, stage, vectors) -> None:
         return
     S, p = problem.num_stages, problem.num_ranks
     scale = 1.0 / problem.device_memory  # keep coefficients near 1
+    acts_of = [stage("activation_bytes", s) for s in range(S)]  # built once per stage
     for r in range(p):
         stages = list(range(r, S, p))
         static = pulp.lpSum(problem.state_bytes_per_param * scale * stage("params", s)
                             for s in stages)
         for i, vec in enumerate(vectors[r]):
-            acts = pulp.lpSum(n * scale * stage("activation_bytes", s)
-                              for n, s in zip(vec, stages) if n)
+            acts = pulp.lpSum(n * scale * acts_of[s] for n, s in zip(vec, stages) if n)
             model.lp += static + acts <= 1.0, f"C6_{r}_{i}"
 
 
@@ -561,6 +624,10 @@ def optimal_status(model: _Model) -> bool:
     return model.lp.sol_status == pulp.LpSolutionOptimal
 
 
+#: Seconds for the interleaved schedule's tie-breaking second solve (see partition_stages).
+TIE_BREAK_S = 1.0
+
+
 def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
                      lp_bound: bool = True) -> StagePartition:
     """Solve the ILP (CBC); also the LP relaxation for a lower bound on the optimum."""
@@ -575,6 +642,11 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
         value = modeled_step_time(problem, ranges)
         return _result(problem, ranges, value, time.perf_counter() - start, "trivial", vectors, 0)
     model = _build(problem, relaxed=False, vectors=vectors)
+    bound = None
+    if lp_bound:  # the LP relaxation of the same program (CBC without integrality)
+        model.lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False))
+        if model.lp.status == pulp.LpStatusOptimal:
+            bound = float(pulp.value(model.lp.objective))
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
     model.lp.solve(solver)
     status = pulp.LpStatus[model.lp.status]
@@ -587,31 +659,31 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
     cuts = [int(round(pulp.value(model.position(s)))) for s in range(S - 1)]
     optimal = optimal_status(model)
     objective = float(pulp.value(model.lp.objective))
+    tie_break = None
     if problem.schedule is ScheduleKind.INTERLEAVED_1F1B and optimal:
-        # among the optima, the one whose busiest rank is least busy (the objective has ties)
+        # among the optima, the one whose busiest rank is least busy (the objective has ties);
+        # a heuristic refinement with its own short time limit: it only picks among optima
         model.lp += _objective(model, model.transfer) <= objective * (1 + 1e-7), "optimum"
         model.lp.setObjective(model.Y_F)
-        model.lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(0.5, time_limit_s / 4)))
+        model.lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=min(TIE_BREAK_S, time_limit_s)))
+        tie_break = "optimal" if optimal_status(model) else "time limit"
         if model.lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             second = [int(round(pulp.value(model.position(s)))) for s in range(S - 1)]
             if modeled_step_time(problem, _stage_ranges(second, L)) <= \
                     modeled_step_time(problem, _stage_ranges(cuts, L)) * (1 + 1e-9):
                 cuts = second
     ranges = _stage_ranges(cuts, L)
-    bound = None
-    if lp_bound:
-        relaxed = _build(problem, relaxed=True, vectors=vectors)
-        relaxed.lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False))
-        if relaxed.lp.status == pulp.LpStatusOptimal:
-            bound = float(pulp.value(relaxed.lp.objective))
-            step = modeled_step_time(problem, ranges)
-            if step < bound <= step * (1 + 1e-6):  # the LP solver's tolerance
-                bound = step
+    if bound is not None:
+        step = modeled_step_time(problem, ranges)
+        if step < bound <= step * (1 + 1e-6):  # the LP solver's tolerance
+            bound = step
     result = _result(problem, ranges, bound, time.perf_counter() - start,
                      "optimal" if optimal else "time limit (feasible)", vectors,
                      model.num_integer_vars())
     result.extra["ilp_objective"] = objective
     result.extra["segments"] = len(model.segments)
+    if tie_break is not None:
+        result.extra["tie_break"] = tie_break
     return result
 
 
@@ -663,6 +735,28 @@ def problem_from_profile(captured: Any, profile: Any, *, num_ranks: int, num_mic
     return PartitionProblem(tuple(layers), num_ranks, num_microbatches, ScheduleKind(schedule),
                             stages_per_rank, device_memory, state_bytes_per_param,
                             link_bandwidth, link_latency)
+
+
+def stages_for_plan(captured: Any, plan: Any, *, profile: Any = None,
+                    time_limit_s: float = 30.0) -> tuple[StagePlan, ...]:
+    """The stages of ``plan`` (an :class:`autopar.plan.Plan` without stages) cut by the ILP, from
+    the analysis of ``captured`` at the plan's micro-batch and the example's sequence length.
+
+    Times are FLOP-proportional (backward twice the forward), transfers and memory left out:
+    without a cluster this balances the schedule's step, embedding and LM head included. The
+    plan search (:mod:`autopar.planner.search`) cuts with the cost model's times and memory."""
+    from autopar.passes.analyze import analyze
+
+    if plan.num_stages == 1:
+        return (StagePlan(0, (0, len(captured.layers) - 1), 0, 0),)
+    profile = profile if profile is not None else analyze(captured)
+    seq = captured.example_size_kwargs().get("s", 1)
+    problem = problem_from_profile(captured, profile, num_ranks=plan.pp,
+                                   num_microbatches=plan.num_micro_batches,
+                                   micro_batch_size=plan.micro_batch_size, seq=seq,
+                                   flops_per_s=1e12, schedule=plan.schedule,
+                                   stages_per_rank=plan.virtual_stages)
+    return partition_stages(problem, time_limit_s=time_limit_s, lp_bound=False).stage_plans()
 
 
 def _nbytes(spec: Any, sizes: dict[str, int]) -> int:
