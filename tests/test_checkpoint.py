@@ -40,7 +40,7 @@ LOAD_WORLD4 = dict(dp=1, pp=2, tp=2, schedule="1f1b", num_micro_batches=4, zero=
 
 
 def _assert_resumed(result, saved, ref, what):
-    ref_losses, ref_state = ref
+    ref_losses, ref_state = ref["losses"], ref["state"]
     for key, want in saved["state"].items():
         assert torch.equal(result["loaded"][key], want), f"{what}: {key} changed by save/load"
     assert result["steps"] == jobs.SAVED_AT, what
@@ -63,7 +63,7 @@ def test_checkpoint_loads_under_another_plan_and_world_size(tmp_path):
     with LocalPool(2, timeout_s=300) as pool:
         world2 = pool.run(jobs.load_and_continue, configs, root)[0]
     for i, name in enumerate(MODELS):
-        assert saved[i]["losses"] == pytest.approx(refs[name][0][:jobs.SAVED_AT], rel=1e-5)
+        assert saved[i]["losses"] == pytest.approx(refs[name]["losses"][:jobs.SAVED_AT], rel=1e-5)
         _assert_resumed(world4[i], saved[i], refs[name], f"{name} -> world 4 {LOAD_WORLD4}")
     for (name, pins), result in zip(configs, world2):
         _assert_resumed(result, saved[MODELS.index(name)], refs[name], f"{name} -> {pins}")
