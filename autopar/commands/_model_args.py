@@ -19,11 +19,16 @@ def add_model_args(parser: argparse.ArgumentParser, *, seq_help: str | None = No
     shape.add_argument("--ffn-hidden", dest="ffn_hidden", type=int)
     shape.add_argument("--vocab", type=int)
     shape.add_argument("--max-seq", dest="max_seq", type=int,
-                       help="positions the model supports (default: the preset's)")
+                       help="positions the model supports (default: the preset's; for a family, "
+                            "--seq when given)")
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
+    from autopar.models import FAMILIES
+
     out = {k: getattr(args, k, None) for k in SHAPE_FLAGS if k != "seq"}
     if getattr(args, "max_seq", None):
         out["seq"] = args.max_seq
+    elif args.model in FAMILIES and getattr(args, "seq", None):
+        out["seq"] = args.seq  # a family shaped by flags supports the sequence it is planned for
     return {k: v for k, v in out.items() if v is not None}

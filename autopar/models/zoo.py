@@ -148,6 +148,13 @@ def resolve_spec(name: str, **overrides: Any) -> ModelSpec:
         base = PRESETS[key]
     elif key in _FAMILY_DEFAULTS:
         base = _FAMILY_DEFAULTS[key]
+        # The family's tiny defaults derive from its hidden size and heads: a user who shapes the
+        # model gets the family's rules (LLaMA's ffn = 8h/3 rounded up to 256, one kv head per
+        # head) rather than the tiny model's fixed 128 and 2.
+        if overrides.get("hidden") is not None and overrides.get("ffn_hidden") is None:
+            base = dataclasses.replace(base, ffn_hidden=None)
+        if overrides.get("heads") is not None and overrides.get("kv_heads") is None:
+            base = dataclasses.replace(base, kv_heads=None)
     else:
         raise InvalidInputError(f"unknown model {name!r}",
                                 expected=f"a preset ({', '.join(PRESETS)}) or a family "
