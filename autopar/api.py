@@ -535,8 +535,6 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
             raise InvalidInputError("the global batch does not split as pinned",
                                     expected=f"a multiple of dp x num_micro_batches")
         space_pins["micro_batch_size"] = mbs
-    # The runtime recomputes whole stages; selective recompute is planned but not run yet.
-    space_pins.setdefault("recompute", RecomputeKind.NONE)
     dtype = "bf16" if mixed_precision else "fp32"
     costs = ModelCosts(captured, name=type(captured.model).__name__)
     cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype))
@@ -551,7 +549,7 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
 
 def _runnable(plan: Plan | None) -> bool:
     """What the runtime executes today (docs say what is not supported yet)."""
-    if plan is None or plan.recompute is RecomputeKind.SELECTIVE:
+    if plan is None:
         return False
     return not (plan.zero == 3 and plan.schedule is ScheduleKind.ZB_H1)
 
@@ -586,15 +584,13 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
            device: torch.device, *, search: Any, max_grad_norm: float | None,
            mixed_precision: bool, bucket_mb: float, tp_cost: Any, seed: int = 0) -> Any:
     from autopar.parallel_model import ParallelModel, _fqn_shards
+    from autopar.passes.recompute import recompute_attention_cores
     from autopar.passes.split_stages import split_into_stages
     from autopar.runtime.pipeline import PipelineExecutor
     from autopar.runtime.schedules import build_schedule
     from autopar.runtime.tp import TPGroup
     from autopar.tensor_parallel import tensor_parallelize
 
-    if plan.recompute is RecomputeKind.SELECTIVE:
-        raise InvalidInputError("selective recompute is planned by autopar but not run yet",
-                                fix="use recompute 'none' or 'full'")
     if plan.zero == 3 and plan.schedule is ScheduleKind.ZB_H1:
         raise InvalidInputError("ZeRO-3 with the zero-bubble schedule is not supported yet",
                                 expected="zero <= 2 with zb-h1, or another schedule with zero 3")
@@ -603,6 +599,9 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
     stages = sorted(plan.stages, key=lambda s: s.index)
     split = split_into_stages(tp_program.gm, captured.layers, [s.layers for s in stages],
                               constants=captured.constants)
+    if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
+        for stage in split.stages:
+            recompute_attention_cores(stage.gm)
     schedule = build_schedule(plan.schedule, plan.pp, plan.num_micro_batches, plan.virtual_stages)
     for s in stages:
         if schedule.stage_to_rank[s.index] != s.pp_rank:

@@ -5,6 +5,8 @@
 1. the tensor-parallel program (``autopar.tensor_parallel``) turns the captured graph into the
    per-rank graph (collectives as nodes, every node keeping its layer);
 2. the stage split (``passes/split_stages.py``) cuts that graph into the plan's pipeline stages;
+   under selective recompute each stage's attention cores become regions recomputed in backward
+   (``passes/recompute.py``, docs/recompute.md);
 3. the pipeline executor (``runtime/pipeline.py``) runs this rank's stages on the plan's schedule,
    with this rank's parameter shards sliced from the full model;
 4. the data-parallel layer (``runtime/data_parallel.py``) syncs gradients (overlapped with the
@@ -28,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx
 import torch.nn as nn
 
 from autopar.errors import InvalidInputError, PlanMismatchError
@@ -413,6 +416,12 @@ class ParallelModel:
             if self.executor.schedule.stage_to_rank[s] == pp_rank:
                 parts.append(f"\n# ---- pipeline stage {s} (layers {stage.layers[0]}-"
                              f"{stage.layers[1]}) as run by the executor ----\n{stage.gm.code}")
+                for name, module in stage.gm.named_children():  # selective recompute's regions
+                    body = getattr(module, "body", None)
+                    if isinstance(body, torch.fx.GraphModule):
+                        parts.append(f"\n# ---- stage {s}: self.{name}, {type(module).__name__} "
+                                     f"(run under torch.utils.checkpoint: its saved tensors are "
+                                     f"recomputed in backward) ----\n{body.code}")
         return "".join(parts)
 
     def memory_bytes(self) -> dict[str, int]:

@@ -21,11 +21,22 @@ EPS = 1e-5
 
 
 def make_model(name: str):
+    """``own_gpt``, a zoo family (``gpt``, ``llama``, ``bert``: fused attention), or a family
+    with ``_eager`` appended (explicit softmax attention: what selective recompute recomputes)."""
     if name == "own_gpt":
         model, loss_fn = build_own_gpt()
         return model, loss_fn
-    zm = build_tiny(name)
+    family, _, attention = name.partition("_")
+    zm = build_tiny(family, attention=attention or "sdpa")
     return zm.model, zm.loss_fn
+
+
+def recomputed_regions(pm) -> int:
+    """Attention cores this rank's stages recompute in backward (selective recompute)."""
+    from autopar.runtime.recompute import RecomputedRegion
+
+    return sum(isinstance(m, RecomputedRegion) for s in pm.executor.stage_modules
+               for m in pm.split.stages[s].gm.children())
 
 
 def batches(name: str, steps: int, batch: int = 8, seq: int = 16):
@@ -119,6 +130,7 @@ def train(configs, steps: int = 3):
             local_params=sum(slot.numel for b in pm.data_parallel.buckets if b.requires_grad
                              for slot in b.slots),
             coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
+            regions=recomputed_regions(pm),
             shard_size=pm.data_parallel.groups.shard_size,
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))
         pm.close()

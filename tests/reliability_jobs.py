@@ -50,7 +50,10 @@ def train(name: str, pins: dict, steps: int, overrides: dict | None = None, *, s
     losses = [pm.train_step(i, t) for i, t in data]
     state = pm.state_dict()
     pm.close()
-    return dict(losses=losses, state=state if dist.get_rank() == 0 else None)
+    from parallelize_jobs import recomputed_regions
+
+    return dict(losses=losses, state=state if dist.get_rank() == 0 else None,
+                regions=recomputed_regions(pm))
 
 
 def train_twice(name: str, pins: dict, steps: int, overrides: dict, *, seed: int = 0):

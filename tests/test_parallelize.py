@@ -5,16 +5,20 @@ and HF LLaMA (kv-heads < heads), and HF BERT (integer position-id buffers) at pp
 with the four schedules and sequence parallelism mixed in: after 3 AdamW steps, losses and every
 parameter equal the single-process run. Every model runs ZeRO 1, 2 and 3 with dp > 1 (ZeRO-3 with
 pp > 1), one of them as hybrid sharding (Plan.zero_shard_size); one run clips the global gradient
-norm, one feeds each data-parallel rank only its share of the batch, two evaluate (``pm(...)``,
+norm, one feeds each data-parallel rank only its share of the batch, three evaluate (``pm(...)``,
 ``eval_step``) and compile every rank's generated code; two run in mixed precision with pipeline
-parallelism. Per-rank memory is checked against MISSION.md's ZeRO accounting.
+parallelism. Selective recompute runs on HF GPT-2 and LLaMA with eager attention, whose attention
+cores it recomputes in backward (pp=2 x tp=2 with SP under 1F1B and ZeRO-3, dp=2 x pp=2 under
+ZB-H1, LLaMA in bf16), and on the own GPT (fused attention: nothing to recompute). Per-rank
+memory is checked against MISSION.md's ZeRO accounting.
 
 Tolerance (fp32): parameters within 1e-5 absolute, losses within 1e-5 relative. The parallel
 program computes the same sums in another order (tensor-parallel all-reduces, micro-batch
 accumulation, data-parallel averaging); in fp32 that moves results by ~1e-7 (measured: <= 3e-7
 after 3 steps). Adam's epsilon is 1e-5 so rounding noise on near-zero gradients is not magnified
 into O(lr) steps. A real fault (a missing reduction, a wrong scale, a stale tied weight) moves
-parameters by O(lr) = 1e-3.
+parameters by O(lr) = 1e-3. Recomputation repeats the same ops on the same values (bit-identical
+in one process: tests/test_recompute.py), so it needs no tolerance of its own.
 
 Mixed precision (bf16 compute, fp32 master weights, fp32 gradient accumulation and reduction) is
 compared with tests/dp_harness.py's single-process mixed-precision run on the same micro-batches
@@ -57,14 +61,22 @@ ZERO_DP = {"own_gpt": {(4, 1, 1): 1, (2, 1, 2): 2, (2, 2, 1): 3},
 OPTIONS = {("llama", (4, 1, 1)): dict(pins=dict(zero_shard_size=2)),  # hybrid: 2 x 2
            ("gpt", (2, 1, 2)): dict(local=True),
            ("own_gpt", (2, 1, 2)): dict(max_grad_norm=0.5),
-           ("own_gpt", (1, 2, 2)): dict(probe=True),
+           # fused attention without dropout: selective recompute has nothing to recompute
+           ("own_gpt", (1, 2, 2)): dict(probe=True, pins=dict(recompute="selective")),
            ("gpt", (2, 2, 1)): dict(probe=True)}
 CLIP = 0.5
-#: Runs of their own: BERT at pp > 1 and tp > 1; mixed precision with pipeline parallelism.
+SELECTIVE = dict(recompute="selective")
+#: Runs of their own: BERT at pp > 1 and tp > 1; mixed precision with pipeline parallelism;
+#: selective recompute on eager attention (HF GPT-2 and LLaMA with an explicit softmax: their
+#: attention cores are recomputed in backward) under 1F1B with tp=2 and SP, ZB-H1 (whose W
+#: recomputes the cores once more), and bf16 (LLaMA's fp32 softmax cast back to bf16).
 EXTRA = [("bert", (1, 2, 2, "interleaved-1f1b", 2, 2, True), 0, {}),
          ("bert", (2, 1, 2, "1f1b", 1, 2, False), 3, {}),
-         ("llama", (1, 2, 2, "1f1b", 1, 2, True), 0, dict(mixed_precision=True)),
-         ("gpt", (2, 2, 1, "1f1b", 1, 2, False), 3, dict(mixed_precision=True))]
+         ("llama_eager", (1, 2, 2, "1f1b", 1, 2, True), 0,
+          dict(mixed_precision=True, pins=SELECTIVE)),
+         ("gpt", (2, 2, 1, "1f1b", 1, 2, False), 3, dict(mixed_precision=True)),
+         ("gpt_eager", (1, 2, 2, "1f1b", 1, 2, True), 3, dict(pins=SELECTIVE, probe=True)),
+         ("gpt_eager", (2, 2, 1, "zb-h1", 1, 2, False), 1, dict(pins=SELECTIVE))]
 
 
 def _pins(dp, pp, tp, schedule, v, m, sp, zero, **extra):
@@ -84,13 +96,16 @@ def _world4_configs():
             options = dict(OPTIONS.get((name, mesh), {}))
             pins = _pins(*shape, zero=zero, **options.pop("pins", {}))
             configs.append((name, pins, options))
-    configs += [(name, _pins(*shape, zero=zero), options) for name, shape, zero, options in EXTRA]
+    for name, shape, zero, options in EXTRA:
+        options = dict(options)
+        configs.append((name, _pins(*shape, zero=zero, **options.pop("pins", {})), options))
     return configs
 
 
 @pytest.fixture(scope="module")
 def references():
-    refs = {(name, None): jobs.reference(name) for name in MODELS + ("bert",)}
+    refs = {(name, None): jobs.reference(name)
+            for name in MODELS + ("bert", "gpt_eager", "llama_eager")}
     refs[("own_gpt", CLIP)] = jobs.reference("own_gpt", max_grad_norm=CLIP)
     return refs
 
@@ -163,6 +178,9 @@ def test_every_world4_shape_with_zero_0_to_3(references):
     assert {p["tp"] > 1 for n, p, _ in configs if n == "bert"} == {True}
     mixed = {(p["dp"], p["pp"], p["tp"]) for _, p, o in configs if o.get("mixed_precision")}
     assert mixed == {(1, 2, 2), (2, 2, 1)}
+    selective = {(n, p["schedule"], p["tp"], p["sequence_parallel"]) for n, p, _ in configs
+                 if p.get("recompute") == "selective" and n.endswith("_eager")}
+    assert selective >= {("gpt_eager", "1f1b", 2, True), ("gpt_eager", "zb-h1", 1, False)}
     mixed_refs = {(name, pins["dp"] * pins["num_micro_batches"]):
                   jobs.reference_mixed(name, pins["dp"] * pins["num_micro_batches"])
                   for name, pins, options in configs if options.get("mixed_precision")}
@@ -174,6 +192,9 @@ def test_every_world4_shape_with_zero_0_to_3(references):
         what = f"{name} {pins} {options}"
         result = per_rank[0][k]
         assert len({r[k]["losses"][-1] for r in per_rank}) == 1, what  # the same loss everywhere
+        if pins.get("recompute") == "selective":  # one recomputed core per block, on some stage
+            column = [r[k]["regions"] for r in per_rank if r[k]["coordinates"][::2] == (0, 0)]
+            assert sum(column) == (2 if name.endswith("_eager") else 0), (what, column)
         if options.get("mixed_precision"):
             ref = mixed_refs[(name, pins["dp"] * pins["num_micro_batches"])]
             _compare_mixed(result, ref, references[(name, None)], what)

@@ -1,9 +1,10 @@
 """Verify and dropout across ranks, on real gloo processes (one shared LocalPool(4)).
 
-- ``parallelize(..., verify=True)`` passes on a tp=2 x pp=2 plan with sequence parallelism and
-  on a dp=2 x pp=2 plan with full recompute; a program broken on purpose (one rank's shard of a
-  weight scaled, or the tensor-parallel all-reduce skipped) raises VerificationError naming the
-  layer where the fault is.
+- ``parallelize(..., verify=True)`` passes on a tp=2 x pp=2 plan with sequence parallelism, on
+  a dp=2 x pp=2 plan with full recompute and on a tp=2 x pp=2 ZB-H1 plan with selective
+  recompute; a program broken on purpose (one rank's shard of a weight scaled, or the
+  tensor-parallel all-reduce skipped) raises VerificationError naming the layer where the fault
+  is.
 - HF GPT-2 with dropout 0.1: those plans train to the same losses and parameters as the world-1
   autopar run with the same seed (dropout masks are a function of seed, step, site and sample,
   never of the plan), two runs of the same program are identical, and evaluation turns dropout
@@ -28,6 +29,11 @@ SEED = 3
 PLANS = [  # tp=2 with SP (and pp=2), dp=2 (and pp=2, full recompute: masks replayed)
     {"dp": 1, "pp": 2, "tp": 2, "num_micro_batches": 2, "sequence_parallel": True},
     {"dp": 2, "pp": 2, "tp": 1, "num_micro_batches": 2, "recompute": "full"},
+    # selective recompute: attention with dropout is an attention core (its probabilities'
+    # masks replayed); ZB-H1's last rank runs W0 after F1 and I1, so the core's recompute in W0
+    # must draw micro-batch 0's masks, not those of the micro-batch run last
+    {"dp": 1, "pp": 2, "tp": 2, "num_micro_batches": 2, "sequence_parallel": True,
+     "schedule": "zb-h1", "recompute": "selective"},
 ]
 
 
@@ -54,6 +60,8 @@ def test_dropout_and_verify_across_plans(shared_pool4, world1_dropout):
                 torch.testing.assert_close(got["state"][key], want, rtol=0, atol=1e-5,
                                            msg=f"{pins}: {key}")
         assert len({r[k]["losses"][-1] for r in per_rank}) == 1
+        if pins.get("recompute") == "selective":  # both blocks' attention is recomputed
+            assert sum(r[k]["regions"] for r in per_rank[::2]) == 2, pins
 
 
 def test_verify_names_the_broken_layer(shared_pool4):
