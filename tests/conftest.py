@@ -62,8 +62,8 @@ def tiny_models():
 #: Published shapes for the sharding search at full size: (preset, overrides, real depth).
 #: Two blocks are captured (as `autopar plan` does) and the search is told the real depth.
 #: Positions are 4096 for all three, so planning-like sequence lengths fit every model (as
-#: `autopar plan gpt2-small --max-seq 4096` would build it); the vocabularies are padded to a
-#: multiple of 64 as the planner pads them.
+#: `autopar plan gpt2-small --max-seq 4096` would build it); the vocabularies are Megatron-LM's
+#: padded ones (GPT-2 50257 -> 50304, BERT 30522 -> 30528), divisible by every tp tested.
 FULL_SIZE = {
     "gpt2-small": (dict(vocab=50304, seq=4096), 12),
     "bert-base": (dict(vocab=30528, seq=4096), 12),
