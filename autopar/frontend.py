@@ -3,8 +3,9 @@
 ``capture(model, example_inputs, loss_fn, example_targets=...)`` traces ``loss_fn(model(*inputs),
 *targets)`` (or the model alone) with ``torch.export`` in non-strict mode, with the batch and
 sequence dimensions of the inputs marked dynamic, so shapes come out as expressions in ``b`` and
-``s``. Models built on the meta device are traced without allocating weights (GPT-3 175B captures
-in seconds). When export cannot take the model, capture retries with static shapes, and then
+``s``. A batch of one is traced as two copies of it (export would fix a size-1 dim to 1). Models
+built on the meta device are traced without allocating weights (GPT-3 175B captures in seconds).
+When export cannot take the model, capture retries with static shapes, and then
 falls back to ``torch.fx.symbolic_trace`` with node-by-node lowering (see ``_fx_fallback``).
 
 The result, :class:`CapturedGraph`, owns a lifted graph module: parameters, buffers and constants
@@ -221,12 +222,17 @@ def capture(
     errors: list[str] = []
     captured = None
     with _quiet_export(), _no_kv_cache(model):
-        if dynamic and dims:
+        attempts = _dynamic_attempts(args, dims) if dynamic else []
+        for traced, marked, single in attempts:
             try:
-                ep, sizes = _export_dynamic(step, args, dims)
-                captured = _from_export(ep, CaptureMethod.EXPORT, sizes, dims)
+                ep, sizes = _export_dynamic(step, traced, marked)
+                captured = _from_export(ep, CaptureMethod.EXPORT, sizes, marked)
+                if single:
+                    captured.example_sizes[BATCH] = 1
+                break
             except Exception as exc:  # noqa: BLE001 - every export failure leads to a retry
-                errors.append(f"torch.export with dynamic batch/seq: {_short(exc)}")
+                what = "batch of one traced as two" if single else "dynamic batch/seq"
+                errors.append(f"torch.export with {what}: {_short(exc)}")
         if captured is None:
             try:
                 ep = torch.export.export(step, args, strict=False)
@@ -254,6 +260,11 @@ def capture(
         msg = (f"{type(model).__name__} was captured with {captured.method.value}: batch and "
                f"sequence sizes are fixed to the example inputs'. Causes: " + "; ".join(errors)
                + "".join(f". {w}" for w in captured.warnings))
+        warnings.warn(msg, stacklevel=2)
+        captured.warnings.append(msg)
+    elif errors:  # a batch of one that export would not double: only the sequence is symbolic
+        msg = (f"{type(model).__name__} was captured with the batch size fixed to 1 (only the "
+               f"sequence length is symbolic). Cause: {errors[0]}")
         warnings.warn(msg, stacklevel=2)
         captured.warnings.append(msg)
 
@@ -317,13 +328,38 @@ def _default_dims(args: Sequence[Any], batch_dims: Mapping[int, int] | None,
                                       f"{sorted(seq_sizes)}",
                                 fix="give inputs of the same batch and sequence length, or pass "
                                     "batch_dims= / seq_dims=")
-    for i, d in batch_dims.items():
-        if tensors[i].shape[d] >= 2:
+    for i, d in batch_dims.items():  # a batch of one too: traced as two (_batch_of_two)
+        if tensors[i].shape[d] >= 1:
             dims[i][d] = "batch"
     for i, d in seq_dims.items():
         if tensors[i].shape[d] >= 2 and d not in dims[i]:
             dims[i][d] = "seq"
     return {i: d for i, d in dims.items() if d}
+
+
+def _dynamic_attempts(args: tuple, dims: dict[int, dict[int, str]]
+                      ) -> list[tuple[tuple, dict[int, dict[int, str]], bool]]:
+    """(arguments to trace, dims to mark dynamic, whether a batch of one was doubled), in order.
+
+    Export specializes a dim of size 0 or 1 to that constant, which would leave ``b`` out of
+    every shape: the sharding search and the cost model would price one sequence at any batch
+    size, and sequence parallelism would not recognize the activations it splits. So a batch of
+    one is traced as two copies of it first; if the model rejects that, the batch stays fixed
+    and only the sequence is dynamic."""
+    batch = {args[i].shape[d] for i, ds in dims.items() for d, kind in ds.items() if kind == "batch"}
+    if batch != {1}:
+        return [(args, dims, False)] if dims else []
+    doubled = list(args)
+    for i, ds in dims.items():
+        for d, kind in ds.items():
+            if kind == "batch":
+                doubled[i] = torch.cat([doubled[i], doubled[i]], dim=d)
+    attempts = [(tuple(doubled), dims, True)]
+    seq_only = {i: {d: k for d, k in ds.items() if k != "batch"} for i, ds in dims.items()}
+    seq_only = {i: ds for i, ds in seq_only.items() if ds}
+    if seq_only:
+        attempts.append((args, seq_only, False))
+    return attempts
 
 
 def _export_dynamic(step: nn.Module, args: tuple, dims: dict[int, dict[int, str]]

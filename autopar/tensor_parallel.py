@@ -157,7 +157,7 @@ def _reads_input(node: Any) -> bool:
 def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: bool = False,
                        cost: TPCostSpec | None = None, sizes: Mapping[str, int] | None = None,
                        pins: Mapping[str, GemmSharding | str] | None = None,
-                       strict: bool = True) -> "TPProgram":
+                       strict: bool = True, depth: int | None = None) -> "TPProgram":
     """Shard ``captured`` over ``tp`` ranks.
 
     Args:
@@ -168,6 +168,8 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
         sizes: batch and sequence length the costs are evaluated at (default: the example's).
         pins: GEMM node name -> column / row / replicate, to override the search.
         strict: raise when heads or vocabulary do not divide by tp (False: run them replicated).
+        depth: the real model's number of blocks when ``captured`` is a shallower copy (the
+            planner captures two): the search weighs the blocks as the real model has them.
     """
     from autopar.passes.analyze import analyze
     from autopar.passes.infra import PassContext, PassManager
@@ -190,7 +192,8 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
     ctx = PassContext(captured=captured, properties={"normalized", "analyzed"},
                       options={"tp": tp, "sequence_parallel": sequence_parallel,
                                "cost": cost or TPCostSpec(), "sizes": sizes,
-                               "pins": {k: GemmSharding(v) for k, v in (pins or {}).items()}})
+                               "pins": {k: GemmSharding(v) for k, v in (pins or {}).items()},
+                               "depth": depth})
     sharded = PassManager([split_gemm_bias, shard_graph]).run(gm, ctx)
     local = PassManager([insert_collectives]).run(sharded, ctx)
     return TPProgram(captured=captured, tp=tp, sequence_parallel=sequence_parallel,

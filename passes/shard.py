@@ -6,6 +6,9 @@ tensor-parallel axis and the placement it requires of each input. Repeated block
 block of its signature, so the ILP holds pre + one representative block per signature + post,
 and a representative node stands for ``c_v`` graph nodes (c_v = number of blocks). The choice is
 exact for the tied problem; the GPT-3 175B graph (96 blocks) solves as fast as a 2-layer one.
+A shallower capture of a deep model (the planner captures two blocks) is weighed at the real
+depth (``depth=``): the last captured block counts for the blocks not captured, so the blocks
+weigh against the embedding and the LM head as they do in the real model.
 
 Variables (built in :func:`_build_ilp`):
 
@@ -26,9 +29,11 @@ are taken as fused into them unless TPCostSpec.price_memory_bound_ops), beta the
 backward-to-forward work ratio,
 scale(s) the share one rank computes (1/tp when sharded), state the per-rank bytes of parameter
 state (weights, gradients, Adam moments; x 1/tp when sharded) priced by default at one link
-transfer per byte, act the saved activations (x scale) priced only to break ties, and t_redist the forward and backward
-collectives of autopar.sharding.redistribution priced by a ring model (latency + volume /
-bandwidth). Replicated tensors consumed by a sharded op have partial gradients (Megatron's f);
+transfer per byte, act the saved activations (x scale) priced only to break ties, and t_redist
+the forward and backward collectives of autopar.sharding.redistribution priced by a ring model
+(latency + volume / bandwidth). Float tensors are priced at the training precision
+(TPCostSpec.float_bytes: a model captured in fp32 and trained in bf16 moves 2-byte elements);
+t_internal (the vocab-parallel loss's statistics) stays fp32. Replicated tensors consumed by a sharded op have partial gradients (Megatron's f);
 that demand q = (Replicate, partial) costs its backward all-reduce (or reduce-scatter instead of
 a slice after an all-gather) once per producer, however many consumers share it.
 
@@ -64,7 +69,7 @@ import torch
 import torch.fx
 
 from autopar.errors import InfeasiblePlanError, UnsupportedOpWarning
-from autopar.ir import BATCH, SEQ, NodeInfo, NodeKind, info
+from autopar.ir import BATCH, SEQ, NodeInfo, NodeKind, dtype_bytes, info
 from autopar.plan import GemmSharding
 from autopar.passes.infra import PassContext, PassResult, graph_pass
 from autopar.passes.sharding_rules import (
@@ -123,6 +128,12 @@ class TPCostSpec:
     #: collectives, as in Megatron-LM's own analysis. True prices each as a kernel that reads
     #: and writes its tensors at HBM bandwidth. Either way they cost memory.
     price_memory_bound_ops: bool = False
+    #: Bytes of one floating-point element of activations, compute weights and collectives at
+    #: the training precision (2 under bf16 mixed precision); None: the graph's own dtype (a
+    #: model captured in fp32 would pay twice the bf16 traffic). Parameter state stays
+    #: state_bytes_per_param_byte x the graph's bytes: 16 per fp32 parameter, mixed-precision
+    #: Adam's weights, gradients and moments.
+    float_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "link_bandwidth"):
@@ -136,11 +147,19 @@ class TPCostSpec:
             raise ValueError(f"memory_limit must be positive, got {self.memory_limit}")
         if self.param_memory_weight is not None and self.param_memory_weight < 0:
             raise ValueError(f"param_memory_weight must be >= 0, got {self.param_memory_weight}")
+        if self.float_bytes is not None and not self.float_bytes > 0:
+            raise ValueError(f"float_bytes must be positive, got {self.float_bytes}")
 
     @property
     def param_weight(self) -> float:
         return (1.0 / self.link_bandwidth if self.param_memory_weight is None
                 else self.param_memory_weight)
+
+    def float_scale(self, spec: Any) -> float:
+        """Training-precision bytes per graph byte of a tensor (1 for integers)."""
+        if self.float_bytes is None or spec is None or not spec.is_float:
+            return 1.0
+        return self.float_bytes / dtype_bytes(spec.dtype)
 
 
 def collective_time(kind: Collective, nbytes: float, tp: int, cost: TPCostSpec) -> float:
@@ -319,11 +338,16 @@ def _generate(nodes: list[torch.fx.Node], rep: Mapping, rctx: RuleContext,
 def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
                       sequence_parallel: bool = False, cost: TPCostSpec | None = None,
                       sizes: Mapping[str, int], pins: Mapping[str, GemmSharding] | None = None,
-                      time_limit_s: float = 120.0) -> ShardingSolution:
-    """Solve the ILP of the module docstring for ``gm`` (with biases split off)."""
+                      depth: int | None = None, time_limit_s: float = 120.0) -> ShardingSolution:
+    """Solve the ILP of the module docstring for ``gm`` (with biases split off).
+
+    ``depth``: the number of repeated blocks of the real model when ``gm`` is a shallower
+    capture of it (the planner captures two): the last captured block stands for the rest, so
+    the blocks weigh against the embedding and the head as they do in the real model."""
     cost = cost or TPCostSpec()
     start = time.perf_counter()
     rep = representatives(gm, layers)
+    extra = _extra_block_copies(layers, depth)
     nodes = _ilp_nodes(gm, rep)
     rctx = RuleContext(tp=tp, sequence_parallel=sequence_parallel)
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -343,7 +367,7 @@ def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
         warnings.warn(UnsupportedOpWarning(f"no sharding rule for {names}: these ops run "
                                            f"replicated on every tensor-parallel rank"),
                       stacklevel=3)
-    prob, x, stats = _build_ilp(gm, nodes, rep, strategies, tp, cost, sizes)
+    prob, x, stats = _build_ilp(gm, nodes, rep, strategies, tp, cost, sizes, extra)
     build_s = time.perf_counter() - start
     t0 = time.perf_counter()
     prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1))
@@ -370,18 +394,31 @@ def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
         unruled=tuple(sorted(rctx.unruled)), sizes=dict(sizes))
 
 
+def _extra_block_copies(layers: list[Any], depth: int | None) -> tuple[str, int]:
+    """(the last block's layer name, how many more copies of it the real model has)."""
+    blocks = [layer for layer in layers if layer.is_block]
+    if depth is None or not blocks:
+        return ("", 0)
+    if depth < len(blocks):
+        raise InfeasiblePlanError(f"depth={depth} is below the {len(blocks)} blocks captured",
+                                  expected=f"depth >= {len(blocks)}", found=str(depth),
+                                  fix="pass the real model's number of blocks")
+    return (blocks[-1].name, depth - len(blocks))
+
+
 def _steps_time(steps, nbytes: float, tp: int, cost: TPCostSpec) -> float:
     return sum(collective_time(s.forward, nbytes, tp, cost) + collective_time(s.backward, nbytes, tp, cost)
                for s in steps)
 
 
-def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes):
+def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("", 0)):
     prob = pulp.LpProblem("tensor_parallel_sharding", pulp.LpMinimize)
     index = {v: i for i, v in enumerate(nodes)}
     count: dict[torch.fx.Node, int] = defaultdict(int)
+    last_block, copies = extra
     for n in gm.graph.nodes:
         if rep[n] in index:
-            count[rep[n]] += 1
+            count[rep[n]] += 1 + (copies if copies and info(n).layer == last_block else 0)
     us = 1e6  # the objective in microseconds keeps CBC's tolerances meaningful
     x: dict[torch.fx.Node, list[Any]] = {}
     objective: list[Any] = []
@@ -399,20 +436,22 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes):
                 if meta.kind is NodeKind.PARAMETER else 0.0
         else:
             param_bytes = 0.0
+            precision = cost.float_scale(meta.spec)
             if meta.is_gemm:
                 flops = _ev(meta.flops, sizes)
-                moved = _ev(meta.bytes_read, sizes) + _ev(meta.bytes_written, sizes)
+                moved = (_ev(meta.bytes_read, sizes) + _ev(meta.bytes_written, sizes)) * precision
                 base = (1 + cost.backward_factor) * max(flops / cost.peak_flops,
                                                         moved / cost.hbm_bandwidth)
             elif cost.price_memory_bound_ops:  # views move no bytes, so cost nothing
-                moved = _ev(meta.bytes_read, sizes) + _ev(meta.bytes_written, sizes)
+                moved = (_ev(meta.bytes_read, sizes) + _ev(meta.bytes_written, sizes)) * precision
                 base = 2 * moved / cost.hbm_bandwidth  # forward + a backward of the same traffic
             else:
                 base = 0.0
-        saved = _ev(meta.saved_bytes, sizes)
+        saved = _ev(meta.saved_bytes, sizes) * cost.float_scale(meta.spec)
         for j, s in enumerate(strategies[v]):
             t = base * s.compute_scale
-            t += sum(collective_time(kind, _ev(elems, sizes) * 4, tp, cost) for kind, elems in s.internal)
+            t += sum(collective_time(kind, _ev(elems, sizes) * 4, tp, cost)  # fp32 statistics
+                     for kind, elems in s.internal)
             act = saved * s.compute_scale
             state = param_bytes * (1.0 / tp if is_sharded(s.output) else 1.0)
             mem = act + state
@@ -471,7 +510,8 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes):
         if partial:
             prob += var <= d[(u, (REPLICATE, False))], f"plain_{q_i}"
             n_constraints += 1
-        nbytes = _ev(info(u).spec.nbytes, sizes) if info(u).spec is not None else 0.0
+        spec = info(u).spec
+        nbytes = _ev(spec.nbytes, sizes) * cost.float_scale(spec) if spec is not None else 0.0
         for j, s in enumerate(strategies[u]):
             if isinstance(s.output, tuple):
                 prob += x[u][j] + var <= 1, f"tuple_{q_i}_{j}"
@@ -505,13 +545,13 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes):
 
 @graph_pass(requires=("analyzed", "gemm_bias_split"), ensures=("placements",))
 def shard_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Choose every node's strategy (ctx.options: tp, sequence_parallel, cost, sizes, pins) and
-    record it in NodeInfo.strategy / NodeInfo.placement; the solution goes to
+    """Choose every node's strategy (ctx.options: tp, sequence_parallel, cost, sizes, pins,
+    depth) and record it in NodeInfo.strategy / NodeInfo.placement; the solution goes to
     ctx.options['sharding_solution']."""
     opts = ctx.options
     solution = search_placements(
         gm, ctx.captured.layers, opts["tp"], sequence_parallel=opts.get("sequence_parallel", False),
-        cost=opts.get("cost"), sizes=opts["sizes"], pins=opts.get("pins"))
+        cost=opts.get("cost"), sizes=opts["sizes"], pins=opts.get("pins"), depth=opts.get("depth"))
     for n in gm.graph.nodes:
         meta = info(n)
         s = solution.strategies.get(n.name)

@@ -59,6 +59,31 @@ def tiny_models():
     return out
 
 
+#: Published shapes for the sharding search at full size: (preset, overrides, real depth).
+#: Two blocks are captured (as `autopar plan` does) and the search is told the real depth.
+#: Positions are 4096 for all three, so planning-like sequence lengths fit every model (as
+#: `autopar plan gpt2-small --max-seq 4096` would build it); the vocabularies are Megatron-LM's
+#: padded ones (GPT-2 50257 -> 50304, BERT 30522 -> 30528), divisible by every tp tested.
+FULL_SIZE = {
+    "gpt2-small": (dict(vocab=50304, seq=4096), 12),
+    "bert-base": (dict(vocab=30528, seq=4096), 12),
+    "llama-7b": (dict(kv_heads=8, seq=4096), 32),
+}
+
+
+@pytest.fixture(scope="session")
+def full_size():
+    """name -> CapturedGraph of FULL_SIZE's two-block meta-device models (no weights)."""
+    from autopar import capture, models
+
+    out = {}
+    for name, (over, _) in FULL_SIZE.items():
+        zm = models.build(name, device="meta", layers=2, **over)
+        inputs, targets = zm.example_inputs(batch=2, seq=16)
+        out[name] = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    return out
+
+
 @pytest.fixture(scope="session")
 def shared_pool4():
     """One LocalPool(4) for the reliability and property tests: started once (seconds each)."""

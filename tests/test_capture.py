@@ -97,6 +97,46 @@ def test_llama_rotary_region_is_inlined(tiny_models):
     assert not any("wrap_with_set_grad_enabled" in t for t in names)
 
 
+@pytest.mark.parametrize("family", ["gpt", "bert", "llama"])
+def test_batch_of_one_keeps_the_batch_symbolic(family):
+    """Export fixes a size-1 dim to 1; capture traces a batch of one as two, so ``b`` stays in
+    every shape (the post layer's tensors included) and the graph runs at any batch."""
+    from conftest import build_tiny
+
+    zm = build_tiny(family)
+    gen = torch.Generator().manual_seed(3)
+    inputs, targets = zm.example_inputs(batch=1, seq=16, generator=gen)
+    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    assert captured.method is CaptureMethod.EXPORT and not captured.warnings
+    assert captured.example_sizes == {BATCH: 1, SEQ: 16}
+    post = [n for n in captured.gm.graph.nodes if n.op == "call_function"
+            and info(n).layer == "post" and info(n).spec is not None and info(n).spec.ndim == 3]
+    assert post and all(BATCH in info(n).spec.shape for n in post)
+    for batch, seq in [(1, 16), (3, 9)]:
+        inputs, targets = zm.example_inputs(batch=batch, seq=seq, generator=gen)
+        expected = zm.loss_fn(zm.model(*inputs), *targets)
+        torch.testing.assert_close(captured.run(*inputs, *targets), expected, rtol=1e-6, atol=1e-6)
+
+
+class _OneSequence(nn.Module):
+    """Works on a batch of one only: the batch dim is folded away by a reshape."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x.reshape(x.shape[-2], x.shape[-1]))
+
+
+def test_batch_of_one_that_cannot_double_keeps_the_sequence_symbolic():
+    with pytest.warns(UserWarning, match="batch size fixed to 1"):
+        captured = capture(_OneSequence(), (torch.randn(1, 6, 8),))
+    assert captured.method is CaptureMethod.EXPORT
+    assert captured.example_sizes == {SEQ: 6}
+    assert captured.run(torch.randn(1, 5, 8)).shape == (5, 8)
+
+
 def test_meta_device_capture_allocates_nothing():
     zm = models.build("gpt2-medium", device="meta")
     inputs, targets = zm.example_inputs(batch=2, seq=8)

@@ -23,18 +23,6 @@ from tp_helpers import TINY_COST, activation_bytes, block_layers, block_gemms, i
 FAMILIES = ("gpt", "bert", "llama", "own_gpt")
 
 
-@pytest.fixture(scope="module")
-def full_size():
-    """Published shapes, two layers, captured on the meta device (no weights)."""
-    out = {}
-    for name, over in (("gpt2-small", dict(vocab=50304)), ("bert-base", dict(vocab=30528)),
-                       ("llama-7b", dict(kv_heads=8))):
-        zm = models.build(name, device="meta", layers=2, **over)
-        inputs, targets = zm.example_inputs(batch=2, seq=16)
-        out[name] = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
-    return out
-
-
 def _no_full_vocab_collective(program, vocab: int) -> bool:
     """No collective moves a tensor with a full-vocabulary dim (logits are never gathered)."""
     for n in program.gm.graph.nodes:
@@ -129,6 +117,140 @@ def test_comm_volume_per_layer_is_the_closed_form(full_size, sp):
             program = tensor_parallelize(full_size[name], tp, sequence_parallel=sp,
                                          sizes={"b": 4, "s": 1024})
             _closed_form_check(program, tp, full_size[name].model.config.hidden_size)
+
+
+#: (cluster preset, sequence length): what `autopar plan` solves the layout at (micro-batch 1,
+#: the training sequence, the cluster's numbers at bf16).
+PLANNING = [("a100-80g", 2048), ("h100-80g", 4096)]
+#: GPT-2 small and BERT-base have 12 heads (tp 8 does not divide them).
+PLANNING_TP = {"gpt2-small": (2, 4), "bert-base": (2, 4), "llama-7b": (4, 8)}
+
+
+def _lm_head(program, vocab: int) -> torch.fx.Node:
+    """The GEMM of the post layer whose output has the vocabulary as its last dim."""
+    return next(n for n in program.sharded.graph.nodes if info(n).layer == "post"
+                and info(n).strategy is not None and info(n).strategy.gemm is not None
+                and info(n).spec.shape[-1] == vocab)
+
+
+@pytest.mark.parametrize("cluster, seq", PLANNING, ids=[f"{c}-s{s}" for c, s in PLANNING])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("name, tp", [(m, t) for m, tps in PLANNING_TP.items() for t in tps])
+def test_planning_sizes_get_megatron_and_a_vocab_parallel_head(full_size, name, tp, sp,
+                                                               cluster, seq):
+    """At the sizes the planner solves at (b=1, s=2048/4096, the cluster's bf16 numbers, the
+    real depth), every block is Megatron's, the LM head is split by vocabulary into a
+    vocab-parallel cross-entropy, no collective carries a full-vocabulary dim, and every
+    layer's messages are expressions in b and s: per block the closed form (4 all-reduces of
+    b*s*h; with SP the same ring volume as all-gathers and reduce-scatters); around the head
+    only its input's f (SP: all-gather forward, reduce-scatter backward) and the loss
+    statistics (2 fp32 per token and rank)."""
+    from autopar import Cluster
+    from autopar.planner.tp_layout import tp_cost_spec
+    from conftest import FULL_SIZE
+
+    captured = full_size[name]
+    config = captured.model.config
+    hidden, vocab = config.hidden_size, config.vocab_size
+    cost = tp_cost_spec(Cluster.load(cluster), "bf16")
+    program = tensor_parallelize(captured, tp, sequence_parallel=sp, cost=cost,
+                                 sizes={"b": 1, "s": seq}, depth=FULL_SIZE[name][1])
+    for layer in block_layers(program):
+        assert is_megatron_block(program, layer), (layer, block_gemms(program, layer))
+    _closed_form_check(program, tp, hidden)
+    head = _lm_head(program, vocab)
+    assert info(head).strategy.gemm is GemmSharding.COLUMN
+    assert _loss_strategy(program) == "vocab"
+    assert _no_full_vocab_collective(program, vocab)
+
+    act = BATCH * SEQ * hidden * 4
+    local = {n.name: n for n in program.gm.graph.nodes}[head.name]
+    feed = info(local.args[0]).collective  # the head's input conversion: Megatron's f
+    want = ((Collective.ALL_GATHER, Collective.REDUCE_SCATTER) if sp
+            else (Collective.NONE, Collective.ALL_REDUCE))
+    assert feed is not None and (feed.forward, feed.backward) == want
+    for comm in program.layer_comm:
+        for c in comm.calls:
+            symbols = c.message_bytes.free_symbols
+            if symbols:  # activations (b*s*h, a position table's s*h), the loss statistics
+                assert symbols <= {BATCH, SEQ}, (comm.layer, c)
+                assert sympy.simplify(c.message_bytes / sympy.Mul(*symbols)).is_Number, c
+            else:  # parameter gradients (f of a norm weight or bias): at most a table row
+                assert c.collective is Collective.ALL_REDUCE and c.direction is Direction.BACKWARD
+                assert c.message_bytes <= hidden * 4, (comm.layer, c)
+    post = {lc.layer: lc for lc in program.layer_comm}["post"]
+    stats = [c for c in post.calls if c.note.startswith("inside vocab")]
+    assert [sympy.simplify(c.message_bytes - BATCH * SEQ * 8 * tp) for c in stats] == [0]
+    assert sympy.simplify(sum(c.message_bytes for c in post.calls if c.node == local.args[0].name)
+                          - (2 if sp else 1) * act) == 0
+
+
+def test_a_row_split_lm_head_is_legal_but_priced_out(full_size):
+    """A row-split head makes the full-vocabulary logits a partial sum: legal (a classifier
+    with a few classes may want it), never good at a real vocabulary. Pinned, it all-reduces
+    b*s*V logits and the ILP's objective says what that costs."""
+    from autopar import Cluster
+    from autopar.planner.tp_layout import tp_cost_spec
+
+    captured = full_size["llama-7b"]
+    vocab = captured.model.config.vocab_size
+    cost = tp_cost_spec(Cluster.load("h100-80g"), "bf16")
+    kw = dict(sequence_parallel=True, cost=cost, sizes={"b": 1, "s": 4096}, depth=32)
+    free = tensor_parallelize(captured, 8, **kw)
+    head = _lm_head(free, vocab).name
+    row = tensor_parallelize(captured, 8, pins={head: "row"}, **kw)
+    assert not _no_full_vocab_collective(row, vocab)
+    assert row.solution.objective_s > free.solution.objective_s * 1.01
+
+
+def test_depth_weighs_the_blocks_as_the_real_model(full_size):
+    """The planner captures two blocks of a 32-block model. Weighed as two, the blocks lose to
+    the embedding: without sequence parallelism LLaMA-7B's search (A100, s=4096, tp 8) keeps
+    the residual stream split by hidden columns (the hidden-parallel embedding's output
+    placement: one all-gather saved in `pre`) and pays 3x the collective calls per block;
+    weighed as 32, it is Megatron's replicated stream, 4 all-reduces per block."""
+    from autopar import Cluster
+    from autopar.planner.tp_layout import tp_cost_spec
+
+    captured = full_size["llama-7b"]
+    cost = tp_cost_spec(Cluster.load("a100-80g"), "bf16")
+    kw = dict(cost=cost, sizes={"b": 1, "s": 4096})
+    deep = tensor_parallelize(captured, 8, depth=32, **kw)
+    shallow = tensor_parallelize(captured, 8, **kw)
+    block = block_layers(deep)[0]
+    calls = {p: {lc.layer: lc for lc in p.layer_comm}[block] for p in (deep, shallow)}
+    assert calls[deep].count() == 4 == calls[deep].count(Collective.ALL_REDUCE)
+    assert calls[shallow].count() > 4
+    assert deep.solution.objective_s > shallow.solution.objective_s
+    with pytest.raises(InfeasiblePlanError, match="depth=1"):
+        tensor_parallelize(captured, 8, depth=1, **kw)
+
+
+def test_the_planner_solves_layouts_at_the_real_depth(tiny_models, monkeypatch):
+    """ModelCosts extends a shallow capture to the real depth; its layouts are solved there."""
+    import autopar.planner.cost_model as cm
+
+    seen = []
+    real = cm.solve_layout
+    monkeypatch.setattr(cm, "solve_layout", lambda *a, **kw: seen.append(kw["depth"]) or real(*a, **kw))
+    costs = cm.ModelCosts(tiny_models["llama"][4], depth=6)
+    layout = costs.layout(2, False, cost=TINY_COST, sizes={"b": 1, "s": 16})
+    assert seen == [6] and layout.tp == 2
+
+
+def test_training_precision_scales_the_bytes_on_the_wire():
+    """An fp32 capture trained in bf16 moves 2-byte activations: float_bytes=2 halves the price
+    of every collective of a float tensor (no latency, no compute, no memory terms here)."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    captured = capture(model, (torch.randn(4, 64),))
+    free = dict(peak_flops=1e30, hbm_bandwidth=1e30, link_latency=0.0, param_memory_weight=0.0,
+                activation_memory_weight=0.0)
+    pins = {"linear": "column", "linear_1": "row"}
+    fp32 = tensor_parallelize(captured, 2, cost=TPCostSpec(**free), pins=pins)
+    bf16 = tensor_parallelize(captured, 2, cost=TPCostSpec(float_bytes=2, **free), pins=pins)
+    assert fp32.solution.objective_s > 0
+    assert bf16.solution.objective_s == pytest.approx(fp32.solution.objective_s / 2, rel=1e-6)
+    assert TPCostSpec(float_bytes=2).float_scale(info(captured.node(captured.input_names[0])).spec) == 0.5
 
 
 def test_gpt3_175b_searched_in_seconds():

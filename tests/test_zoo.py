@@ -46,6 +46,17 @@ def test_family_overrides():
     assert override.layers == 4 and override.hidden == 12288 and override.published_params is None
 
 
+def test_family_shaped_by_hidden_gets_the_family_rules():
+    """`autopar plan llama --hidden 4096 ...` is a LLaMA: ffn 8h/3, one kv head per head and the
+    published vocabulary (not the tiny default's 128, which made the LM head a toy)."""
+    spec = models.resolve_spec("llama", layers=32, hidden=4096, heads=32)
+    assert (spec.ffn, spec.num_kv_heads, spec.vocab) == (11008, 32, 32000)
+    assert models.resolve_spec("gpt", hidden=768, heads=12).vocab == 50257
+    assert models.resolve_spec("bert", hidden=768, heads=12).vocab == 30522
+    assert models.resolve_spec("llama", hidden=4096, heads=32, vocab=128).vocab == 128
+    assert models.resolve_spec("llama").vocab == 128  # the bare family stays tiny
+
+
 def test_llama_ffn_rule():
     assert models.resolve_spec("llama-7b").ffn == 11008
     assert models.resolve_spec("llama-65b").ffn == 22016

@@ -128,6 +128,10 @@ PRESETS: dict[str, ModelSpec] = {
                            published_params=65.2e9),
 }
 
+#: The vocabulary a family shaped by its hidden size gets when none is given: the published
+#: models' (GPT-2 / GPT-3, BERT, LLaMA).
+_FAMILY_VOCAB = {"gpt": 50257, "bert": 30522, "llama": 32000}
+
 #: Small defaults for a bare family name (``build("gpt")``), overridable field by field.
 _FAMILY_DEFAULTS: dict[str, ModelSpec] = {
     "gpt": ModelSpec("gpt", 2, 64, 4, 128, 64),
@@ -150,9 +154,11 @@ def resolve_spec(name: str, **overrides: Any) -> ModelSpec:
         base = _FAMILY_DEFAULTS[key]
         # The family's tiny defaults derive from its hidden size and heads: a user who shapes the
         # model gets the family's rules (LLaMA's ffn = 8h/3 rounded up to 256, one kv head per
-        # head) rather than the tiny model's fixed 128 and 2.
+        # head, the published vocabulary) rather than the tiny model's fixed 128 and 2.
         if overrides.get("hidden") is not None and overrides.get("ffn_hidden") is None:
             base = dataclasses.replace(base, ffn_hidden=None)
+        if overrides.get("hidden") is not None and overrides.get("vocab") is None:
+            base = dataclasses.replace(base, vocab=_FAMILY_VOCAB[key])
         if overrides.get("heads") is not None and overrides.get("kv_heads") is None:
             base = dataclasses.replace(base, kv_heads=None)
     else:

@@ -571,7 +571,8 @@ class ModelCosts:
         hit = self._layouts.get(key)
         if hit is None:
             try:
-                hit = solve_layout(self.captured, tp, sequence_parallel, cost=cost, sizes=sizes)
+                hit = solve_layout(self.captured, tp, sequence_parallel, cost=cost, sizes=sizes,
+                                   depth=self.kinds.count(LayerKind.BLOCK) or None)
             except AutoparError as exc:
                 found = f" ({_short(exc.found)})" if exc.found else ""
                 hit = f"{type(exc).__name__}: {exc.summary}{found}"

@@ -95,9 +95,14 @@ def _sharded(p: Any) -> bool:
     return is_sharded(p)
 
 
+#: Bytes of an activation element at the training precision (bf16 / fp16 mixed precision).
+_FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
 def tp_cost_spec(cluster: Any, dtype: str) -> Any:
     """The numbers the sharding ILP prices with, from the cluster: achieved GEMM rate, HBM
-    bandwidth and the NVLink bus bandwidth and latency of a collective inside a node."""
+    bandwidth and the NVLink bus bandwidth and latency of a collective inside a node; tensors
+    at the training precision ``dtype`` (a model captured in fp32 moves bf16 activations)."""
     from autopar.passes.shard import TPCostSpec
 
     d = cluster.device
@@ -105,12 +110,14 @@ def tp_cost_spec(cluster: Any, dtype: str) -> Any:
     return TPCostSpec(peak_flops=d.peak(dtype) * d.gemm_efficiency,
                       hbm_bandwidth=d.memory_bandwidth * d.memory_efficiency,
                       link_bandwidth=link.effective_bandwidth,
-                      link_latency=cluster.collective_latency_s + link.latency_s)
+                      link_latency=cluster.collective_latency_s + link.latency_s,
+                      float_bytes=_FLOAT_BYTES.get(dtype))
 
 
 def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
-                 sizes: Mapping[str, int]) -> TPLayout:
-    """Run the sharding search on ``captured`` (not modified) and read its layout.
+                 sizes: Mapping[str, int], depth: int | None = None) -> TPLayout:
+    """Run the sharding search on ``captured`` (not modified) and read its layout; ``depth``
+    is the real model's number of blocks when ``captured`` is a shallower copy of it.
 
     Raises :class:`autopar.errors.ShardingError` when ``tp`` does not divide the model's heads or
     vocabulary (or, with sequence parallelism, the sequence)."""
@@ -120,7 +127,7 @@ def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
     with warnings.catch_warnings():  # ops without a rule: in the layout (and the plan document)
         warnings.simplefilter("ignore")
         program = tensor_parallelize(captured, tp, sequence_parallel=sequence_parallel,
-                                     cost=cost, sizes=dict(sizes), strict=True)
+                                     cost=cost, sizes=dict(sizes), strict=True, depth=depth)
     names = {n.name for n in captured.gm.graph.nodes}
     scale: dict[str, float] = {}
     placements: dict[str, Any] = {}
