@@ -151,6 +151,20 @@ class DeviceSpec:
     #: Measured fused-attention rates: rows (sequence, head dim, forward FLOP/s, backward
     #: FLOP/s), FLOPs counted as 4 b a s^2 d forward and 2.5 times that backward.
     attention_table: tuple[tuple[float, float, float, float], ...] = ()
+    #: Host time per graph node of the forward, added to the node's compute: dispatch of the op
+    #: and autograd's recording of it, on the thread that then runs the op (CPU processes).
+    #: 0 where the host runs ahead of the device (GPUs launch kernels asynchronously; the
+    #: kernel floor stands for their launch).
+    node_overhead_s: float = 0.0
+    #: The same per node of the backward graph (autograd's engine calling the node's backward
+    #: function, accumulating gradients into ``.grad``), added to the backward's compute.
+    node_backward_overhead_s: float = 0.0
+    #: Measured times of element-wise and normalization ops at ``default_dtype``: op name (as in
+    #: the graph; ``gelu(tanh)`` for the tanh approximation) -> (forward, backward) seconds per
+    #: element of the op's largest tensor. The roofline's bytes / bandwidth stays a floor; the
+    #: table matters where a device computes an op slower than it streams it (a CPU core's tanh
+    #: GELU or cross-entropy). Empty: every such op is memory-bound (GPUs).
+    op_table: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -165,6 +179,13 @@ class DeviceSpec:
             _positive(owner, f"peak_flops.{dtype}", value)
             flops[dtype] = value
         object.__setattr__(self, "peak_flops", flops)
+        for name in ("node_overhead_s", "node_backward_overhead_s"):
+            value = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
+            object.__setattr__(self, name, value)
+            _check(math.isfinite(value) and 0 <= value < 1e-2,
+                   f"{owner}.{name} must be a host time per graph node",
+                   expected="0 <= value < 10 ms (a few microseconds on CPUs, 0 on GPUs)",
+                   found=value, fix="regenerate with autopar calibrate, or give 0")
         for name in ("memory_bytes", "memory_bandwidth", "kernel_floor_s"):
             base = {"memory_bytes": "bytes", "memory_bandwidth": "bytes/s",
                     "kernel_floor_s": "s"}[name]
@@ -193,6 +214,19 @@ class DeviceSpec:
                    f"{owner}.{name} rows must be 4 positive numbers", expected="[[a, b, c, rate], ...]",
                    found=str(getattr(self, name))[:80], fix="regenerate with autopar calibrate")
             object.__setattr__(self, name, rows)
+        table = {}
+        _check(isinstance(self.op_table, Mapping), f"{owner}.op_table must be a mapping",
+               expected="op name -> [forward, backward] seconds per element",
+               found=type(self.op_table).__name__, fix="regenerate with autopar calibrate")
+        for op, times in dict(self.op_table).items():
+            ok = isinstance(op, str) and isinstance(times, (list, tuple)) and len(times) == 2 \
+                and all(isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t < 1e-3
+                        for t in times)
+            _check(ok, f"{owner}.op_table[{op!r}] must be two times per element",
+                   expected="[forward, backward] seconds per element, each in [0, 1 ms)",
+                   found=times, fix="regenerate with autopar calibrate")
+            table[op] = (float(times[0]), float(times[1]))
+        object.__setattr__(self, "op_table", table)
         _check(self.default_dtype in self.peak_flops,
                f"{owner}.default_dtype has no peak", expected=f"one of {sorted(self.peak_flops)}",
                found=self.default_dtype, fix="add its peak to peak_flops or change default_dtype")
@@ -284,6 +318,11 @@ class Cluster:
     #: Fixed software latency of one collective call (NCCL's base latency), seconds.
     collective_latency_s: float = 3.6e-6
     backend: str = "nccl"
+    #: CPU cores the devices of one node share (a CPU cluster, whose devices are processes of
+    #: one thread each); 0 when every device has its own compute (GPUs). With more processes
+    #: computing on a node than it has cores, each gets ``cores / processes`` of one
+    #: (:meth:`compute_share`).
+    cores_per_node: int = 0
     #: Where each number comes from: field path -> citation.
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -305,6 +344,12 @@ class Cluster:
                expected=">= 0", found=self.collective_latency_s, fix="give NCCL's base latency")
         _check(self.backend in ("nccl", "gloo"), f"unknown backend {self.backend!r}",
                expected="'nccl' or 'gloo'", found=self.backend, fix="set backend")
+        _check(isinstance(self.cores_per_node, int) and not isinstance(self.cores_per_node, bool)
+               and self.cores_per_node >= 0,
+               f"cluster {self.name!r}: cores_per_node must be a non-negative integer",
+               expected="the CPU cores of a node (CPU clusters) or 0 (devices with their own "
+                        "compute)", found=repr(self.cores_per_node),
+               fix="give os.cpu_count() of the host (autopar calibrate records it), or 0")
         object.__setattr__(self, "sources", dict(self.sources))
 
     # -- size ---------------------------------------------------------------------------------
@@ -348,6 +393,15 @@ class Cluster:
     def peak_flops(self, dtype: str | None = None) -> float:
         return self.device.peak(dtype or self.device.default_dtype)
 
+    def compute_share(self, computing: float) -> float:
+        """Fraction of its own speed a device computes at while ``computing`` devices of its
+        node compute at once: ``min(1, cores_per_node / computing)`` on a CPU cluster (the
+        processes share the cores, and the kernel's scheduler shares them fairly), 1 when the
+        devices have their own compute (``cores_per_node == 0``)."""
+        if self.cores_per_node <= 0 or computing <= self.cores_per_node:
+            return 1.0
+        return self.cores_per_node / computing
+
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         def link(spec: LinkSpec) -> dict[str, Any]:
@@ -359,6 +413,7 @@ class Cluster:
         return {
             "name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
             "backend": self.backend, "collective_latency_s": self.collective_latency_s,
+            "cores_per_node": self.cores_per_node,
             "device": {"name": d.name, "peak_flops": dict(d.peak_flops),
                        "memory_bytes": d.memory_bytes, "memory_bandwidth": d.memory_bandwidth,
                        "gemm_efficiency": d.gemm_efficiency,
@@ -368,6 +423,9 @@ class Cluster:
                        "collective_sms": d.collective_sms,
                        "gemm_table": [list(r) for r in d.gemm_table],
                        "attention_table": [list(r) for r in d.attention_table],
+                       "op_table": {k: list(v) for k, v in d.op_table.items()},
+                       "node_overhead_s": d.node_overhead_s,
+                       "node_backward_overhead_s": d.node_backward_overhead_s,
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),

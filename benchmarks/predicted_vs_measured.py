@@ -3,9 +3,10 @@ and 4 on a small GPT, and whether the plan autopar picks is the measured fastest
 
     .venv/bin/python benchmarks/predicted_vs_measured.py [--worlds 1 2 4] [--steps 5]
         [--cluster FILE]        # a cluster file from `autopar calibrate` (default: calibrate
-                                # here, once per world size, before measuring)
+                                # here once, one process per core, before measuring)
 
-Predictions come from the cost model with the calibrated cluster; every plan is pinned to
+Predictions come from the cost model with the calibrated cluster (world sizes above the host's
+cores are the same device shared: ``cores_per_node``); every plan is pinned to
 ZeRO-0 and no recomputation (what every runner below implements) and the search picks the rest
 (micro-batch size, schedule, sequence parallelism) for each mesh.
 
@@ -150,28 +151,36 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--cluster", help="calibrated cluster file (default: calibrate now)")
+    ap.add_argument("--cluster", help="calibrated cluster file (default: calibrate now, with "
+                                      "one process per core)")
     ap.add_argument("--runner", choices=["autopar", "torch"], default="autopar")
     ap.add_argument("--json", help="write the rows as JSON to this file")
+    ap.add_argument("--mesh", action="append", default=[], metavar="DP,TP,PP",
+                    help="measure only these meshes (repeatable; default: all)")
     args = ap.parse_args(argv)
 
     from autopar import Cluster
-    from autopar.planner.calibration import calibrate_cluster
+    from autopar.planner.calibration import calibrate_cluster, host_cores
     from autopar.planner.cost_model import CostModel, TrainingSetup
     from autopar.planner.planning import capture_model_costs
     from autopar.planner.search import SearchSpace, search
 
     costs = capture_model_costs("gpt", **MODEL)[0]
     rows = []
+    if args.cluster:
+        base = Cluster.load(args.cluster)
+    else:  # the device as it is, one process per core; more processes than cores are modelled
+        procs = max(2, min(host_cores(), max(args.worlds)))
+        base, _ = calibrate_cluster(procs, name=f"calibrated-{procs}")
+    print(f"cluster {base.name}: {base.cores_per_node} cores per node", flush=True)
     for world in args.worlds:
-        if args.cluster:
-            base = Cluster.load(args.cluster)
-        else:
-            base, _ = calibrate_cluster(max(world, 2), name=f"calibrated-{max(world, 2)}")
         cluster = base.with_devices(world)
         cm = CostModel(costs, cluster, TrainingSetup(GLOBAL_BATCH, MODEL["seq"], "fp32"))
         picked = search(cm, SearchSpace(zero=0, recompute="none")).best.candidate
+        only = {tuple(int(x) for x in m.split(",")) for m in args.mesh}
         for dp, tp, pp in meshes(world):
+            if only and (dp, tp, pp) not in only:
+                continue
             try:
                 best = search(cm, SearchSpace(dp=dp, tp=tp, pp=pp, zero=0,
                                               recompute="none")).best
@@ -184,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"world": world, "dp": dp, "tp": tp, "pp": pp,
                          "plan": best.candidate.label(),
                          "predicted_s": best.prediction.step_time_s, "measured_s": measured,
-                         "runner": runner, "picked": best.candidate == picked})
+                         "runner": runner, "picked": best.candidate == picked,
+                         "breakdown": best.prediction.breakdown,
+                         "stages": [st.to_json() for st in best.stages]})
             print(json.dumps(rows[-1]), flush=True)
     print()
     print("| world | dp | tp | pp | plan | predicted | measured | error | runner |")

@@ -11,9 +11,9 @@ schedule's m micro-batches and walks the rank's actions:
   gradients are those of the mean loss over the batch.
 - ``B``: backward from the received output gradients; parameter gradients accumulate over the
   micro-batches, the input gradients go to the previous stage.
-- ``I`` / ``W`` (zero-bubble): ``torch.autograd.grad`` over the stage inputs only, keeping the
-  graph (``retain_graph``), then later over the weights. W walks the graph again: simple and
-  exact, at the cost of running the input-gradient part twice.
+- ``I`` / ``W`` (zero-bubble): the input gradients, keeping the gradients the weights still
+  need at the nodes where the two parts of the graph meet, then later the weight gradients from
+  there (``autopar.runtime.split_backward``): together one backward's work.
 - runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
   group over its pipeline column, every message tagged with (sending stage, direction,
   micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
@@ -67,6 +67,11 @@ from autopar.runtime.schedules import (
     PipelineSchedule,
     add_communication,
     comm_batches,
+)
+from autopar.runtime.split_backward import (
+    PendingWeightGradients,
+    backward_input,
+    backward_weight,
 )
 
 __all__ = ["PipelineExecutor", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
@@ -336,7 +341,7 @@ class PipelineExecutor:
         self._forward: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         self._grad_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self._to_send: dict[tuple[int, str, int], list[torch.Tensor]] = {}
-        self._weight_todo: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any]]] = {}
+        self._weight_todo: dict[tuple[int, int], PendingWeightGradients | None] = {}
         self._pending_sends: list[tuple[Any, str, torch.Tensor]] = []
         self._loss_sum: torch.Tensor | None = None
 
@@ -483,13 +488,14 @@ class PipelineExecutor:
                 input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
                                for x in wanted]
             else:
-                found: Sequence[torch.Tensor | None] = ()
-                if roots and wanted:
-                    found = torch.autograd.grad(roots, wanted, grads, retain_graph=True,
-                                                allow_unused=True)
+                found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+                pending = None
+                if roots:
+                    found, pending = backward_input(roots, grads, wanted,
+                                                    self._trained_params(stage))
                 input_grads = [g if g is not None else torch.zeros_like(x)
-                               for x, g in zip(wanted, found or [None] * len(wanted))]
-                self._weight_todo[(s, mb)] = (roots, grads)
+                               for x, g in zip(wanted, found)]
+                self._weight_todo[(s, mb)] = pending
             if s > 0:
                 if self.stage_to_rank[s - 1] == self.pp_rank:
                     prev = self.local[s - 1]
@@ -500,15 +506,16 @@ class PipelineExecutor:
                     self._to_send[(s, "B", mb)] = input_grads
             return
         # BACKWARD_WEIGHT
-        roots, grads = self._weight_todo.pop((s, mb))
+        pending = self._weight_todo.pop((s, mb))
         self._forward.pop((s, mb))
-        params = [self.params[f] for f in dict.fromkeys(stage_params(stage))
-                  if self.params[f].requires_grad]
-        if roots and params:
-            found = torch.autograd.grad(roots, params, grads, allow_unused=True)
-            for p, g in zip(params, found):
+        if pending is not None:
+            for p, g in backward_weight(pending):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _trained_params(self, stage: StageProgram) -> list[nn.Parameter]:
+        return [self.params[f] for f in dict.fromkeys(stage_params(stage))
+                if self.params[f].requires_grad]
 
     def _roots(self, stage: StageProgram, s: int, mb: int, outs: Any
                ) -> tuple[list[torch.Tensor], list[Any]]:

@@ -17,6 +17,14 @@ rank's blocked action and what it waits for. The result has the step time, each 
 communication and idle time, the bubble fraction and a timeline of (rank, action, start, end)
 events for Chrome traces and Gantt charts.
 
+Shared processors (``cores=``): the ranks of a CPU host are processes that share its cores.
+With ``cores`` processors for this pipeline and ``replicas - 1`` identical copies of it running
+the same list at the same time (its data- and tensor-parallel peers on the host), a rank
+computing while k of the pipeline's ranks compute progresses at ``min(1, cores / (k replicas))``
+of its own speed (processor sharing: the kernel's scheduler gives runnable processes of one
+thread equal shares; a rank waiting on a receive sleeps and takes none). The durations are then
+times on a processor of one's own, and the simulation runs in time order, rate changes included.
+
 This is the cost model's schedule model: the plan search prices its finalists by simulating
 ``build_schedule(kind, p, m, v)`` with the cost model's per-stage forward, backward (input and
 weight) and transfer times (``autopar/planner/schedule_model.py``), and ``autopar simulate``
@@ -160,12 +168,24 @@ def _message_key(action: Action) -> tuple[int, str, int]:
 
 
 def simulate(schedule: PipelineSchedule, durations: Durations, *,
-             strict_order: bool = False) -> SimulationResult:
-    """Execute ``schedule`` (lowered with sends and receives if it is not) under ``durations``."""
+             strict_order: bool = False, cores: float | None = None,
+             replicas: int = 1) -> SimulationResult:
+    """Execute ``schedule`` (lowered with sends and receives if it is not) under ``durations``.
+
+    ``cores``: processors the ranks share (with ``replicas`` copies of the pipeline running at
+    once, see the module docstring); None: every rank has its own."""
     if durations.num_stages != schedule.num_stages:
         raise ScheduleError("durations and schedule disagree on the number of stages",
                             expected=f"{schedule.num_stages} stages",
                             found=f"{durations.num_stages}")
+    if cores is not None and not cores > 0:
+        raise ScheduleError("cores must be positive", found=str(cores))
+    if replicas < 1:
+        raise ScheduleError("replicas must be >= 1", found=str(replicas))
+    if cores is not None and cores < schedule.num_ranks * replicas:
+        if strict_order:  # message order does not depend on the processors: check it apart
+            simulate(schedule, durations, strict_order=True)
+        return _simulate_shared(add_communication(schedule), durations, float(cores), replicas)
     schedule = add_communication(schedule)
     where = schedule.stage_to_rank
     last = schedule.num_stages - 1
@@ -312,4 +332,138 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     idle = tuple(step - b - c for b, c in zip(busy, comm))
     events.sort(key=attrgetter("start", "rank"))
     return SimulationResult(step, tuple(busy), tuple(comm), idle, bubble, tuple(peaks),
+                            tuple(events))
+
+
+def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: float,
+                     replicas: int) -> SimulationResult:
+    """:func:`simulate` with the ranks sharing ``cores`` processors (processor sharing), in
+    time order: at each event (a compute ends, a message arrives, a rank's posting ends) every
+    rank that can move does, then all computing ranks progress at the common rate
+    ``min(1, cores / (computing x replicas))`` to the next event."""
+    import heapq
+
+    where = schedule.stage_to_rank
+    last = schedule.num_stages - 1
+    p = schedule.num_ranks
+    F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                  ActionKind.BACKWARD_WEIGHT)
+    compute_time = {F: durations.forward, B: durations.backward, I: durations.backward_input,
+                    W: durations.backward_weight}
+    clock = [0.0] * p  # when each rank is free (after posting a send or receive)
+    pos = [0] * p
+    busy = [0.0] * p
+    comm = [0.0] * p
+    in_flight = [0] * p
+    peaks = [0] * p
+    done: dict[tuple[int, ActionKind, int], float] = {}
+    posted: dict[tuple[int, str, int], tuple[float, int]] = {}
+    running: dict[int, list] = {}  # rank -> [action, work left, start, work] (own-processor s)
+    future: list[float] = []  # event times ahead (arrivals, ends of postings)
+    events: list[TimelineEvent] = []
+    now = 0.0
+
+    def backward_done(stage: int, mb: int) -> float | None:
+        t = done.get((stage, B, mb))
+        return t if t is not None else done.get((stage, I, mb))
+
+    def ready_time(rank: int, a: Action) -> float | None:  # as in simulate()
+        s, mb, kind = a.stage, a.microbatch, a.kind
+        if kind is F:
+            if s == 0:
+                return 0.0
+            return done.get((s - 1, F, mb)) if where[s - 1] == rank else done.get((s, ActionKind.RECV_F, mb))
+        if kind is B or kind is I:
+            fwd = done.get((s, F, mb))
+            if fwd is None or s == last:
+                return fwd
+            t = backward_done(s + 1, mb) if where[s + 1] == rank else done.get(
+                (s, ActionKind.RECV_B, mb))
+            return None if t is None else max(t, fwd)
+        if kind is W:
+            return done.get((s, I, mb))
+        if kind is ActionKind.SEND_F:
+            return done.get((s, F, mb))
+        if kind is ActionKind.SEND_B:
+            return backward_done(s, mb)
+        arrival = posted.get(_message_key(a))
+        return None if arrival is None else arrival[0]
+
+    def advance(rank: int) -> bool:
+        """Take the rank's actions that can happen at ``now``; True if it moved."""
+        actions = schedule.ranks[rank]
+        moved = False
+        while rank not in running and pos[rank] < len(actions) and clock[rank] <= now:
+            a = actions[pos[rank]]
+            ready = ready_time(rank, a)
+            if ready is None or ready > now:
+                break
+            kind = a.kind
+            if kind in compute_time:
+                work = compute_time[kind][a.stage]
+                running[rank] = [a, work, now, work]
+                if kind is F:
+                    in_flight[rank] += 1
+                    peaks[rank] = max(peaks[rank], in_flight[rank])
+            elif kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
+                end = now + durations.send_overhead
+                comm[rank] += durations.send_overhead
+                transfer = (durations.p2p[a.stage] if kind is ActionKind.SEND_F
+                            else durations.p2p_grad[a.stage - 1])
+                key = _message_key(a)
+                posted[key] = (end + transfer, 0)
+                heapq.heappush(future, end + transfer)
+                events.append(TimelineEvent(rank, a, now, end))
+                clock[rank] = end
+            else:  # a receive whose message has arrived
+                end = now + durations.send_overhead
+                comm[rank] += durations.send_overhead
+                done[(a.stage, kind, a.microbatch)] = end
+                events.append(TimelineEvent(rank, a, clock[rank], end))
+                clock[rank] = end
+            if clock[rank] > now:
+                heapq.heappush(future, clock[rank])
+            pos[rank] += 1
+            moved = True
+        return moved
+
+    total = sum(len(r) for r in schedule.ranks)
+    while True:
+        while any([advance(rank) for rank in range(p)]):
+            pass
+        if not running and all(pos[r] == len(schedule.ranks[r]) for r in range(p)):
+            break
+        while future and future[0] <= now:
+            heapq.heappop(future)
+        rate = min(1.0, cores / (len(running) * replicas)) if running else 1.0
+        finish = min((e[1] / rate for e in running.values()), default=float("inf"))
+        step = min(finish, (future[0] - now) if future else float("inf"))
+        if step == float("inf"):
+            blocked = [f"rank {r} at {schedule.ranks[r][pos[r]]}" for r in range(p)
+                       if pos[r] < len(schedule.ranks[r])]
+            raise ScheduleError("the pipeline schedule deadlocks",
+                                expected="every rank's next action to become ready",
+                                found="; ".join(blocked),
+                                fix="reorder the action lists so that every receive's send and "
+                                    "every backward's forward come earlier on their ranks")
+        now += step
+        for rank in list(running):
+            entry = running[rank]
+            entry[1] -= rate * step
+            if entry[1] <= 1e-9 * entry[3]:
+                a, _, begin, _ = entry
+                del running[rank]
+                done[(a.stage, a.kind, a.microbatch)] = now
+                busy[rank] += now - begin
+                events.append(TimelineEvent(rank, a, begin, now))
+                if a.kind is B or a.kind is W:
+                    in_flight[rank] -= 1
+                clock[rank] = now
+    assert len(events) == total
+    step_time = max(max(clock), now)
+    total_busy = sum(busy)
+    bubble = (p * step_time - total_busy) / total_busy if total_busy > 0 else 0.0
+    idle = tuple(step_time - b - c for b, c in zip(busy, comm))
+    events.sort(key=attrgetter("start", "rank"))
+    return SimulationResult(step_time, tuple(busy), tuple(comm), idle, bubble, tuple(peaks),
                             tuple(events))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -107,6 +108,10 @@ def _spec(**changes):
     ({"inter_node.kind": "carrier-pigeon"}, "unknown link kind"),
     ({"device.default_dtype": "fp8"}, "has no peak"),
     ({"backend": "mpi"}, "unknown backend"),
+    ({"cores_per_node": -2}, "cores_per_node"),
+    ({"cores_per_node": 2.5}, "cores_per_node"),
+    ({"device.node_overhead_s": -1e-6}, "host time per graph node"),
+    ({"device.node_backward_overhead_s": "2 s"}, "host time per graph node"),
 ])
 def test_bad_specs_name_the_problem(tmp_path, changes, match):
     path = tmp_path / "bad.json"
@@ -114,6 +119,27 @@ def test_bad_specs_name_the_problem(tmp_path, changes, match):
     with pytest.raises(ClusterSpecError, match=match) as info:
         Cluster.load(str(path))
     assert info.value.expected is not None and info.value.fix is not None
+
+
+@pytest.mark.parametrize("cores, computing, share", [
+    (0, 64, 1.0),  # GPUs: every device its own compute
+    (2, 1, 1.0), (2, 2, 1.0), (2, 3, 2 / 3), (2, 4, 0.5), (8, 32, 0.25),
+])
+def test_compute_share_of_processes_on_shared_cores(cores, computing, share):
+    c = dataclasses.replace(Cluster.load("cpu"), cores_per_node=cores)
+    assert c.compute_share(computing) == pytest.approx(share)
+
+
+def test_cpu_preset_describes_its_host():
+    c = Cluster.load("cpu")
+    assert c.cores_per_node >= 1  # recorded by autopar calibrate
+    assert 0 < c.device.node_overhead_s < 1e-4 and 0 < c.device.node_backward_overhead_s < 1e-4
+    for key in ("cores_per_node", "device.node_overhead_s", "device.node_backward_overhead_s"):
+        assert c.sources.get(key), key
+    gpu = Cluster.load("a100-80g")  # kernels launch asynchronously: no per-node host time
+    assert gpu.cores_per_node == 0 and gpu.device.node_overhead_s == 0.0
+    round_trip = Cluster.from_json(json.loads(json.dumps(c.to_json())))
+    assert round_trip == c
 
 
 def test_unknown_preset_and_bad_syntax(tmp_path):

@@ -211,3 +211,55 @@ def test_golden_schedules(kind, p, v, m):
     assert text == path.read_text(), f"{name} changed; review and regenerate with " \
                                      f"AUTOPAR_REGEN_GOLDEN=1"
     assert PipelineSchedule.from_text(path.read_text()) == build_schedule(kind, p, m, v)
+
+
+# -- shared processors (CPU processes on one host) --------------------------------------------
+
+@pytest.mark.parametrize("replicas, cores", [(2, 1), (4, 2), (3, 2)])
+def test_shared_cores_one_rank_is_scaled_by_the_share(replicas, cores):
+    # p = 1: every replica computes all the time, at cores / replicas of a processor
+    m, f, b = 5, 1.0, 2.5
+    result = simulate(build_schedule(ScheduleKind.ONE_F_ONE_B, 1, m), Durations.uniform(1, f, b),
+                      cores=cores, replicas=replicas)
+    assert result.step_time == pytest.approx(m * (f + b) * replicas / cores, rel=1e-9)
+    assert result.busy[0] == pytest.approx(result.step_time)
+
+
+@pytest.mark.parametrize("kind,v", KINDS)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_one_core_runs_all_the_work_back_to_back(kind, v, replicas):
+    # without transfers some rank can always compute, so one core never idles: the step is all
+    # the work of every rank of every replica
+    p, m = 4, 8
+    durations = Durations.uniform(p * v, 1.0 / v, 2.0 / v, weight=0.8 / v)
+    result = simulate(build_schedule(kind, p, m, v), durations, cores=1, replicas=replicas)
+    assert result.step_time == pytest.approx(replicas * p * m * 3.0, rel=1e-9)
+
+
+def test_shared_cores_lie_between_the_bounds_and_match_when_there_are_enough():
+    rng = random.Random(7)
+    for kind, v in KINDS:
+        for p in (2, 3, 4):
+            m = 2 * p
+            n = p * v
+            durations = Durations([rng.uniform(0.5, 1.5) for _ in range(n)],
+                                  [rng.uniform(1.0, 3.0) for _ in range(n)],
+                                  p2p=[rng.uniform(0.0, 0.2) for _ in range(n - 1)])
+            schedule = build_schedule(kind, p, m, v)
+            own = simulate(schedule, durations)
+            work = sum(own.busy)
+            assert simulate(schedule, durations, cores=p).step_time == own.step_time
+            for cores, replicas in ((p - 0.5, 1), (p / 2, 1), (1.5, 2), (1, 3)):
+                shared = simulate(schedule, durations, cores=cores, replicas=replicas)
+                slowest = min(1.0, cores / (p * replicas))  # every rank at least this fast
+                assert shared.step_time >= max(own.step_time, replicas * work / cores) - 1e-9
+                assert shared.step_time <= own.step_time / slowest + 1e-9
+                assert sum(shared.busy) >= work - 1e-9  # stretched, never shortened
+                assert shared.peak_in_flight == own.peak_in_flight  # same order per rank
+
+
+def test_shared_cores_bad_arguments():
+    with pytest.raises(ScheduleError, match="cores"):
+        simulate(build_schedule(ScheduleKind.GPIPE, 2, 2), Durations.uniform(2), cores=0)
+    with pytest.raises(ScheduleError, match="replicas"):
+        simulate(build_schedule(ScheduleKind.GPIPE, 2, 2), Durations.uniform(2), replicas=0)

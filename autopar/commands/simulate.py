@@ -34,7 +34,10 @@ def simulate_document(doc):
     work = PipelineWork(ScheduleKind(plan["schedule"]), plan["pp"], plan["virtual_stages"],
                         plan["num_micro_batches"], tuple(s.forward_s for s in stages),
                         tuple(s.backward_s for s in stages), tuple(s.weight_s for s in stages),
-                        tuple(s.p2p_s for s in stages[:-1]))
+                        tuple(s.p2p_s for s in stages[:-1]),
+                        cores=float(doc["cluster"].get("cores_per_node", 0)
+                                    * doc["cluster"]["nodes"]),
+                        replicas=plan["dp"] * plan["tp"])
     return simulate_pipeline(work), stages
 
 

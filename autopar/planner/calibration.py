@@ -4,7 +4,8 @@ collectives' latency and bandwidth over the local backend (gloo processes), as a
 Every rank runs the compute microbenchmarks at the same time (as ranks do in a local run, so the
 cores' contention is part of the figure); the collectives are timed over ``LocalPool``. The
 latency and bus bandwidth come from a least-squares fit of the ring model the cost model uses,
-``t(S) = a + 2 (n-1)/n * S / B`` for all-reduce, over message sizes from 4 KiB to 16 MiB.
+``t(S) = a + 2 (n-1)/n * S / B`` for all-reduce, over message sizes from 4 KiB to 16 MiB (in
+relative error, so that the small messages set the latency).
 """
 
 from __future__ import annotations
@@ -19,14 +20,22 @@ from typing import Any, Callable
 __all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
-#: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds.
-TABLE_M = (256, 1024, 4096)
+#: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds. Small m
+#: too: a micro-batch of one short sequence is 64-128 tokens, where a CPU GEMM runs well below
+#: its large-shape rate (the table is flat outside the measured range).
+TABLE_M = (64, 128, 256, 1024, 4096)
 TABLE_NK = (64, 256, 1024, 4096)
 TABLE_MAX_MACS = 2**31
 #: Fused attention table: sequence x head dim, with batch x heads = 8.
 ATTENTION_SEQ = (64, 256, 1024)
 ATTENTION_HEAD = (32, 64, 128)
 AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
+#: Operand bytes the GEMM table's measurements cycle through (beyond a core's L2 cache), so
+#: that they read their operands cold, as a training step does; a GEMM re-reading the same
+#: operands from cache measured ~10% faster than the same GEMM inside a step.
+COLD_BYTES = 16 * 2**20
+#: Nodes in the chain that times the host's per-node cost.
+NODE_CHAIN = 400
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
@@ -41,6 +50,104 @@ def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
             fn()
         times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str, float]:
+    """Host time per graph node, as a generated stage program pays it: a chain of ``nodes``
+    ATen overloads on an 8-element tensor that requires grad, called from Python the way the
+    program's code calls them, alternately a view (``t``) and an element-wise op (``add``
+    of a tensor), since about half of a transformer block's nodes are views.
+
+    - ``node_forward_s``: per node of the forward, autograd recording included;
+    - ``node_backward_s``: per node of ``backward()`` over the chain (the engine calling each
+      node's backward function, the leaf's gradient accumulated);
+    - ``node_overhead_s`` / ``node_backward_overhead_s``: the same less the kernel floor (a
+      1-element op without autograd, what the roofline already charges a tiny op), i.e. what a
+      node costs beyond its op: the cost model adds these to every node."""
+    import torch
+
+    aten = torch.ops.aten
+    leaf = torch.ones(2, 4, requires_grad=True)
+    other = torch.full((4, 2), 0.5)
+
+    def forward() -> "torch.Tensor":
+        x = leaf
+        for _ in range(nodes // 2):
+            x = aten.t.default(x)
+            x = aten.add.Tensor(x, other if x.shape[0] == 4 else other.t())
+        return x
+
+    def backward_times() -> list[float]:
+        times = []
+        for _ in range(repeat + 1):
+            out = forward()
+            grad = torch.ones_like(out)
+            start = time.perf_counter()
+            out.backward(grad)
+            times.append(time.perf_counter() - start)
+            leaf.grad = None
+        return times[1:]  # the first is a warm-up
+
+    one = torch.ones(1)
+    floor = _best_time(lambda: one.add(one), repeat, inner=200)
+    t_fwd = _best_time(forward, repeat, inner=5) / nodes
+    t_bwd = statistics.median(backward_times()) / nodes
+    return {"node_forward_s": t_fwd, "node_backward_s": t_bwd,
+            "node_overhead_s": max(t_fwd - floor, 0.0),
+            "node_backward_overhead_s": max(t_bwd - floor, 0.0)}
+
+
+#: Elements per op in the op table's measurements (128 tokens x 1024 features: a micro-batch's
+#: activations in an MLP; cross-entropy over a vocabulary of 1024).
+OP_ROWS, OP_COLS = 128, 1024
+
+
+def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
+    """Forward and backward seconds per element of the element-wise and normalization ops a
+    transformer runs, as the graph names them, on ``OP_ROWS x OP_COLS`` fp32 elements with
+    autograd (a layer norm with its weight and bias, cross-entropy over ``OP_COLS`` classes).
+    The backward is timed alone, on a graph built beforehand."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(OP_ROWS, OP_COLS, requires_grad=True)
+    y = torch.randn(OP_ROWS, OP_COLS)
+    weight = torch.ones(OP_COLS, requires_grad=True)
+    bias = torch.zeros(OP_COLS, requires_grad=True)
+    targets = torch.randint(0, OP_COLS, (OP_ROWS,))
+    ops = {
+        "gelu": lambda: F.gelu(x),
+        "gelu(tanh)": lambda: F.gelu(x, approximate="tanh"),
+        "silu": lambda: F.silu(x),
+        "add": lambda: x + y,
+        "mul": lambda: x * y,
+        "layer_norm": lambda: F.layer_norm(x, (OP_COLS,), weight, bias),
+        "softmax": lambda: torch.softmax(x, -1),
+        "log_softmax": lambda: torch.log_softmax(x, -1),
+        "cross_entropy_loss": lambda: F.cross_entropy(x, targets),
+    }
+    n = x.numel()
+    out = {}
+    for name, fn in ops.items():
+        forward = _best_time(fn, repeat, inner=3)
+        times = []
+        for _ in range(repeat + 1):
+            result = fn()
+            grad = torch.ones_like(result)
+            start = time.perf_counter()
+            result.backward(grad)
+            times.append(time.perf_counter() - start)
+        x.grad = weight.grad = bias.grad = None
+        out[name] = [forward / n, statistics.median(times[1:]) / n]
+    return out
 
 
 def measure_compute(quick: bool = False) -> dict[str, float]:
@@ -66,6 +173,8 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     out["memory_bandwidth"] = 2 * src.numel() * 4 / t  # read + write
     one = torch.ones(1)
     out["kernel_floor_s"] = _best_time(lambda: one.add(one), repeat, inner=200)
+    out.update(measure_node_overhead(repeat))
+    out["op_table"] = measure_op_table(repeat)
     q = torch.randn(1, 4, 256, 64)
     t = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
     out["attention_flops_fp32"] = 4 * 4 * 256 * 256 * 64 / t
@@ -76,8 +185,17 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
             for k in TABLE_NK:
                 if m * n * k > TABLE_MAX_MACS or (quick and m * n * k > TABLE_MAX_MACS // 8):
                     continue
-                a, w = torch.randn(m, k), torch.randn(n, k)
-                t = _best_time(lambda: F.linear(a, w), repeat)
+                # operands out of the core's cache, as in a training step (a weight was last
+                # read a whole pass ago): cycle through copies filling COLD_BYTES
+                copies = max(1, min(64, COLD_BYTES // (4 * (m * k + n * k))))
+                pairs = [(torch.randn(m, k), torch.randn(n, k)) for _ in range(copies)]
+                turn = iter(range(10**9))
+
+                def gemm() -> None:
+                    a, w = pairs[next(turn) % copies]
+                    F.linear(a, w)
+
+                t = _best_time(gemm, repeat, inner=min(copies, 8))
                 table.append([m, n, k, 2 * m * n * k / t])
     out["gemm_table"] = table
     # fused attention by sequence and head size, forward and backward
@@ -136,11 +254,18 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
 
 
 def fit_ring(sizes: list[int], times: list[float], steps_factor: float) -> tuple[float, float]:
-    """Least squares ``t = a + steps_factor * S / B``: (latency a, bandwidth B)."""
+    """Least squares ``t = a + steps_factor * S / B`` in relative error (each point weighted by
+    ``1 / t^2``): (latency a, bandwidth B). Relative, because the sizes span four orders of
+    magnitude: in absolute error the 16 MiB point decides alone and the latency, which is what
+    the small messages of tensor and pipeline parallelism pay, comes out as noise (it did:
+    0 one day, 0.7 ms the next, against ~0.45 ms measured at 4-256 KiB)."""
     xs = [steps_factor * s for s in sizes]
-    mx, my = statistics.fmean(xs), statistics.fmean(times)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, times)) / sxx
+    ws = [1.0 / max(t, 1e-12) ** 2 for t in times]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, times)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, times)) / sxx
     slope = max(slope, 1e-15)
     return max(my - slope * mx, 0.0), 1.0 / slope
 
@@ -160,6 +285,8 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     p2p_lat, p2p_bw = fit_ring(list(sizes), per_size["p2p"], 1.0)
     merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]
               if not k.endswith("_table")}
+    merged["op_table"] = {op: [statistics.fmean(r["op_table"][op][j] for r in compute)
+                               for j in (0, 1)] for op in compute[0]["op_table"]}
     for key in ("gemm_table", "attention_table"):  # per shape, the mean over the ranks
         rows = [r[key] for r in compute]
         merged[key] = [[*rows[0][i][:-2], *[statistics.fmean(rr[i][j] for rr in rows)
@@ -199,7 +326,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     cluster = Cluster.from_json({
         "name": name or f"calibrated-{platform.node() or 'local'}",
         "nodes": 1, "devices_per_node": world, "backend": "gloo",
-        "collective_latency_s": 0.0,
+        "collective_latency_s": 0.0, "cores_per_node": host_cores(),
         "device": {
             "name": f"{platform.processor() or platform.machine()} (1 thread per process)",
             "peak_flops": {"fp32": c["gemm_flops_fp32"], "bf16": c["gemm_flops_bf16"]},
@@ -209,6 +336,9 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "attention_efficiency": min(1.0, c["attention_flops_fp32"] / c["gemm_flops_fp32"]),
             "memory_efficiency": 1.0,
             "kernel_floor_s": c["kernel_floor_s"],
+            "op_table": c["op_table"],
+            "node_overhead_s": c["node_overhead_s"],
+            "node_backward_overhead_s": c["node_backward_overhead_s"],
             "sm_count": 0,
             "reserved_memory_bytes": 0.0,
             "default_dtype": "fp32",
@@ -221,6 +351,14 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.peak_flops": f"best torch.mm rate over n in {list(GEMM_SIZES)}; {where}",
             "device.memory_bandwidth": f"tensor copy of 16-32 MiB, read + write; {where}",
             "device.kernel_floor_s": f"median time of a 1-element add; {where}",
+            "device.node_overhead_s": f"per node of a chain of {NODE_CHAIN} ATen calls (t, add) "
+                                      f"on a tensor that requires grad, less the kernel floor; "
+                                      f"{where}",
+            "device.node_backward_overhead_s": f"per node of backward() over the same chain, "
+                                               f"less the kernel floor; {where}",
+            "cores_per_node": f"CPU cores of the host (affinity mask); {where}",
+            "device.op_table": f"forward and backward of each op on {OP_ROWS} x {OP_COLS} fp32 "
+                               f"elements with autograd, per element; {where}",
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "
                                            f"{where}",
             "device.memory_bytes": "physical memory / processes",
@@ -229,7 +367,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "inter_node": "single node: same as intra_node",
             "gemm_efficiency": "1.0: the measured rate is the achievable rate",
             "device.gemm_table": f"F.linear rate for m in {list(TABLE_M)}, n, k in "
-                                 f"{list(TABLE_NK)} (m n k <= 2^31); {where}",
+                                 f"{list(TABLE_NK)} (m n k <= 2^31), operands cycled through "
+                                 f"{COLD_BYTES >> 20} MiB (cold caches); {where}",
             "device.attention_table": f"causal scaled_dot_product_attention, batch x heads = "
                                       f"8, s in {list(ATTENTION_SEQ)}, d in "
                                       f"{list(ATTENTION_HEAD)}, forward and backward; {where}",

@@ -190,7 +190,10 @@ class _Term:
     weight_grad: bool  # a GEMM whose second operand is a trainable weight
     input_grads: int  # activation inputs that need a gradient (GEMM backward count)
     core: bool
-    index: int  # first of this term's values (GEMM: batch, m, n, k; others: flops, bytes)
+    #: first of this term's values (GEMM: batch, m, n, k; attention: flops, bytes, s, d;
+    #: memory: flops, bytes, elements of its largest float tensor)
+    index: int
+    op: str = ""  # the op's name in a device's op_table (memory terms)
 
 
 @dataclass(slots=True)
@@ -219,6 +222,11 @@ class _Template:
     gemm_flops: int
     core_flops: int
     params: dict[str, int]  # fqn -> numel (a tied table is read by two layers)
+    #: Graph nodes the layer's program calls in forward (every op, views included), and the
+    #: autograd nodes its backward runs (ops whose output needs a gradient, and one gradient
+    #: accumulation per parameter): what the host's per-node cost multiplies.
+    nodes: int = 0
+    grad_nodes: int = 0
     #: True when several layers use this template (repeated blocks).
     shared: bool = False
     fn: Any = None
@@ -331,6 +339,21 @@ def _gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
         if a.ndim >= 2 and b.ndim >= 2 and out is not None and out.ndim >= 2:
             return _prod(out.shape[:-2]), out.shape[-2], out.shape[-1], a.shape[-1]
     return None
+
+
+def _table_key(node: torch.fx.Node, op: str) -> str:
+    """The op's name in a device's ``op_table``: the graph's, with GELU's approximation."""
+    if op == "gelu" and node.kwargs.get("approximate", "none") == "tanh":
+        return "gelu(tanh)"
+    return op
+
+
+def _size_hint(expr: Any) -> float:
+    """A symbolic element count at b = 1, s = 1024 (to pick a node's largest tensor)."""
+    try:
+        return float(sympy.sympify(expr).subs({BATCH: 1, SEQ: 1024}))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _is_weight(a: Any) -> bool:
@@ -456,12 +479,16 @@ class ModelCosts:
         gemm_flops = sympy.Integer(0)
         core_flops = sympy.Integer(0)
         core_nodes = self._core_nodes(layer)
+        calls = grad_calls = 0
         for name in layer.nodes:
             node = captured.node(name)
             if node.op != "call_function":
                 continue
             meta = info(node)
             op = op_name(node)
+            if op != "getitem":  # indexing a tuple output is not an op call
+                calls += 1
+                grad_calls += bool(meta.requires_grad)
             moved = meta.bytes_read + meta.bytes_written
             if op in GEMM_OPS:
                 gemm_flops = gemm_flops + meta.flops
@@ -492,8 +519,10 @@ class ModelCosts:
                 continue
             # memory-bound (including GEMM-like ops the model has no shape rule for)
             terms.append(_Term(_Kind.MEMORY, name, meta.requires_grad, False, grads, core,
-                               add(meta.flops)))
+                               add(meta.flops), _table_key(node, op)))
             add(moved)
+            add(max((s.numel for s in (_spec(a) for a in (*node.all_input_nodes, node))
+                     if s is not None and s.is_float), key=_size_hint, default=0))
 
         def tensor(owner: str, spec: TensorSpec, core: bool = False,
                    reader: tuple[str, int] | None = None) -> _Tensor:
@@ -537,7 +566,8 @@ class ModelCosts:
             signature=layer.signature, kind=layer.kind, representative=layer.index,
             layer_name=layer.name, terms=terms, exprs=exprs, saved=saved_tensors,
             checkpoint=checkpoint, boundary=boundary, gemm_flops=add(gemm_flops),
-            core_flops=add(core_flops), params=params)
+            core_flops=add(core_flops), params=params, nodes=calls,
+            grad_nodes=grad_calls + len(params))
 
     def _core_nodes(self, layer: Any) -> set[str]:
         """The attention core: fused attention, and the nodes whose output grows as s^2
@@ -719,11 +749,19 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
         else:
             f = memory_time(cluster, moved)
             fb = memory_time(cluster, 2 * moved)
+            per_element = d.op_table.get(term.op) if dtype == d.default_dtype else None
+            if per_element is not None:  # measured: slower to compute than to stream
+                elements = v[i + 2] / div
+                f = max(f, elements * per_element[0])
+                fb = max(fb, elements * per_element[1])
         fwd += f
         if term.core:
             core += f
         if term.backward:
             bwd += fb
+    # the host's cost per node (CPU processes: dispatch and autograd, serial with the compute)
+    fwd += template.nodes * d.node_overhead_s
+    bwd += template.grad_nodes * d.node_backward_overhead_s
     # tensor-parallel communication: the program's collectives
     tp_f = tp_b = 0.0
     calls = []
@@ -1099,8 +1137,10 @@ class CostModel:
         return out
 
     def _work(self, c: Candidate, m: int, st: "_Staging") -> PipelineWork:
+        cl = self.cluster
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
-                            st.weight, st.p2p)
+                            st.weight, st.p2p, cores=float(cl.cores_per_node * cl.nodes),
+                            replicas=c.dp * c.tp)
 
     def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
                  ) -> "_Staging":
@@ -1280,7 +1320,9 @@ class CostModel:
                     exposed += coll(Collective.ALL_GATHER, weights, bucket)
                 dp_exposed = max(dp_exposed, exposed)
             local = rs.params / c.dp if c.zero >= 1 else rs.params
-            optimizer_s = max(optimizer_s, memory_time(cl, OPTIMIZER_BYTES_PER_PARAM * local))
+            # every rank steps at once: on a CPU host they share its cores
+            optimizer_s = max(optimizer_s, memory_time(cl, OPTIMIZER_BYTES_PER_PARAM * local)
+                              / cl.compute_share(cl.devices_per_node))
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         step = pipe.total_s + dp_exposed + optimizer_s

@@ -20,7 +20,11 @@ chunks), ``T* = max_r T_r`` (Narayanan et al. 2021, Qi et al. 2023, generalised 
 - interleaved 1F1B: t = m T* + (sum_r T_r - T*) / v           (uniform: (m + (p - 1)/v) T)
 - ZB-H1:            t = m T* + (sum_r X_r - X*),  X_r = F_r + B_r - W_r
 - plus point-to-point, when p > 1: 2 (v m + p - 2) max_s c_s (each of a rank's transfers on its
-  critical path, as with Megatron-LM's synchronous send/recv).
+  critical path, as with Megatron-LM's synchronous send/recv);
+- ranks sharing ``cores`` processors with ``replicas`` copies of the pipeline (CPU processes,
+  :attr:`PipelineWork.cores`): at least ``replicas m sum_r T_r / cores``, all the host's work
+  spread over its cores. The simulator shares the processors event by event instead
+  (``runtime/simulator.py``).
 
 It equals the simulator on equal stages without transfers (tests), is within 10% of it on stages
 within +-10% of each other, and is above it with transfers (the executor's sends are
@@ -51,6 +55,11 @@ class PipelineWork:
     backward_s: tuple[float, ...]  # input gradients (and weight gradients unless zero-bubble)
     weight_s: tuple[float, ...]  # weight gradients (zero-bubble schedules only; else zeros)
     p2p_s: tuple[float, ...] = ()  # send of stage s's output to stage s + 1 (len p*v - 1)
+    #: Processors the ranks share (CPU processes on one host), with ``replicas`` copies of the
+    #: pipeline (its data- and tensor-parallel peers) computing at the same time; 0: every rank
+    #: has its own. The stage times above are times on a processor of one's own.
+    cores: float = 0.0
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         n = self.pp * self.virtual_stages
@@ -65,6 +74,14 @@ class PipelineWork:
         if self.schedule is ScheduleKind.INTERLEAVED_1F1B and self.num_micro_batches % self.pp:
             raise ValueError(f"interleaved 1F1B needs num_micro_batches "
                              f"({self.num_micro_batches}) divisible by pp ({self.pp})")
+        if self.cores < 0 or self.replicas < 1:
+            raise ValueError(f"cores ({self.cores}) must be >= 0 and replicas ({self.replicas}) "
+                             f">= 1")
+
+    @property
+    def shared(self) -> bool:
+        """Whether the ranks (and their replicas) are more than the processors."""
+        return 0 < self.cores < self.pp * self.replicas
 
     @property
     def num_stages(self) -> int:
@@ -108,7 +125,12 @@ def closed_form_pipeline_time(work: PipelineWork) -> PipelineTime:
     else:
         bubble = (sum(per_rank) - t_max) / v
     p2p = 2 * (v * m + p - 2) * work.p2p_max if p > 1 else 0.0
-    return PipelineTime(busy + bubble + p2p, busy, bubble, p2p, bottleneck)
+    total = busy + bubble + p2p
+    if work.shared:  # no faster than all the host's work spread over its cores
+        shared = max(total, m * sum(per_rank) * work.replicas / work.cores)
+        stretch = (shared - p2p) / (total - p2p) if total > p2p else 1.0
+        busy, bubble, total = busy * stretch, bubble * stretch, shared
+    return PipelineTime(total, busy, bubble, p2p, bottleneck)
 
 
 @lru_cache(maxsize=64)
@@ -133,6 +155,8 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
         durations = Durations(work.forward_s, full, full, (0.0,) * n,
                               work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1))
     schedule = _schedule(work.schedule, work.pp, work.num_micro_batches, work.virtual_stages)
+    if work.shared:
+        return simulate(schedule, durations, cores=work.cores, replicas=work.replicas)
     return simulate(schedule, durations)
 
 

@@ -1,0 +1,198 @@
+"""The zero-bubble schedules' split backward: input gradients first (``I``), weight gradients
+later (``W``), with nothing computed twice.
+
+``backward_input(roots, grads, inputs, params)`` computes the gradients of the stage's inputs
+(what the previous stage waits for) and keeps what the weight gradients still need: the
+gradient arriving at each autograd node that computes both an input-side gradient and a
+weight-side one (a linear's ``AddmmBackward``, a layer norm's backward), captured with a node
+pre-hook while the input gradients pass through it. ``backward_weight(pending)`` later runs
+those nodes again from the captured gradients, asking autograd for the weights only, so each
+node computes just its weight-side outputs (autograd skips the outputs no requested gradient
+needs). The input-gradient chain is not re-run: ``W`` costs the weight-gradient GEMMs and
+reductions, ``I`` the input-gradient ones, together one backward (as in Qi et al. 2024).
+
+The graph is cut where the nodes ``I`` runs (those with a path to an input) meet the nodes only
+the weights need. Weights are grouped by the cut nodes they hang from; one ``autograd.grad``
+per group, so that a group's call reaches only its own weights. Within a group several cut
+nodes may lie on one path (a weight used twice in a row): their captured gradients are pinned
+with a pre-hook during ``W``, so a gradient is never counted twice. A weight whose gradient
+path reaches the stage's outputs without crossing the input side (or a stage without inputs
+that need a gradient, the first stage) is computed in ``W`` from the outputs themselves.
+
+Public autograd API only (``torch.autograd.graph``: ``Node``, ``GradientEdge``,
+``get_gradient_edge``, node pre-hooks); the same construction as
+``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``, which
+drop the gradient of a weight not reached through the input side.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["PendingWeightGradients", "backward_input", "backward_weight"]
+
+
+@dataclass
+class _Group:
+    """Weights whose gradients come from the same cut nodes."""
+
+    params: list[torch.Tensor]
+    cut: list[Node] = field(default_factory=list)  # cut nodes (each is run again by W)
+    captured: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+    outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass
+class PendingWeightGradients:
+    """What ``I`` leaves for ``W`` (holds the autograd graph until then)."""
+
+    groups: list[_Group]
+    #: The stage's output tensors, kept so that their graph stays alive until W.
+    roots: list[torch.Tensor]
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    return get_gradient_edge(t).node if t.requires_grad else None
+
+
+def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGradients]:
+    """Gradients of ``inputs`` (leaves) from ``roots`` with incoming ``grads`` (None: ones, for
+    a scalar loss); the weight gradients of ``params`` are left to :func:`backward_weight`."""
+    roots, grads = list(roots), list(grads)
+    params = [p for p in params if p.requires_grad]
+    root_nodes = [t.grad_fn for t in roots]
+    # the graph below the roots, with each node's parents (the nodes that feed it gradients)
+    parents: dict[Node, list[Node]] = {}
+    queue = deque(n for n in root_nodes if n is not None)
+    seen = set(queue)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents.setdefault(child, []).append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    # the input side: every node with a path down to an input (what I runs)
+    input_side: set[Node] = set()
+    queue = deque(n for n in map(_node, inputs) if n is not None and n in seen)
+    input_side.update(queue)
+    while queue:
+        for parent in parents.get(queue.popleft(), ()):
+            if parent not in input_side:
+                input_side.add(parent)
+                queue.append(parent)
+    # each weight's cut: the input-side nodes its weight-only subgraph hangs from, and the
+    # roots reached without crossing the input side
+    by_cut: dict[Any, _Group] = {}
+    groups: list[_Group] = []
+    for p in params:
+        start = _node(p)
+        if start is None or start not in seen:
+            continue  # the stage's outputs do not depend on it: no gradient
+        cut: set[Node] = set()
+        outs: set[int] = set()
+        queue, visited = deque([start]), {start}
+        while queue:
+            node = queue.popleft()
+            for i, r in enumerate(root_nodes):
+                if r is node:
+                    outs.add(i)
+            for parent in parents.get(node, ()):
+                if parent in input_side:
+                    cut.add(parent)
+                elif parent not in visited:
+                    visited.add(parent)
+                    queue.append(parent)
+        keys = [("node", n) for n in cut] + [("root", i) for i in outs]
+        merged = [by_cut[k] for k in keys if k in by_cut]
+        group = merged[0] if merged else _Group([])
+        for other in merged[1:]:
+            if other is not group:
+                group.params += other.params
+                for n in other.cut:
+                    if n not in group.cut:
+                        group.cut.append(n)
+                group.outputs += [o for o in other.outputs if o not in group.outputs]
+                groups.remove(other)
+                for k, g in by_cut.items():
+                    if g is other:
+                        by_cut[k] = group
+        if not merged:
+            groups.append(group)
+        group.params.append(p)
+        for n in cut:
+            if n not in group.cut:
+                group.cut.append(n)
+        for i in outs:
+            pair = (roots[i], grads[i])
+            if all(pair[0] is not o[0] for o in group.outputs):
+                group.outputs.append(pair)
+        for k in keys:
+            by_cut[k] = group
+    # capture the gradient arriving at every cut node while the input gradients go through
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    handles = []
+    for group in groups:
+        for node in group.cut:
+            def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
+                captured[node] = tuple(grad_outputs)
+            handles.append(node.register_prehook(hook))
+    wanted = [x for x in inputs if x.requires_grad]
+    try:
+        found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+        if wanted and roots:
+            found = torch.autograd.grad(roots, wanted, grads, retain_graph=True,
+                                        allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for group in groups:
+        group.captured = [captured.get(n) for n in group.cut]
+    it = iter(found)
+    return ([next(it) if x.requires_grad else None for x in inputs],
+            PendingWeightGradients(groups, roots))
+
+
+def backward_weight(pending: PendingWeightGradients
+                    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The weight gradients :func:`backward_input` left: (parameter, gradient) pairs (None for a
+    weight that got no gradient). Releases the graph."""
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for group in pending.groups:
+        edges: list[Any] = []
+        seeds: list[torch.Tensor] = []
+        for node, grads in zip(group.cut, group.captured):
+            for i, g in enumerate(grads or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    seeds.append(g)
+        for root, g in group.outputs:
+            edges.append(root)
+            seeds.append(g if g is not None else torch.ones_like(root))
+        if not edges:
+            out += [(p, None) for p in group.params]
+            continue
+        pins = []
+        if len(edges) > 1:  # a cut node below another one on a path: keep its captured input
+            for node, grads in zip(group.cut, group.captured):
+                if grads is not None:
+                    pins.append(node.register_prehook(lambda _, grads=grads: grads))
+        try:
+            found = torch.autograd.grad(edges, group.params, seeds, retain_graph=True,
+                                        allow_unused=True)
+        finally:
+            for h in pins:
+                h.remove()
+        out += list(zip(group.params, found))
+    pending.groups = []
+    pending.roots = []
+    return out

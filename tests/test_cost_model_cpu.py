@@ -1,0 +1,144 @@
+"""What the cost model knows of CPU hosts: processes sharing the cores, the host's time per
+graph node, measured element-wise op rates, and how calibration measures them. Deterministic:
+the cluster is the `cpu` preset with the quantities under test set by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar import Cluster
+from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
+from autopar.planner.planning import capture_model_costs
+from autopar.planner.schedule_model import (PipelineWork, closed_form_pipeline_time,
+                                            simulated_pipeline_time)
+
+SHAPE = dict(layers=2, hidden=64, heads=4, vocab=256, seq=32)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return capture_model_costs("gpt", **SHAPE)[0]
+
+
+def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4):
+    base = Cluster.load("cpu")
+    device = dataclasses.replace(base.device, node_overhead_s=fwd, node_backward_overhead_s=bwd,
+                                 op_table=ops or {})
+    return dataclasses.replace(base, device=device, cores_per_node=cores).with_devices(devices)
+
+
+def _candidate(dp=1, tp=1, pp=1, mbs=2, schedule=ScheduleKind.ONE_F_ONE_B):
+    return Candidate(dp, tp, pp, 1, mbs, schedule, RecomputeKind.NONE, 0, False)
+
+
+def test_node_overhead_is_added_per_graph_node(costs):
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    plain = CostModel(costs, _host(), setup).layer_costs(1, False, 2)
+    fwd, bwd = 3e-6, 2e-6
+    host = CostModel(costs, _host(fwd=fwd, bwd=bwd), setup).layer_costs(1, False, 2)
+    for i, (a, b) in enumerate(zip(plain, host)):
+        t = costs.template(i)
+        assert b.forward_s - a.forward_s == pytest.approx(t.nodes * fwd)
+        assert b.backward_s - a.backward_s == pytest.approx(t.grad_nodes * bwd)
+        assert b.weight_s == a.weight_s
+    block = costs.template(1)
+    # a GPT-2 block: 4 linears (+ the weights' transposes), 2 norms, attention and its views,
+    # GELU, residual adds; its backward also accumulates the 12 parameters' gradients
+    assert 20 <= block.nodes <= 40 and block.grad_nodes >= len(block.params) == 12
+
+
+def test_op_table_prices_slow_element_wise_ops(costs):
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    plain = CostModel(costs, _host(), setup).layer_costs(1, False, 2)[1]
+    slow = {"gelu(tanh)": (1e-7, 2e-7)}  # far slower than streaming: the table decides
+    host = CostModel(costs, _host(ops=slow), setup).layer_costs(1, False, 2)[1]
+    elements = 2 * SHAPE["seq"] * 4 * SHAPE["hidden"]  # the MLP's hidden activations
+    gelu = [t for t in costs.template(1).terms if t.op == "gelu(tanh)"]
+    assert len(gelu) == 1
+    from autopar.planner.cost_model import memory_time
+
+    moved = costs.template(1).values(2, SHAPE["seq"])[gelu[0].index + 1]
+    cluster = _host()
+    assert host.forward_s - plain.forward_s == pytest.approx(
+        elements * 1e-7 - memory_time(cluster, moved))
+    assert host.backward_s - plain.backward_s == pytest.approx(
+        elements * 2e-7 - memory_time(cluster, 2 * moved))
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_data_parallel_processes_share_the_cores(costs, cores):
+    """dp = 4 processes on `cores` cores: every one computes all the time, at cores / 4 of a
+    core; the pipelined part of the step stretches by exactly 4 / cores (the optimizer step too),
+    data-parallel communication is the calibrated collectives' as before."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    own = CostModel(costs, _host(cores=0), setup)
+    shared = CostModel(costs, _host(cores=cores), setup)
+    c = _candidate(dp=4)
+    for method in ("evaluate", "refine"):
+        a = getattr(own, method)(own.evaluate(c) if method == "refine" else c)
+        b = getattr(shared, method)(shared.evaluate(c) if method == "refine" else c)
+        pa, pb = a.prediction.breakdown, b.prediction.breakdown
+        stretch = 4 / cores
+        assert pb["compute_s"] == pytest.approx(pa["compute_s"] * stretch)
+        assert pb["optimizer_s"] == pytest.approx(pa["optimizer_s"] * stretch)
+        assert pb["dp_comm_s"] == pytest.approx(pa["dp_comm_s"])
+        assert b.prediction.step_time_s == pytest.approx(
+            a.prediction.step_time_s + (stretch - 1) * (pa["compute_s"] + pa["optimizer_s"]))
+
+
+def test_enough_cores_change_nothing(costs):
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    for c in (_candidate(dp=2, pp=2), _candidate(pp=4, mbs=1, schedule=ScheduleKind.ZB_H1)):
+        a = CostModel(costs, _host(cores=0), setup)
+        b = CostModel(costs, _host(cores=4), setup)
+        assert b.refine(b.evaluate(c)).step_time_s == pytest.approx(
+            a.refine(a.evaluate(c)).step_time_s)
+
+
+def test_pipeline_on_shared_cores_between_the_bounds(costs):
+    """pp = 4 on 2 cores: no faster than all the work spread over the cores, no slower than
+    every rank at half speed; the first pass is the larger of its own time and that bound."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    cm = CostModel(costs, _host(cores=2), setup)
+    for schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1, ScheduleKind.GPIPE):
+        c = _candidate(pp=4, mbs=1, schedule=schedule)
+        st = cm._staging(c)
+        work = cm._work(c, 8, st)
+        assert work.shared and work.cores == 2 and work.replicas == 1
+        own = dataclasses.replace(work, cores=0.0)
+        t_own, _ = simulated_pipeline_time(own)
+        t_shared, _ = simulated_pipeline_time(work)
+        total = 8 * sum(work.rank_work(r) for r in range(4))
+        assert max(t_own.total_s, total / 2) - 1e-12 <= t_shared.total_s <= 2 * t_own.total_s
+        first = closed_form_pipeline_time(work).total_s
+        assert first == pytest.approx(max(closed_form_pipeline_time(own).total_s, total / 2))
+
+
+def test_closed_form_shared_bound_one_rank():
+    work = PipelineWork(ScheduleKind.ONE_F_ONE_B, 1, 1, 4, (1.0,), (2.0,), (0.0,), cores=2,
+                        replicas=6)
+    assert closed_form_pipeline_time(work).total_s == pytest.approx(4 * 3.0 * 6 / 2)
+    t, _ = simulated_pipeline_time(work)
+    assert t.total_s == pytest.approx(4 * 3.0 * 6 / 2)
+
+
+def test_node_overhead_measurement():
+    import torch
+
+    from autopar.planner.calibration import measure_node_overhead, measure_op_table
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = measure_node_overhead(repeat=3, nodes=100)
+        table = measure_op_table(repeat=2)
+    finally:
+        torch.set_num_threads(threads)
+    # a node costs microseconds on any CPU: more than nothing, less than a millisecond
+    assert 0 < m["node_forward_s"] < 1e-3 and 0 < m["node_backward_s"] < 1e-3
+    assert m["node_overhead_s"] <= m["node_forward_s"]
+    assert set(table) >= {"gelu(tanh)", "layer_norm", "cross_entropy_loss", "add"}
+    assert all(0 < f < 1e-6 and 0 < b < 1e-6 for f, b in table.values())

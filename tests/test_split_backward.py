@@ -1,0 +1,86 @@
+"""The zero-bubble split backward (``runtime/split_backward.py``): input gradients, then weight
+gradients, equal to one full backward, with no input-side node run twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.runtime.split_backward import backward_input, backward_weight
+
+
+class _Counted(torch.autograd.Function):
+    """Identity whose backward counts its calls (marks the input side of the graph)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Counted.calls += 1
+        return g
+
+
+def _stage(x, w1, b1, w2, ln_w, ln_b, extra, shared):
+    """Two linears, a layer norm, a weight used twice in a row (``shared``), and a weight whose
+    path to the output avoids the input side (``extra``)."""
+    h = torch.nn.functional.linear(_Counted.apply(x), w1, b1).tanh()
+    h = _Counted.apply(h)
+    h = torch.nn.functional.layer_norm(h, (h.shape[-1],), ln_w, ln_b)
+    h = h @ shared
+    h = _Counted.apply(h) @ shared
+    out = torch.nn.functional.linear(h, w2) + extra.sum()
+    return out
+
+
+def _params(gen):
+    shapes = {"w1": (6, 5), "b1": (6,), "w2": (3, 6), "ln_w": (6,), "ln_b": (6,), "extra": (4,),
+              "shared": (6, 6)}
+    return {k: (torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
+            for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_split_equals_full_backward_and_runs_the_input_side_once(with_input):
+    gen = torch.Generator().manual_seed(0)
+    p = _params(gen)
+    x = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64).requires_grad_(with_input)
+    grad = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64)
+    names = list(p)
+    ref = torch.autograd.grad(_stage(x, *p.values()), ([x] if with_input else []) +
+                              list(p.values()), grad)
+
+    out = _stage(x, *p.values())
+    _Counted.calls = 0
+    inputs = [x] if with_input else []
+    found, pending = backward_input([out], [grad], inputs, list(p.values()))
+    after_input = _Counted.calls
+    weights = dict((id(t), g) for t, g in backward_weight(pending))
+    # I runs every input-side node once; W none of them again, except the one between the two
+    # uses of the twice-used weight (its first use needs the gradient through it). Without an
+    # input that needs a gradient, I runs nothing and W the whole backward (the two counted
+    # nodes downstream of x).
+    assert after_input == (3 if with_input else 0)
+    assert _Counted.calls - after_input == (1 if with_input else 2)
+    if with_input:
+        torch.testing.assert_close(found[0], ref[0], rtol=0, atol=1e-12)
+    got = [weights[id(p[n])] for n in names]
+    for n, g, r in zip(names, got, ref[1 if with_input else 0:]):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-12, msg=n)
+
+
+def test_scalar_loss_and_unused_weight():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(4, 4, generator=gen, requires_grad=True)
+    unused = torch.randn(3, generator=gen, requires_grad=True)
+    x = torch.randn(2, 4, generator=gen, requires_grad=True)
+    loss = (x @ w).square().mean()
+    ref = torch.autograd.grad((x @ w).square().mean(), [x, w])
+    found, pending = backward_input([loss], [None], [x], [w, unused])
+    weights = dict((id(t), g) for t, g in backward_weight(pending))
+    torch.testing.assert_close(found[0], ref[0])
+    torch.testing.assert_close(weights[id(w)], ref[1])
+    assert weights.get(id(unused)) is None
