@@ -191,6 +191,8 @@ def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_t
 
     if not mixed_precision:
         return capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    if loss_fn is not None:
+        loss_fn = _fp32_loss(loss_fn)
     compute = MixedPrecision().param_dtype
     stored = {}
     with torch.no_grad():
@@ -216,6 +218,24 @@ def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_t
             if isinstance(value, TensorSpec) and dtype is not None and value.dtype != dtype:
                 info(node).value = TensorSpec(value.shape, dtype)
     return captured
+
+
+def _fp32_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn`` on the model's floating outputs cast to fp32: under mixed precision the loss
+    (softmax and cross-entropy over the vocabulary) is computed in fp32, as torch.autocast and
+    Megatron-LM compute it; in bf16 a loss near 6.24 reads 6.25 (8 bits of mantissa)."""
+    import torch.utils._pytree as pytree
+
+    def upcast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32:
+            return t.float()
+        return t
+
+    @functools.wraps(loss_fn)
+    def fp32_loss(outputs: Any, *targets: Any) -> torch.Tensor:
+        return loss_fn(pytree.tree_map(upcast, outputs), *targets)
+
+    return fp32_loss
 
 
 def _batch_size(inputs: Any) -> int:
@@ -584,6 +604,7 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
            device: torch.device, *, search: Any, max_grad_norm: float | None,
            mixed_precision: bool, bucket_mb: float, tp_cost: Any, seed: int = 0) -> Any:
     from autopar.parallel_model import ParallelModel, _fqn_shards
+    from autopar.passes.device import retarget_device
     from autopar.passes.recompute import recompute_attention_cores
     from autopar.passes.split_stages import split_into_stages
     from autopar.runtime.pipeline import PipelineExecutor
@@ -596,9 +617,10 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
                                 expected="zero <= 2 with zb-h1, or another schedule with zero 3")
     tp_program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
                                     cost=tp_cost, pins=plan.gemm_sharding or None)
+    retarget_device(tp_program.gm, device)  # device= arguments recorded at capture (cpu)
     stages = sorted(plan.stages, key=lambda s: s.index)
     split = split_into_stages(tp_program.gm, captured.layers, [s.layers for s in stages],
-                              constants=captured.constants)
+                              constants={k: v.to(device) for k, v in captured.constants.items()})
     if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
         for stage in split.stages:
             recompute_attention_cores(stage.gm)
