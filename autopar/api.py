@@ -81,7 +81,9 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         timeout_s: the deadline of every collective and transfer (default AUTOPAR_TIMEOUT_S or
             300 s); a peer that does not answer in time makes every rank raise
             CommunicationTimeoutError naming itself and the collective.
-        tp_cost: hardware numbers for the tensor-parallel sharding search (TPCostSpec).
+        tp_cost: hardware numbers for the tensor-parallel sharding search (TPCostSpec; default:
+            the cluster's, as the planner prices plans, so a plan without per-GEMM choices gets
+            the layout its prediction assumed).
         seed: the dropout seed (default: rank 0's ``torch.initial_seed()``); masks depend on the
             seed, the step and the sample, never on the plan.
         verify: check one micro-batch of the example batch against the original model, layer by
@@ -119,9 +121,13 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
+    if tp_cost is None:  # the numbers the planner priced the plan with: the same layout
+        from autopar.planner.tp_layout import tp_cost_spec
+
+        tp_cost = tp_cost_spec(cl, "bf16" if mixed_precision else "fp32")
     pm = _build(captured, chosen, prediction, mesh, factory, device, search=search,
                 max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
-                bucket_mb=bucket_mb, tp_cost=tp_cost, seed=seed)
+                bucket_mb=bucket_mb, tp_cost=tp_cost, tp_sizes={"b": 1, "s": seq}, seed=seed)
     _check_agreement(pm)
     if verify:
         pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
@@ -602,7 +608,8 @@ def _with_stages(plan: Plan, captured: Any) -> Plan:
 
 def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, factory: Any,
            device: torch.device, *, search: Any, max_grad_norm: float | None,
-           mixed_precision: bool, bucket_mb: float, tp_cost: Any, seed: int = 0) -> Any:
+           mixed_precision: bool, bucket_mb: float, tp_cost: Any,
+           tp_sizes: Mapping[str, int] | None = None, seed: int = 0) -> Any:
     from autopar.parallel_model import ParallelModel, _fqn_shards
     from autopar.passes.device import retarget_device
     from autopar.passes.recompute import recompute_attention_cores
@@ -616,7 +623,8 @@ def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, 
         raise InvalidInputError("ZeRO-3 with the zero-bubble schedule is not supported yet",
                                 expected="zero <= 2 with zb-h1, or another schedule with zero 3")
     tp_program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
-                                    cost=tp_cost, pins=plan.gemm_sharding or None)
+                                    cost=tp_cost, sizes=tp_sizes,
+                                    pins=plan.gemm_sharding or None)
     retarget_device(tp_program.gm, device)  # device= arguments recorded at capture (cpu)
     stages = sorted(plan.stages, key=lambda s: s.index)
     split = split_into_stages(tp_program.gm, captured.layers, [s.layers for s in stages],

@@ -48,6 +48,44 @@ def _cuda_time(fn, steps: int) -> float:
     return start.elapsed_time(end) / 1e3 / steps
 
 
+def _kind(kernel: str) -> str:
+    k = kernel.lower()
+    if any(w in k for w in ("flash", "fmha", "attention", "attn")):
+        return "attention"
+    if any(w in k for w in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")):
+        return "gemm"
+    if any(w in k for w in ("nccl",)):
+        return "collective"
+    if any(w in k for w in ("elementwise", "vectorized", "reduce", "softmax", "norm",
+                            "multi_tensor", "copy", "fill", "index", "gather", "scatter")):
+        return "element-wise/reduce/copy"
+    return "other"
+
+
+def _profile(step, steps: int = 3) -> dict:
+    """GPU kernel time per step of ``step`` by kind and the 12 longest kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6 / steps
+        if t <= 0 or e.key.startswith(("ProfilerStep", "aten::", "autograd::", "Optimizer")):
+            continue
+        kernels[e.key] = kernels.get(e.key, 0.0) + t
+        kind = _kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
+    by_kind["total"] = sum(by_kind.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"by_kind": by_kind, "top": top}
+
+
 def _prediction(captured, preset: str, batch: int, seq: int):
     """The cost model's prediction for the plan run here (one device, one micro-batch of the
     whole batch, bf16, no recompute, ZeRO-0) on the ``preset`` cluster."""
@@ -72,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", help="write the figures as JSON to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 3 steps of each with torch.profiler: GPU kernel time by "
+                         "kind (GEMM, attention, element-wise and the rest) and the top kernels")
     args = ap.parse_args(argv)
 
     import torch
@@ -179,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autopar's prediction for this plan ({preset}): "
               f"{out['predicted_step_s'] * 1e3:.1f} ms/step "
               f"({out['predicted_step_s'] / med['autopar_step'] - 1:+.0%} vs measured)")
+    if args.profile:
+        out["profile"] = {"autopar": _profile(autopar_step), "eager": _profile(eager_step)}
+        for name, prof in out["profile"].items():
+            print(f"{name}: GPU kernel ms per step by kind: "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in prof["by_kind"].items()))
+            for kernel, t in prof["top"]:
+                print(f"    {t * 1e3:7.2f} ms  {kernel[:110]}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
