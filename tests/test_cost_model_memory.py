@@ -159,8 +159,10 @@ def test_recompute_and_schedule_set_the_peak(gpt2_small):
     ev_full, full = acts(ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL)
     lc = cm.layer_costs(1, False, 1)[5]
     assert lc.ckpt_bytes == pytest.approx(2 * 1024 * 768)  # 2 s b h at b = 1
-    # the last rank holds one micro-batch: its input plus the block being recomputed = all
-    assert all(f <= o * (1 + 1e-12) for f, o in zip(full, one)) and full[0] < one[0] / 4
+    # full recompute lowers the peak, and the first rank (p micro-batches in flight) holds
+    # their stage inputs only; the stage cuts may differ between the two (each split balances
+    # its own stage times), so ranks are not compared one by one
+    assert max(full) <= max(one) and full[0] < one[0] / 4
 
 
 def test_shallow_capture_extended_equals_full_capture(gpt2_small):

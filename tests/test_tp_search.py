@@ -175,6 +175,12 @@ def test_planning_sizes_get_megatron_and_a_vocab_parallel_head(full_size, name, 
             if symbols:  # activations (b*s*h, a position table's s*h), the loss statistics
                 assert symbols <= {BATCH, SEQ}, (comm.layer, c)
                 assert sympy.simplify(c.message_bytes / sympy.Mul(*symbols)).is_Number, c
+            elif c.direction is Direction.FORWARD:  # a hidden-split position table gathered
+                # whole: at b = 1 and s = the table's length it ties with gathering the s rows
+                # looked up (the search may pick either), and it is cheaper at any b > 1
+                positions = getattr(config, "max_position_embeddings", None)
+                assert comm.layer == "pre" and c.collective is Collective.ALL_GATHER, c
+                assert positions and c.message_bytes == positions * hidden * 4, (comm.layer, c)
             else:  # parameter gradients (f of a norm weight or bias): at most a table row
                 assert c.collective is Collective.ALL_REDUCE and c.direction is Direction.BACKWARD
                 assert c.message_bytes <= hidden * 4, (comm.layer, c)
