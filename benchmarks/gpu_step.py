@@ -88,7 +88,7 @@ def _profile(step, steps: int = 3) -> dict:
 
 def _prediction(captured, preset: str, batch: int, seq: int):
     """The cost model's prediction for the plan run here (one device, one micro-batch of the
-    whole batch, bf16, no recompute, ZeRO-0) on the ``preset`` cluster."""
+    whole batch, bf16, no recompute, ZeRO-0) on the ``preset`` cluster (a name or file)."""
     from autopar.cluster import Cluster
     from autopar.plan import RecomputeKind, ScheduleKind
     from autopar.planner.cost_model import Candidate, CostModel, ModelCosts, TrainingSetup
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", help="write the figures as JSON to this file")
+    ap.add_argument("--cluster", help="also predict with this cluster file (e.g. from "
+                                      "`autopar calibrate --device cuda`)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 3 steps of each with torch.profiler: GPU kernel time by "
                          "kind (GEMM, attention, element-wise and the rest) and the top kernels")
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = Cluster.load(preset).peak_flops("bf16")
 
     predicted = _prediction(pm.captured, preset, args.batch, args.seq)
+    calibrated = (_prediction(pm.captured, args.cluster, args.batch, args.seq)
+                  if args.cluster else None)
 
     x, y = inputs[0].to(device), targets[0].to(device)
     opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, foreach=True)
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         # cost model's measured-error table (docs/cost-model.md)
         "predicted_step_s": predicted.step_time_s,
         "predicted_breakdown": dict(predicted.breakdown),
+        "calibrated_step_s": calibrated.step_time_s if calibrated else None,
+        "calibrated_breakdown": dict(calibrated.breakdown) if calibrated else None,
     }
     print(json.dumps(out, indent=1))
     print()
@@ -216,10 +222,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{med[f'{name}_forward'] * 1e3:.1f} | "
               f"{1.0 if name == 'eager' else fwd_ratio:.3f} | "
               f"{out['tokens_per_s'][name]:,.0f} | {out['mfu'][name]:.3f} |")
-    if True:
-        print(f"autopar's prediction for this plan ({preset}): "
-              f"{out['predicted_step_s'] * 1e3:.1f} ms/step "
-              f"({out['predicted_step_s'] / med['autopar_step'] - 1:+.0%} vs measured)")
+    for label, p in ((preset, predicted), (args.cluster, calibrated)):
+        if p is not None:
+            print(f"autopar's prediction for this plan ({label}): {p.step_time_s * 1e3:.1f} "
+                  f"ms/step ({p.step_time_s / med['autopar_step'] - 1:+.0%} vs measured); "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p.breakdown.items() if v))
     if args.profile:
         out["profile"] = {"autopar": _profile(autopar_step), "eager": _profile(eager_step)}
         for name, prof in out["profile"].items():

@@ -169,3 +169,36 @@ def test_group_spans_follow_the_mesh_layout():
     assert mesh_span(c, dp, pp, tp, "tp") == GroupSpan(8, 1, 8)
     assert mesh_span(c, dp, pp, tp, "dp") == GroupSpan(4, 4, 1)
     assert mesh_span(c, 16, 2, 4, "pp") == GroupSpan(2, 1, 2)
+
+
+def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_path):
+    """``autopar calibrate --device cuda`` output (built here from a measurement dict, as
+    measure_cuda returns it on a GPU): the device's numbers are the measured ones, the nodes and
+    links the preset's; the file round-trips; the cost model's GEMM time comes from the measured
+    table (a shape in the table is priced at its measured rate), not from peak x efficiency."""
+    from autopar.planner.calibration import cuda_cluster
+    from autopar.planner.cost_model import gemm_time
+
+    rate = {(m, n, k): 1e14 + m for m in (512, 8192) for n in (1024, 4096) for k in (1024, 4096)}
+    measured = {
+        "device_name": "NVIDIA H100 80GB HBM3", "gemm_flops_bf16": 7.5e14,
+        "gemm_flops_fp32": 5.0e13, "memory_bandwidth": 2.9e12, "kernel_floor_s": 2.5e-6,
+        "gemm_table": [[m, n, k, r] for (m, n, k), r in rate.items()],
+        "attention_table": [[1024, 64, 3.0e14, 2.0e14], [2048, 128, 4.0e14, 3.0e14]],
+        "op_table": {"gelu": [3e-12, 6e-12], "layer_norm": [4e-12, 9e-12]},
+    }
+    cluster = cuda_cluster(measured, torch_version="test")
+    preset = Cluster.load("h100-80g")
+    assert cluster.name == "h100-80g-calibrated"
+    assert (cluster.nodes, cluster.devices_per_node) == (preset.nodes, preset.devices_per_node)
+    assert cluster.intra_node == preset.intra_node and cluster.inter_node == preset.inter_node
+    d = cluster.device
+    assert d.peak_flops["bf16"] == 7.5e14 and d.gemm_efficiency == 1.0
+    assert d.op_table["gelu"] == (3e-12, 6e-12) and d.default_dtype == "bf16"
+    path = tmp_path / "h100.json"
+    cluster.save(str(path))
+    assert Cluster.load(str(path)) == cluster
+    m, n, k = 8192, 4096, 1024
+    assert gemm_time(cluster, "bf16", 1, m, n, k) == pytest.approx(2 * m * n * k / rate[(m, n, k)])
+    assert gemm_time(preset, "bf16", 1, m, n, k) != pytest.approx(gemm_time(cluster, "bf16", 1,
+                                                                            m, n, k))

@@ -19,6 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="cluster name (default calibrated-HOSTNAME)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--raw", metavar="FILE", help="also write every measurement as JSON")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: WORLD local gloo processes (default); cuda: this machine's first "
+                        "GPU, with the links of --base")
+    p.add_argument("--base", metavar="PRESET",
+                   help="with --device cuda: the preset whose nodes and links the file keeps "
+                        "(default: the one named after the GPU)")
     p.set_defaults(run=run)
 
 
@@ -29,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from autopar.planner.calibration import calibrate_cluster
     from autopar.units import console, fmt_bytes, fmt_seconds
 
+    if args.device == "cuda":
+        return _run_cuda(args)
     if args.world < 2:
         raise InvalidInputError("calibration needs at least two processes",
                                 expected="--world >= 2", found=str(args.world),
@@ -52,5 +60,35 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("all-reduce bus bandwidth", f"{fmt_bytes(ar['bus_bandwidth'])}/s")
     table.add_row("p2p latency / bandwidth", f"{fmt_seconds(raw['p2p']['latency_s'])} / "
                                              f"{fmt_bytes(raw['p2p']['bandwidth'])}/s")
+    console().print(table)
+    return 0
+
+
+def _run_cuda(args: argparse.Namespace) -> int:
+    import torch
+    from rich.table import Table
+
+    from autopar.errors import InvalidInputError
+    from autopar.planner.calibration import calibrate_cuda_cluster
+    from autopar.units import console, fmt_bytes, fmt_seconds
+
+    if not torch.cuda.is_available():
+        raise InvalidInputError("--device cuda needs a CUDA device", expected="a visible GPU",
+                                found="torch.cuda.is_available() is False",
+                                fix="run on a GPU machine, or calibrate the CPU (--device cpu)")
+    cluster, raw = calibrate_cuda_cluster(args.base, quick=args.quick, name=args.name)
+    cluster.save(args.out)
+    if args.raw:
+        with open(args.raw, "w") as fh:
+            json.dump(raw, fh, indent=1)
+    d = cluster.device
+    table = Table(title=f"{cluster.name}: {raw['device_name']} -> {args.out}")
+    table.add_column("quantity")
+    table.add_column("measured", justify="right")
+    table.add_row("GEMM bf16 (best)", f"{d.peak_flops['bf16'] / 1e12:.1f} TFLOP/s")
+    table.add_row("GEMM fp32 (no TF32)", f"{d.peak_flops['fp32'] / 1e12:.1f} TFLOP/s")
+    table.add_row("copy bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s")
+    table.add_row("kernel floor", fmt_seconds(d.kernel_floor_s))
+    table.add_row("attention / GEMM rate", f"{d.attention_efficiency:.2f}")
     console().print(table)
     return 0
