@@ -29,11 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from autopar.errors import InvalidInputError
     from autopar.planner.calibration import calibrate_cluster
-    from autopar.units import console, fmt_bytes, fmt_seconds
+    from autopar.units import fmt_bytes, fmt_seconds
 
     if args.device == "cuda":
         return _run_cuda(args)
@@ -42,53 +40,56 @@ def run(args: argparse.Namespace) -> int:
                                 expected="--world >= 2", found=str(args.world),
                                 fix="pass --world 2 (or more)")
     cluster, raw = calibrate_cluster(args.world, quick=args.quick, name=args.name)
-    cluster.save(args.out)
-    if args.raw:
-        with open(args.raw, "w") as fh:
-            json.dump(raw, fh, indent=1)
     d = cluster.device
-    table = Table(title=f"{cluster.name}: {args.world} processes -> {args.out}")
-    table.add_column("quantity")
-    table.add_column("measured", justify="right")
-    table.add_row("GEMM fp32", f"{d.peak_flops['fp32'] / 1e9:.2f} GFLOP/s")
-    table.add_row("GEMM bf16", f"{d.peak_flops['bf16'] / 1e9:.2f} GFLOP/s")
-    table.add_row("memory bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s")
-    table.add_row("kernel floor", fmt_seconds(d.kernel_floor_s))
-    table.add_row("attention / GEMM rate", f"{d.attention_efficiency:.2f}")
     ar = raw["all_reduce"]
-    table.add_row("all-reduce latency", fmt_seconds(ar["latency_s"]))
-    table.add_row("all-reduce bus bandwidth", f"{fmt_bytes(ar['bus_bandwidth'])}/s")
-    table.add_row("p2p latency / bandwidth", f"{fmt_seconds(raw['p2p']['latency_s'])} / "
-                                             f"{fmt_bytes(raw['p2p']['bandwidth'])}/s")
-    console().print(table)
-    return 0
+    return _write_and_show(args, cluster, raw, f"{args.world} processes", [
+        ("GEMM fp32", f"{d.peak_flops['fp32'] / 1e9:.2f} GFLOP/s"),
+        ("GEMM bf16", f"{d.peak_flops['bf16'] / 1e9:.2f} GFLOP/s"),
+        ("memory bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s"),
+        ("kernel floor", fmt_seconds(d.kernel_floor_s)),
+        ("attention / GEMM rate", f"{d.attention_efficiency:.2f}"),
+        ("all-reduce latency", fmt_seconds(ar["latency_s"])),
+        ("all-reduce bus bandwidth", f"{fmt_bytes(ar['bus_bandwidth'])}/s"),
+        ("p2p latency / bandwidth", f"{fmt_seconds(raw['p2p']['latency_s'])} / "
+                                    f"{fmt_bytes(raw['p2p']['bandwidth'])}/s")])
 
 
 def _run_cuda(args: argparse.Namespace) -> int:
     import torch
-    from rich.table import Table
 
     from autopar.errors import InvalidInputError
     from autopar.planner.calibration import calibrate_cuda_cluster
-    from autopar.units import console, fmt_bytes, fmt_seconds
+    from autopar.units import fmt_bytes, fmt_seconds
 
     if not torch.cuda.is_available():
         raise InvalidInputError("--device cuda needs a CUDA device", expected="a visible GPU",
                                 found="torch.cuda.is_available() is False",
                                 fix="run on a GPU machine, or calibrate the CPU (--device cpu)")
     cluster, raw = calibrate_cuda_cluster(args.base, quick=args.quick, name=args.name)
+    d = cluster.device
+    return _write_and_show(args, cluster, raw, raw["device_name"], [
+        ("GEMM bf16 (best)", f"{d.peak_flops['bf16'] / 1e12:.1f} TFLOP/s"),
+        ("GEMM fp32 (no TF32)", f"{d.peak_flops['fp32'] / 1e12:.1f} TFLOP/s"),
+        ("copy bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s"),
+        ("kernel floor", fmt_seconds(d.kernel_floor_s)),
+        ("attention / GEMM rate", f"{d.attention_efficiency:.2f}")])
+
+
+def _write_and_show(args: argparse.Namespace, cluster, raw: dict, what: str,
+                    rows: list[tuple[str, str]]) -> int:
+    """Save the cluster file (and the raw measurements with --raw), print the headline table."""
+    from rich.table import Table
+
+    from autopar.units import console
+
     cluster.save(args.out)
     if args.raw:
         with open(args.raw, "w") as fh:
             json.dump(raw, fh, indent=1)
-    d = cluster.device
-    table = Table(title=f"{cluster.name}: {raw['device_name']} -> {args.out}")
+    table = Table(title=f"{cluster.name}: {what} -> {args.out}")
     table.add_column("quantity")
     table.add_column("measured", justify="right")
-    table.add_row("GEMM bf16 (best)", f"{d.peak_flops['bf16'] / 1e12:.1f} TFLOP/s")
-    table.add_row("GEMM fp32 (no TF32)", f"{d.peak_flops['fp32'] / 1e12:.1f} TFLOP/s")
-    table.add_row("copy bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s")
-    table.add_row("kernel floor", fmt_seconds(d.kernel_floor_s))
-    table.add_row("attention / GEMM rate", f"{d.attention_efficiency:.2f}")
+    for row in rows:
+        table.add_row(*row)
     console().print(table)
     return 0
