@@ -323,6 +323,10 @@ class Cluster:
     #: computing on a node than it has cores, each gets ``cores / processes`` of one
     #: (:meth:`compute_share`).
     cores_per_node: int = 0
+    #: Throughput of a node's cores while more processes compute than it has cores, relative to
+    #: fair sharing (1.0): time-sliced processes evict each other's caches. autopar calibrate
+    #: measures it (``cores`` then ``2 x cores`` processes running the same work).
+    oversubscription_efficiency: float = 1.0
     #: Where each number comes from: field path -> citation.
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -350,6 +354,15 @@ class Cluster:
                expected="the CPU cores of a node (CPU clusters) or 0 (devices with their own "
                         "compute)", found=repr(self.cores_per_node),
                fix="give os.cpu_count() of the host (autopar calibrate records it), or 0")
+        _check(isinstance(self.oversubscription_efficiency, (int, float))
+               and not isinstance(self.oversubscription_efficiency, bool)
+               and 0 < self.oversubscription_efficiency <= 1,
+               f"cluster {self.name!r}: oversubscription_efficiency must be in (0, 1]",
+               expected="the throughput of an oversubscribed node's cores relative to fair "
+                        "sharing, in (0, 1]", found=repr(self.oversubscription_efficiency),
+               fix="leave it out (1.0) or take autopar calibrate's figure")
+        object.__setattr__(self, "oversubscription_efficiency",
+                           float(self.oversubscription_efficiency))
         object.__setattr__(self, "sources", dict(self.sources))
 
     # -- size ---------------------------------------------------------------------------------
@@ -395,12 +408,13 @@ class Cluster:
 
     def compute_share(self, computing: float) -> float:
         """Fraction of its own speed a device computes at while ``computing`` devices of its
-        node compute at once: ``min(1, cores_per_node / computing)`` on a CPU cluster (the
-        processes share the cores, and the kernel's scheduler shares them fairly), 1 when the
-        devices have their own compute (``cores_per_node == 0``)."""
+        node compute at once: 1 up to ``cores_per_node`` processes, then
+        ``oversubscription_efficiency x cores_per_node / computing`` on a CPU cluster (the
+        processes share the cores, and the kernel's scheduler shares them fairly, at the cost of
+        colder caches), 1 when the devices have their own compute (``cores_per_node == 0``)."""
         if self.cores_per_node <= 0 or computing <= self.cores_per_node:
             return 1.0
-        return self.cores_per_node / computing
+        return self.oversubscription_efficiency * self.cores_per_node / computing
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -414,6 +428,7 @@ class Cluster:
             "name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
             "backend": self.backend, "collective_latency_s": self.collective_latency_s,
             "cores_per_node": self.cores_per_node,
+            "oversubscription_efficiency": self.oversubscription_efficiency,
             "device": {"name": d.name, "peak_flops": dict(d.peak_flops),
                        "memory_bytes": d.memory_bytes, "memory_bandwidth": d.memory_bandwidth,
                        "gemm_efficiency": d.gemm_efficiency,

@@ -10,11 +10,13 @@ cores are the same device shared: ``cores_per_node``); every plan is pinned to
 ZeRO-0 and no recomputation (what every runner below implements) and the search picks the rest
 (micro-batch size, schedule, sequence parallelism) for each mesh.
 
-Measurements run the plan for ``--steps`` optimizer steps after two warm-up steps and report the
-median. Runners:
+Runners:
 
 - ``autopar`` (default): ``autopar.parallelize(model, plan=the searched Plan)`` on ``world``
-  local gloo processes, the end-to-end runtime the prediction is about.
+  local gloo processes, the end-to-end runtime the prediction is about. All plans of a world
+  run in one process group, interleaved: ``--rounds`` rounds, each running every plan for a
+  warm-up step and ``--steps`` timed steps; a plan's figure is the median over rounds of its
+  round medians, and the spread over rounds is reported.
 - ``torch``: PyTorch's own DistributedDataParallel (gloo) with gradient accumulation and AdamW,
   for the pure data-parallel plans (tp = pp = 1), and one process for world 1: a reference
   implementation of those plans, to see how far autopar's runtime is from torch's.
@@ -91,9 +93,15 @@ class _null:
         return False
 
 
-def _autopar_worker(plan: dict, steps: int, seed: int = 0) -> float:
-    """One rank of an autopar run: ``autopar.parallelize`` with the plan, AdamW, the median
-    step time (each step bracketed by barriers, as ``_ddp_worker``)."""
+def _autopar_worker(plans: list[dict], rounds: int, steps: int, seed: int = 0
+                    ) -> list[list[float]]:
+    """One rank of the autopar runs of one world: ``autopar.parallelize`` every plan (all
+    meshes of the world, in this one process group), then ``rounds`` rounds that each run every
+    plan for one warm-up and ``steps`` timed steps, the plans' order rotating by round. Per plan,
+    the median step of each round (each step bracketed by barriers, as ``_ddp_worker``).
+
+    Interleaved, because the host drifts: on the 2-core VM the same plan measured 25% apart a
+    few minutes apart; plans timed one after the other would be ranked by the drift."""
     import functools
 
     import torch
@@ -105,35 +113,42 @@ def _autopar_worker(plan: dict, steps: int, seed: int = 0) -> float:
     zm = models.build("gpt", dropout=0.0, seed=seed, **MODEL)
     gen = torch.Generator().manual_seed(seed)
     inputs, targets = zm.example_inputs(batch=GLOBAL_BATCH, seq=MODEL["seq"], generator=gen)
-    pm = autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
-                             loss_fn=zm.loss_fn, plan=autopar.Plan.from_json(plan),
-                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
-    times = []
-    for step in range(steps + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        pm.train_step(inputs, targets)
-        dist.barrier()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    pm.close()
-    return statistics.median(times)
+    pms = [autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
+                               loss_fn=zm.loss_fn, plan=autopar.Plan.from_json(plan),
+                               optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+           for plan in plans]
+    out: list[list[float]] = [[] for _ in plans]
+    for r in range(rounds):
+        for k in range(len(pms)):
+            i = (k + r) % len(pms)
+            times = []
+            for step in range(steps + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                pms[i].train_step(inputs, targets)
+                dist.barrier()
+                if step >= 1:
+                    times.append(time.perf_counter() - start)
+            out[i].append(statistics.median(times))
+    for pm in pms:
+        pm.close()
+    return out
 
 
-def run_with_autopar(plan: dict, world: int, steps: int) -> float:
-    """Run ``plan`` (a Plan's JSON) with ``autopar.parallelize`` on ``world`` local gloo
-    processes for ``steps`` timed steps of the MODEL above; the median step time (the slowest
-    rank's)."""
+def run_with_autopar(plans: list[dict], world: int, rounds: int, steps: int
+                     ) -> list[list[float]]:
+    """Run every plan (a Plan's JSON) of one world with ``autopar.parallelize`` on ``world``
+    local gloo processes, interleaved (:func:`_autopar_worker`): per plan, the per-round median
+    step times, each the slowest rank's."""
     from autopar.runtime.local_pool import LocalPool
 
     with LocalPool(world, timeout_s=900) as pool:
-        return max(pool.run(_autopar_worker, plan, steps, timeout_s=1800))
+        per_rank = pool.run(_autopar_worker, plans, rounds, steps, timeout_s=3600)
+    return [[max(r[i][j] for r in per_rank) for j in range(rounds)] for i in range(len(plans))]
 
 
-def measure(plan: dict, world: int, steps: int, runner: str) -> tuple[float | None, str]:
-    """(median step seconds, runner used) or (None, why not)."""
-    if runner == "autopar":
-        return run_with_autopar(plan, world, steps), "autopar"
+def measure_torch(plan: dict, world: int, steps: int) -> tuple[float | None, str]:
+    """The torch runner: (median step seconds, runner used) or (None, why not)."""
     if plan["tp"] == 1 and plan["pp"] == 1:
         if world == 1:
             import torch
@@ -150,7 +165,9 @@ def measure(plan: dict, world: int, steps: int, runner: str) -> tuple[float | No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per plan and round")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of the interleaved autopar runs (median over rounds)")
     ap.add_argument("--cluster", help="calibrated cluster file (default: calibrate now, with "
                                       "one process per core)")
     ap.add_argument("--runner", choices=["autopar", "torch"], default="autopar")
@@ -188,29 +205,42 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"world": world, "dp": dp, "tp": tp, "pp": pp,
                              "predicted_s": None, "measured_s": None, "note": str(exc)[:80]})
                 continue
-            plan = best.plan.to_json()
-            measured, runner = measure(plan, world, args.steps, args.runner)
             rows.append({"world": world, "dp": dp, "tp": tp, "pp": pp,
-                         "plan": best.candidate.label(),
-                         "predicted_s": best.prediction.step_time_s, "measured_s": measured,
-                         "runner": runner, "picked": best.candidate == picked,
+                         "plan": best.candidate.label(), "plan_json": best.plan.to_json(),
+                         "predicted_s": best.prediction.step_time_s,
+                         "picked": best.candidate == picked,
                          "breakdown": best.prediction.breakdown,
                          "stages": [st.to_json() for st in best.stages]})
-            print(json.dumps(rows[-1]), flush=True)
+        todo = [r for r in rows if r["world"] == world and r["predicted_s"] is not None]
+        if args.runner == "autopar" and todo:
+            rounds = run_with_autopar([r["plan_json"] for r in todo], world, args.rounds,
+                                      args.steps)
+            for r, per_round in zip(todo, rounds):
+                r.update(measured_s=statistics.median(per_round), rounds_s=per_round,
+                         runner="autopar")
+        else:
+            for r in todo:
+                r["measured_s"], r["runner"] = measure_torch(r["plan_json"], world, args.steps)
+        for r in todo:
+            print(json.dumps({k: v for k, v in r.items() if k not in ("plan_json", "stages")}),
+                  flush=True)
     print()
-    print("| world | dp | tp | pp | plan | predicted | measured | error | runner |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| world | dp | tp | pp | plan | predicted | measured | error | rounds (min-max) | "
+          "runner |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["predicted_s"] is None:
-            print(f"| {r['world']} | {r['dp']} | {r['tp']} | {r['pp']} | - | - | - | - | "
+            print(f"| {r['world']} | {r['dp']} | {r['tp']} | {r['pp']} | - | - | - | - | - | "
                   f"{r['note']} |")
             continue
         m = r["measured_s"]
         err = f"{r['predicted_s'] / m - 1:+.1%}" if m else "-"
         mark = " (picked)" if r["picked"] else ""
+        spread = (f"{min(r['rounds_s']) * 1e3:.0f}-{max(r['rounds_s']) * 1e3:.0f} ms"
+                  if r.get("rounds_s") else "-")
         print(f"| {r['world']} | {r['dp']} | {r['tp']} | {r['pp']} | {r['plan']}{mark} | "
               f"{r['predicted_s'] * 1e3:.0f} ms | {f'{m * 1e3:.0f} ms' if m else '-'} | {err} | "
-              f"{r['runner']} |")
+              f"{spread} | {r['runner']} |")
     for world in args.worlds:
         done = [r for r in rows if r["world"] == world and r.get("measured_s")]
         if len(done) >= 2:
@@ -220,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     key=lambda r: r["measured_s"])]
             print(f"world {world}: predicted order {by_pred}, measured order {by_meas}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "plan_json"}
+                                               for r in rows], indent=1))
     return 0
 
 

@@ -20,9 +20,10 @@ events for Chrome traces and Gantt charts.
 Shared processors (``cores=``): the ranks of a CPU host are processes that share its cores.
 With ``cores`` processors for this pipeline and ``replicas - 1`` identical copies of it running
 the same list at the same time (its data- and tensor-parallel peers on the host), a rank
-computing while k of the pipeline's ranks compute progresses at ``min(1, cores / (k replicas))``
-of its own speed (processor sharing: the kernel's scheduler gives runnable processes of one
-thread equal shares; a rank waiting on a receive sleeps and takes none). The durations are then
+computing while k of the pipeline's ranks compute progresses at 1 while ``k replicas <= cores``,
+else at ``efficiency x cores / (k replicas)`` of its own speed (processor sharing: the kernel's
+scheduler gives runnable processes of one thread equal shares, and time-sliced processes run on
+colder caches, the measured ``efficiency``; a rank waiting on a receive sleeps and takes none). The durations are then
 times on a processor of one's own, and the simulation runs in time order, rate changes included.
 
 This is the cost model's schedule model: the plan search prices its finalists by simulating
@@ -169,11 +170,12 @@ def _message_key(action: Action) -> tuple[int, str, int]:
 
 def simulate(schedule: PipelineSchedule, durations: Durations, *,
              strict_order: bool = False, cores: float | None = None,
-             replicas: int = 1) -> SimulationResult:
+             replicas: int = 1, efficiency: float = 1.0) -> SimulationResult:
     """Execute ``schedule`` (lowered with sends and receives if it is not) under ``durations``.
 
     ``cores``: processors the ranks share (with ``replicas`` copies of the pipeline running at
-    once, see the module docstring); None: every rank has its own."""
+    once, see the module docstring); None: every rank has its own. ``efficiency``: the cores'
+    throughput while oversubscribed, relative to fair sharing."""
     if durations.num_stages != schedule.num_stages:
         raise ScheduleError("durations and schedule disagree on the number of stages",
                             expected=f"{schedule.num_stages} stages",
@@ -185,7 +187,8 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     if cores is not None and cores < schedule.num_ranks * replicas:
         if strict_order:  # message order does not depend on the processors: check it apart
             simulate(schedule, durations, strict_order=True)
-        return _simulate_shared(add_communication(schedule), durations, float(cores), replicas)
+        return _simulate_shared(add_communication(schedule), durations, float(cores), replicas,
+                                efficiency)
     schedule = add_communication(schedule)
     where = schedule.stage_to_rank
     last = schedule.num_stages - 1
@@ -336,11 +339,12 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
 
 
 def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: float,
-                     replicas: int) -> SimulationResult:
+                     replicas: int, efficiency: float = 1.0) -> SimulationResult:
     """:func:`simulate` with the ranks sharing ``cores`` processors (processor sharing), in
     time order: at each event (a compute ends, a message arrives, a rank's posting ends) every
-    rank that can move does, then all computing ranks progress at the common rate
-    ``min(1, cores / (computing x replicas))`` to the next event."""
+    rank that can move does, then all computing ranks progress at the common rate: 1 while
+    ``computing x replicas <= cores``, else ``efficiency x cores / (computing x replicas)``, to
+    the next event."""
     import heapq
 
     where = schedule.stage_to_rank
@@ -435,7 +439,8 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
             break
         while future and future[0] <= now:
             heapq.heappop(future)
-        rate = min(1.0, cores / (len(running) * replicas)) if running else 1.0
+        computing = len(running) * replicas
+        rate = 1.0 if computing <= cores else efficiency * cores / computing
         finish = min((e[1] / rate for e in running.values()), default=float("inf"))
         step = min(finish, (future[0] - now) if future else float("inf"))
         if step == float("inf"):

@@ -110,6 +110,8 @@ def _spec(**changes):
     ({"backend": "mpi"}, "unknown backend"),
     ({"cores_per_node": -2}, "cores_per_node"),
     ({"cores_per_node": 2.5}, "cores_per_node"),
+    ({"oversubscription_efficiency": 0}, "oversubscription_efficiency"),
+    ({"oversubscription_efficiency": 1.2}, "oversubscription_efficiency"),
     ({"device.node_overhead_s": -1e-6}, "host time per graph node"),
     ({"device.node_backward_overhead_s": "2 s"}, "host time per graph node"),
 ])
@@ -121,20 +123,28 @@ def test_bad_specs_name_the_problem(tmp_path, changes, match):
     assert info.value.expected is not None and info.value.fix is not None
 
 
+@pytest.mark.parametrize("efficiency", [1.0, 0.9])
 @pytest.mark.parametrize("cores, computing, share", [
     (0, 64, 1.0),  # GPUs: every device its own compute
     (2, 1, 1.0), (2, 2, 1.0), (2, 3, 2 / 3), (2, 4, 0.5), (8, 32, 0.25),
 ])
-def test_compute_share_of_processes_on_shared_cores(cores, computing, share):
-    c = dataclasses.replace(Cluster.load("cpu"), cores_per_node=cores)
-    assert c.compute_share(computing) == pytest.approx(share)
+def test_compute_share_of_processes_on_shared_cores(cores, computing, share, efficiency):
+    """Fair sharing, times the measured efficiency once the processes outnumber the cores (and
+    never below or at the core count)."""
+    c = dataclasses.replace(Cluster.load("cpu"), cores_per_node=cores,
+                            oversubscription_efficiency=efficiency)
+    oversubscribed = 0 < cores < computing
+    assert c.compute_share(computing) == pytest.approx(
+        share * (efficiency if oversubscribed else 1.0))
 
 
 def test_cpu_preset_describes_its_host():
     c = Cluster.load("cpu")
     assert c.cores_per_node >= 1  # recorded by autopar calibrate
     assert 0 < c.device.node_overhead_s < 1e-4 and 0 < c.device.node_backward_overhead_s < 1e-4
-    for key in ("cores_per_node", "device.node_overhead_s", "device.node_backward_overhead_s"):
+    assert 0 < c.oversubscription_efficiency <= 1
+    for key in ("cores_per_node", "oversubscription_efficiency", "device.node_overhead_s",
+                "device.node_backward_overhead_s"):
         assert c.sources.get(key), key
     gpu = Cluster.load("a100-80g")  # kernels launch asynchronously: no per-node host time
     assert gpu.cores_per_node == 0 and gpu.device.node_overhead_s == 0.0

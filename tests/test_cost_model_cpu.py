@@ -23,11 +23,12 @@ def costs():
     return capture_model_costs("gpt", **SHAPE)[0]
 
 
-def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4):
+def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4, efficiency=1.0):
     base = Cluster.load("cpu")
     device = dataclasses.replace(base.device, node_overhead_s=fwd, node_backward_overhead_s=bwd,
                                  op_table=ops or {})
-    return dataclasses.replace(base, device=device, cores_per_node=cores).with_devices(devices)
+    return dataclasses.replace(base, device=device, cores_per_node=cores,
+                               oversubscription_efficiency=efficiency).with_devices(devices)
 
 
 def _candidate(dp=1, tp=1, pp=1, mbs=2, schedule=ScheduleKind.ONE_F_ONE_B):
@@ -117,12 +118,71 @@ def test_pipeline_on_shared_cores_between_the_bounds(costs):
         assert first == pytest.approx(max(closed_form_pipeline_time(own).total_s, total / 2))
 
 
-def test_closed_form_shared_bound_one_rank():
+@pytest.mark.parametrize("efficiency", [1.0, 0.8])
+def test_closed_form_shared_bound_one_rank(efficiency):
+    """6 replicas of a one-rank pipeline on 2 cores: the host's work (4 micro-batches of 3 s
+    each, times 6) over the cores' oversubscribed throughput, in both schedule models."""
     work = PipelineWork(ScheduleKind.ONE_F_ONE_B, 1, 1, 4, (1.0,), (2.0,), (0.0,), cores=2,
-                        replicas=6)
-    assert closed_form_pipeline_time(work).total_s == pytest.approx(4 * 3.0 * 6 / 2)
+                        replicas=6, efficiency=efficiency)
+    expected = 4 * 3.0 * 6 / (2 * efficiency)
+    assert closed_form_pipeline_time(work).total_s == pytest.approx(expected)
     t, _ = simulated_pipeline_time(work)
-    assert t.total_s == pytest.approx(4 * 3.0 * 6 / 2)
+    assert t.total_s == pytest.approx(expected)
+
+
+def test_oversubscribed_cores_stretch_compute_by_the_efficiency(costs):
+    """dp = 4 on 2 cores: an oversubscription efficiency of 0.8 stretches the compute and the
+    optimizer step by 1 / 0.8 against fair sharing; 2 processes on 2 cores are untouched."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    fair = CostModel(costs, _host(cores=2), setup)
+    lossy = CostModel(costs, _host(cores=2, efficiency=0.8), setup)
+    a = fair.refine(fair.evaluate(_candidate(dp=4))).prediction.breakdown
+    b = lossy.refine(lossy.evaluate(_candidate(dp=4))).prediction.breakdown
+    assert b["compute_s"] == pytest.approx(a["compute_s"] / 0.8)
+    assert b["optimizer_s"] == pytest.approx(a["optimizer_s"] / 0.8)
+    two = TrainingSetup(8, SHAPE["seq"], "fp32")
+    fair2 = CostModel(costs, _host(cores=2, devices=2), two)
+    lossy2 = CostModel(costs, _host(cores=2, devices=2, efficiency=0.8), two)
+    c = _candidate(dp=2)
+    assert lossy2.refine(lossy2.evaluate(c)).step_time_s == pytest.approx(
+        fair2.refine(fair2.evaluate(c)).step_time_s)
+
+
+def test_gradient_accumulation_is_priced_per_micro_batch(costs, monkeypatch):
+    """Every micro-batch adds its weight gradients into the step's buffer: 3 gradient-sized
+    reads and writes per local parameter, in the weight-gradient time (closed form)."""
+    import autopar.planner.cost_model as cmod
+
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    with_acc = CostModel(costs, _host(), setup).layer_costs(1, False, 2)
+    monkeypatch.setattr(cmod, "GRAD_ACCUMULATION_READS_WRITES", 0)
+    without = CostModel(costs, _host(), setup).layer_costs(1, False, 2)
+    for i, (a, b) in enumerate(zip(with_acc, without)):
+        params = sum(costs.template(i).params.values())
+        assert a.weight_s - b.weight_s == pytest.approx(  # (0 bytes still pay the floor)
+            cmod.memory_time(_host(), 3 * 4 * params) - cmod.memory_time(_host(), 0))
+        assert a.forward_s == b.forward_s and a.backward_s == b.backward_s
+
+
+def test_loopback_transfers_cost_both_ends(costs):
+    """Local processes copy a pipeline transfer through the kernel on both ends: each stage's
+    forward and backward include the transfers it receives and sends; over a device link
+    (NVLink) they do not."""
+    from autopar.cluster import LinkKind
+
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    loop = _host(devices=4)
+    nvlink = dataclasses.replace(loop, intra_node=dataclasses.replace(loop.intra_node,
+                                                                      kind=LinkKind.NVLINK))
+    c = _candidate(pp=4, mbs=1)
+    a = CostModel(costs, loop, setup)._staging(c).stages
+    b = CostModel(costs, nvlink, setup)._staging(c).stages
+    assert [s.layers for s in a] == [s.layers for s in b]
+    for s, (x, y) in enumerate(zip(a, b)):
+        copies = x.p2p_s + (a[s - 1].p2p_s if s > 0 else 0.0)
+        assert copies > 0 and x.p2p_s == y.p2p_s
+        assert x.forward_s - y.forward_s == pytest.approx(copies)
+        assert x.backward_s - y.backward_s == pytest.approx(copies)
 
 
 def test_node_overhead_measurement():

@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         ("all-reduce latency", fmt_seconds(ar["latency_s"])),
         ("all-reduce bus bandwidth", f"{fmt_bytes(ar['bus_bandwidth'])}/s"),
         ("p2p latency / bandwidth", f"{fmt_seconds(raw['p2p']['latency_s'])} / "
-                                    f"{fmt_bytes(raw['p2p']['bandwidth'])}/s")])
+                                    f"{fmt_bytes(raw['p2p']['bandwidth'])}/s"),
+        ("cores / oversubscribed efficiency",
+         f"{cluster.cores_per_node} / {cluster.oversubscription_efficiency:.2f}")])
 
 
 def _run_cuda(args: argparse.Namespace) -> int:

@@ -37,7 +37,8 @@ def simulate_document(doc):
                         tuple(s.p2p_s for s in stages[:-1]),
                         cores=float(doc["cluster"].get("cores_per_node", 0)
                                     * doc["cluster"]["nodes"]),
-                        replicas=plan["dp"] * plan["tp"])
+                        replicas=plan["dp"] * plan["tp"],
+                        efficiency=doc["cluster"].get("oversubscription_efficiency", 1.0))
     return simulate_pipeline(work), stages
 
 

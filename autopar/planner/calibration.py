@@ -40,6 +40,8 @@ AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 #: that they read their operands cold, as a training step does; a GEMM re-reading the same
 #: operands from cache measured ~10% faster than the same GEMM inside a step.
 COLD_BYTES = 16 * 2**20
+#: Hosts with more cores than this skip the oversubscription probe (it starts 2 x cores processes).
+MAX_OVERSUBSCRIPTION_PROBE_CORES = 16
 #: Nodes in the chain that times the host's per-node cost.
 NODE_CHAIN = 400
 
@@ -56,6 +58,21 @@ def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
             fn()
         times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
+
+
+def _mean_time(fn: Callable[[], Any], calls: int) -> float:
+    """Mean seconds per call of ``calls`` calls, after two warm-up calls: what a step that makes
+    many such calls pays for each. For collectives, not the median: their times are bimodal on a
+    VM. A blocked gloo wait sometimes sleeps through a scheduler tick: back-to-back 1 MiB
+    all-reduces of two processes took 0.3-0.8 ms for 55-60% of calls and 2-6 ms for the rest
+    (median 0.8-2.7 ms between runs, mean 2.7-2.8 ms); the median priced tensor parallelism's
+    36 all-reduces of a step at a third of the 108-131 ms they took."""
+    fn()
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def host_cores() -> int:
@@ -239,12 +256,12 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
     for size in sizes:
         x = torch.ones(size // 4)
         dist.barrier()
-        out["all_reduce"].append(_best_time(lambda: dist.all_reduce(x), repeat))
+        out["all_reduce"].append(_mean_time(lambda: dist.all_reduce(x), repeat))
         shard = torch.ones(size // 4 // n)
         full = torch.empty(shard.numel() * n)
         dist.barrier()
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        out["all_gather"].append(_best_time(lambda: gather(full, shard), repeat))
+        out["all_gather"].append(_mean_time(lambda: gather(full, shard), repeat))
         dist.barrier()
 
         def ping() -> None:  # rank 0 <-> rank 1 round trip; the others idle
@@ -255,8 +272,53 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
                 dist.recv(x, 0)
                 dist.send(x, 0)
 
-        out["p2p"].append(_best_time(ping, repeat) / 2)
+        out["p2p"].append(_mean_time(ping, repeat) / 2)
     return out
+
+
+def _rank_mlp_block(iters: int) -> float:
+    """Seconds for ``iters`` forward and backward passes of a two-GEMM MLP block (2048 tokens,
+    256 -> 1024 -> 256, GELU, fp32: ~20 MB of weights, activations and gradients, a transformer
+    layer's MLP at the benchmarks' sizes), between two barriers: the pool's ranks run it at
+    once."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    x = torch.randn(2048, 256)
+    w1 = torch.randn(1024, 256, requires_grad=True)
+    w2 = torch.randn(256, 1024, requires_grad=True)
+
+    def block() -> None:
+        F.linear(F.gelu(F.linear(x, w1)), w2).sum().backward()
+
+    block()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        block()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def measure_oversubscription(cores: int, iters: int = 8, rounds: int = 3) -> dict[str, float]:
+    """The node's compute throughput with two processes per core, relative to fair sharing:
+    ``cores`` processes run the same MLP block at once (one per core), then ``2 x cores``
+    processes; with fair sharing and nothing lost the second takes exactly twice as long, so the
+    efficiency is ``2 t(cores) / t(2 cores)`` (capped at 1), the median over ``rounds``
+    alternations (a shared VM drifts between runs). For scale, on the 2-core VM eager training
+    of the small GPT by 4 processes used 12% more CPU time than by 2 for the same samples."""
+    from autopar.runtime.local_pool import LocalPool
+
+    ratios, alone, shared = [], [], []
+    with LocalPool(cores, timeout_s=300) as one, LocalPool(2 * cores, timeout_s=300) as two:
+        for _ in range(rounds):
+            alone.append(max(one.run(_rank_mlp_block, iters)))
+            shared.append(max(two.run(_rank_mlp_block, iters)))
+            ratios.append(2 * alone[-1] / shared[-1])
+    return {"alone_s": statistics.median(alone), "oversubscribed_s": statistics.median(shared),
+            "efficiency": min(1.0, statistics.median(ratios))}
 
 
 def fit_ring(sizes: list[int], times: list[float], steps_factor: float) -> tuple[float, float]:
@@ -282,7 +344,7 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     sizes = AR_SIZES[:-1] if quick else AR_SIZES
     with LocalPool(world, timeout_s=600) as pool:
         compute = pool.run(_rank_compute, quick)
-        coll = pool.run(_rank_collectives, sizes, 5 if quick else 10)
+        coll = pool.run(_rank_collectives, sizes, 10 if quick else 40)
     per_size = {k: [max(r[k][i] for r in coll) for i in range(len(sizes))]
                 for k in coll[0]}
     n = world
@@ -316,6 +378,13 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     if world < 2:
         raise ValueError("calibration needs at least 2 processes to time collectives")
     m = measure_collectives(world, quick)
+    cores = host_cores()
+    if cores <= MAX_OVERSUBSCRIPTION_PROBE_CORES:
+        m["oversubscription"] = measure_oversubscription(cores, 3 if quick else 8,
+                                                         1 if quick else 3)
+        efficiency = m["oversubscription"]["efficiency"]
+    else:  # a big host: 2 x cores processes cost more to start than the figure is worth
+        efficiency = 1.0
     c = m["compute"]
     n = world
     hop = m["all_reduce"]["latency_s"] / (2 * (n - 1))
@@ -332,7 +401,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     cluster = Cluster.from_json({
         "name": name or f"calibrated-{platform.node() or 'local'}",
         "nodes": 1, "devices_per_node": world, "backend": "gloo",
-        "collective_latency_s": 0.0, "cores_per_node": host_cores(),
+        "collective_latency_s": 0.0, "cores_per_node": cores,
+        "oversubscription_efficiency": round(efficiency, 4),
         "device": {
             "name": f"{platform.processor() or platform.machine()} (1 thread per process)",
             "peak_flops": {"fp32": c["gemm_flops_fp32"], "bf16": c["gemm_flops_bf16"]},
@@ -363,6 +433,13 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.node_backward_overhead_s": f"per node of backward() over the same chain, "
                                                f"less the kernel floor; {where}",
             "cores_per_node": f"CPU cores of the host (affinity mask); {where}",
+            "oversubscription_efficiency": (
+                f"2 t(cores) / t(2 x cores): {cores} then {2 * cores} processes running the "
+                f"same MLP block (2048 x 256 -> 1024 -> 256, forward and backward) at once, median "
+                f"of 3; {where}"
+                if cores <= MAX_OVERSUBSCRIPTION_PROBE_CORES else
+                f"not measured on a host of more than {MAX_OVERSUBSCRIPTION_PROBE_CORES} cores "
+                f"(1.0: fair sharing)"),
             "device.op_table": f"forward and backward of each op on {OP_ROWS} x {OP_COLS} fp32 "
                                f"elements with autograd, per element; {where}",
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "

@@ -90,6 +90,13 @@ __all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb=25).
 DDP_BUCKET_BYTES = 25 * 2**20
+#: Gradient-sized reads and writes of accumulating one micro-batch's weight gradients: read the
+#: buffer and the new gradient, write the buffer (autograd's ``.grad +=``, or the data-parallel
+#: layer's add into its flat bucket, runtime/zero.py), once per micro-batch: what makes many small
+#: micro-batches cost more than a few large ones beyond their GEMM rates. Megatron can fuse it into
+#: the weight-gradient GEMM (``gradient_accumulation_fusion``); autopar's runtime does not.
+GRAD_ACCUMULATION_READS_WRITES = 3
+
 #: Bytes the Adam step moves per parameter of the local shard (see module docstring).
 OPTIMIZER_BYTES_PER_PARAM = 28
 #: Thread-block tiles cuBLAS uses for large GEMMs (NVIDIA Matrix Multiplication Background).
@@ -762,6 +769,10 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
     # the host's cost per node (CPU processes: dispatch and autograd, serial with the compute)
     fwd += template.nodes * d.node_overhead_s
     bwd += template.grad_nodes * d.node_backward_overhead_s
+    # gradient accumulation: each micro-batch's weight gradients are added into the step's
+    # gradient buffer (read it and the new gradient, write it back), with the weight gradients
+    local = sum(n / tp if fqn in split.sharded_params else n for fqn, n in template.params.items())
+    wgt += memory_time(cluster, GRAD_ACCUMULATION_READS_WRITES * STATE_BYTES[dtype][1] * local)
     # tensor-parallel communication: the program's collectives
     tp_f = tp_b = 0.0
     calls = []
@@ -1140,7 +1151,7 @@ class CostModel:
         cl = self.cluster
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=float(cl.cores_per_node * cl.nodes),
-                            replicas=c.dp * c.tp)
+                            replicas=c.dp * c.tp, efficiency=cl.oversubscription_efficiency)
 
     def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
                  ) -> "_Staging":
@@ -1161,6 +1172,15 @@ class CostModel:
                               (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
                                mesh_span(self.cluster, c.dp, p, c.tp, "tp")))
         layout = self.layout(c.tp, c.sequence_parallel)
+        p2ps = []
+        for s, (first, last) in enumerate(cuts[:-1]):
+            inter = self._stage_node(s % p, c.tp) != self._stage_node((s + 1) % p, c.tp)
+            p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
+        # Local processes (a loopback link): a transfer is a copy through the kernel that both
+        # ends' cores make, so each stage's forward and backward also spend the time of the
+        # transfers it receives and sends. On the 2-core VM, rank 1 of an interleaved pp=2
+        # (v=3, 8 micro-batches of 2) spent 73 ms per step of CPU outside its stages' compute.
+        host_copies = self.cluster.intra_node.kind is LinkKind.LOOPBACK
         stages: list[StageCost] = []
         for s, (first, last) in enumerate(cuts):
             rng = range(first, last + 1)
@@ -1172,10 +1192,10 @@ class CostModel:
             if not zero_bubble:
                 b, w = b + w, 0.0
             act = sum(self._activation(i, costs[i], c.recompute) for i in rng)
-            p2p = 0.0
-            if s < len(cuts) - 1:
-                inter = self._stage_node(s % p, c.tp) != self._stage_node((s + 1) % p, c.tp)
-                p2p = p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter)
+            p2p = p2ps[s] if s < len(cuts) - 1 else 0.0
+            if host_copies:
+                copies = p2p + (p2ps[s - 1] if s > 0 else 0.0)
+                f, b = f + copies, b + copies
             stages.append(StageCost(s, (first, last), s % p, s // p, f, b, w, r, tpc, p2p, act))
         ranks = []
         for rank in range(p):

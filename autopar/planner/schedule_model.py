@@ -60,6 +60,9 @@ class PipelineWork:
     #: has its own. The stage times above are times on a processor of one's own.
     cores: float = 0.0
     replicas: int = 1
+    #: Throughput of the shared cores while more ranks compute than there are cores, relative
+    #: to fair sharing (:attr:`autopar.cluster.Cluster.oversubscription_efficiency`).
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         n = self.pp * self.virtual_stages
@@ -77,6 +80,8 @@ class PipelineWork:
         if self.cores < 0 or self.replicas < 1:
             raise ValueError(f"cores ({self.cores}) must be >= 0 and replicas ({self.replicas}) "
                              f">= 1")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
 
     @property
     def shared(self) -> bool:
@@ -127,7 +132,7 @@ def closed_form_pipeline_time(work: PipelineWork) -> PipelineTime:
     p2p = 2 * (v * m + p - 2) * work.p2p_max if p > 1 else 0.0
     total = busy + bubble + p2p
     if work.shared:  # no faster than all the host's work spread over its cores
-        shared = max(total, m * sum(per_rank) * work.replicas / work.cores)
+        shared = max(total, m * sum(per_rank) * work.replicas / (work.cores * work.efficiency))
         stretch = (shared - p2p) / (total - p2p) if total > p2p else 1.0
         busy, bubble, total = busy * stretch, bubble * stretch, shared
     return PipelineTime(total, busy, bubble, p2p, bottleneck)
@@ -156,7 +161,8 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
                               work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1))
     schedule = _schedule(work.schedule, work.pp, work.num_micro_batches, work.virtual_stages)
     if work.shared:
-        return simulate(schedule, durations, cores=work.cores, replicas=work.replicas)
+        return simulate(schedule, durations, cores=work.cores, replicas=work.replicas,
+                        efficiency=work.efficiency)
     return simulate(schedule, durations)
 
 
