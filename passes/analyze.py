@@ -181,6 +181,10 @@ def _is_identity(node: torch.fx.Node) -> bool:
         p = node.args[1] if len(node.args) > 1 else 0.5
         train = node.args[2] if len(node.args) > 2 else True
         return not p or not train
+    if name == "to" and node.args and isinstance(node.args[0], torch.fx.Node):
+        # aten.to to the tensor's own dtype (HF's `probs.type(value.dtype)`) returns it as is
+        src, out = info(node.args[0]).spec, info(node).spec
+        return src is not None and out is not None and src.dtype == out.dtype
     return False
 
 

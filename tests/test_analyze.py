@@ -140,6 +140,28 @@ def test_saved_activations_equal_autograd():
     assert predicted == _autograd_saved_bytes(model, x)
 
 
+class _SameDtypeCast(nn.Module):
+    """HF's ``probs.type(value.dtype)``: a cast to the tensor's own dtype, which hands back its
+    input (no new tensor for autograd to save)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack = _Stack()
+
+    def forward(self, x):
+        y = self.stack(x)
+        return torch.softmax(y, dim=-1).to(y.dtype) @ y.transpose(-1, -2)
+
+
+def test_cast_to_own_dtype_saves_nothing_new():
+    torch.manual_seed(0)
+    model = _SameDtypeCast().train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    profile = analyze(capture(model, (x,)))
+    predicted = sum(evaluate(layer.saved_bytes, b=2, s=8) for layer in profile.layers)
+    assert predicted == _autograd_saved_bytes(model, x)
+
+
 def test_dropout_masks_are_one_byte_per_element():
     """With dropout on, the analysis keeps one byte per element for each mask: what the fused
     CUDA kernel (native_dropout) saves and what Korthikanti et al. count. PyTorch's CPU dropout
