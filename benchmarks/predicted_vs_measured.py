@@ -93,7 +93,7 @@ class _null:
         return False
 
 
-def _autopar_worker(plans: list[dict], rounds: int, steps: int, seed: int = 0
+def _autopar_worker(plans: list[dict], rounds: int, steps: int, cluster: dict, seed: int = 0
                     ) -> list[list[float]]:
     """One rank of the autopar runs of one world: ``autopar.parallelize`` every plan (all
     meshes of the world, in this one process group), then ``rounds`` rounds that each run every
@@ -101,7 +101,9 @@ def _autopar_worker(plans: list[dict], rounds: int, steps: int, seed: int = 0
     the median step of each round (each step bracketed by barriers, as ``_ddp_worker``).
 
     Interleaved, because the host drifts: on the 2-core VM the same plan measured 25% apart a
-    few minutes apart; plans timed one after the other would be ranked by the drift."""
+    few minutes apart; plans timed one after the other would be ranked by the drift. ``cluster``
+    (the predictions' cluster, as JSON) goes to ``parallelize``: where a plan does not carry its
+    per-GEMM layout, the runtime solves it with these numbers, as the prediction did."""
     import functools
 
     import torch
@@ -115,6 +117,7 @@ def _autopar_worker(plans: list[dict], rounds: int, steps: int, seed: int = 0
     inputs, targets = zm.example_inputs(batch=GLOBAL_BATCH, seq=MODEL["seq"], generator=gen)
     pms = [autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
                                loss_fn=zm.loss_fn, plan=autopar.Plan.from_json(plan),
+                               cluster=autopar.Cluster.from_json(cluster),
                                optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
            for plan in plans]
     out: list[list[float]] = [[] for _ in plans]
@@ -135,7 +138,7 @@ def _autopar_worker(plans: list[dict], rounds: int, steps: int, seed: int = 0
     return out
 
 
-def run_with_autopar(plans: list[dict], world: int, rounds: int, steps: int
+def run_with_autopar(plans: list[dict], world: int, rounds: int, steps: int, cluster: dict
                      ) -> list[list[float]]:
     """Run every plan (a Plan's JSON) of one world with ``autopar.parallelize`` on ``world``
     local gloo processes, interleaved (:func:`_autopar_worker`): per plan, the per-round median
@@ -143,7 +146,7 @@ def run_with_autopar(plans: list[dict], world: int, rounds: int, steps: int
     from autopar.runtime.local_pool import LocalPool
 
     with LocalPool(world, timeout_s=900) as pool:
-        per_rank = pool.run(_autopar_worker, plans, rounds, steps, timeout_s=3600)
+        per_rank = pool.run(_autopar_worker, plans, rounds, steps, cluster, timeout_s=3600)
     return [[max(r[i][j] for r in per_rank) for j in range(rounds)] for i in range(len(plans))]
 
 
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [r for r in rows if r["world"] == world and r["predicted_s"] is not None]
         if args.runner == "autopar" and todo:
             rounds = run_with_autopar([r["plan_json"] for r in todo], world, args.rounds,
-                                      args.steps)
+                                      args.steps, cluster.to_json())
             for r, per_round in zip(todo, rounds):
                 r.update(measured_s=statistics.median(per_round), rounds_s=per_round,
                          runner="autopar")
