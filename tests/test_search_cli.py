@@ -149,5 +149,9 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     cluster = Cluster.load(str(out))
     assert cluster.backend == "gloo" and cluster.device.peak_flops["fp32"] > 1e8
     assert 0 < cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7
+    # the oversubscription probe ran (2 x cores processes) on any host of <= 16 cores
+    assert 0 < cluster.oversubscription_efficiency <= 1
+    probed = "2 t(cores)" in cluster.sources["oversubscription_efficiency"]
+    assert probed or cluster.cores_per_node > 16
     assert main(["plan", "gpt", "--cluster", str(out), "--gpus", "2", "--global-batch", "4",
                  "--json"]) == 0
