@@ -23,8 +23,9 @@ the same list at the same time (its data- and tensor-parallel peers on the host)
 computing while k of the pipeline's ranks compute progresses at 1 while ``k replicas <= cores``,
 else at ``efficiency x cores / (k replicas)`` of its own speed (processor sharing: the kernel's
 scheduler gives runnable processes of one thread equal shares, and time-sliced processes run on
-colder caches, the measured ``efficiency``; a rank waiting on a receive sleeps and takes none). The durations are then
-times on a processor of one's own, and the simulation runs in time order, rate changes included.
+colder caches, the measured ``efficiency``; a rank waiting on a receive sleeps and takes none).
+The durations are then times on a processor of one's own, and the simulation runs in time order,
+rate changes included.
 
 This is the cost model's schedule model: the plan search prices its finalists by simulating
 ``build_schedule(kind, p, m, v)`` with the cost model's per-stage forward, backward (input and

@@ -1179,7 +1179,7 @@ class CostModel:
         # Local processes (a loopback link): a transfer is a copy through the kernel that both
         # ends' cores make, so each stage's forward and backward also spend the time of the
         # transfers it receives and sends. On the 2-core VM, rank 1 of an interleaved pp=2
-        # (v=3, 8 micro-batches of 2) spent 73 ms per step of CPU outside its stages' compute.
+        # (v=3, 8 micro-batches of 2) spent ~70 ms per step of CPU outside its stages' compute.
         host_copies = self.cluster.intra_node.kind is LinkKind.LOOPBACK
         stages: list[StageCost] = []
         for s, (first, last) in enumerate(cuts):
