@@ -412,9 +412,11 @@ class Cluster:
         ``oversubscription_efficiency x cores_per_node / computing`` on a CPU cluster (the
         processes share the cores, and the kernel's scheduler shares them fairly, at the cost of
         colder caches), 1 when the devices have their own compute (``cores_per_node == 0``)."""
-        if self.cores_per_node <= 0 or computing <= self.cores_per_node:
+        if self.cores_per_node <= 0:
             return 1.0
-        return self.oversubscription_efficiency * self.cores_per_node / computing
+        from autopar.runtime.simulator import processor_share
+
+        return processor_share(computing, self.cores_per_node, self.oversubscription_efficiency)
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

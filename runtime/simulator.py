@@ -42,7 +42,7 @@ from typing import NamedTuple, Sequence
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import Action, ActionKind, PipelineSchedule, add_communication
 
-__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate"]
+__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate", "processor_share"]
 
 
 def _floats(name: str, values: Sequence[float], length: int) -> tuple[float, ...]:
@@ -339,6 +339,14 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
                             tuple(events))
 
 
+def processor_share(computing: float, cores: float, efficiency: float = 1.0) -> float:
+    """Fraction of its own speed each of ``computing`` single-thread processes runs at on
+    ``cores`` shared cores: 1 while they fit, else ``efficiency x cores / computing`` (fair
+    sharing, less what oversubscription loses). The one law of the simulator and of
+    :meth:`autopar.cluster.Cluster.compute_share` (the cost model's optimizer step)."""
+    return 1.0 if computing <= cores else efficiency * cores / computing
+
+
 def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: float,
                      replicas: int, efficiency: float = 1.0) -> SimulationResult:
     """:func:`simulate` with the ranks sharing ``cores`` processors (processor sharing), in
@@ -440,8 +448,7 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
             break
         while future and future[0] <= now:
             heapq.heappop(future)
-        computing = len(running) * replicas
-        rate = 1.0 if computing <= cores else efficiency * cores / computing
+        rate = processor_share(len(running) * replicas, cores, efficiency)
         finish = min((e[1] / rate for e in running.values()), default=float("inf"))
         step = min(finish, (future[0] - now) if future else float("inf"))
         if step == float("inf"):

@@ -379,12 +379,11 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
         raise ValueError("calibration needs at least 2 processes to time collectives")
     m = measure_collectives(world, quick)
     cores = host_cores()
-    if cores <= MAX_OVERSUBSCRIPTION_PROBE_CORES:
-        m["oversubscription"] = measure_oversubscription(cores, 3 if quick else 8,
-                                                         1 if quick else 3)
-        efficiency = m["oversubscription"]["efficiency"]
-    else:  # a big host: 2 x cores processes cost more to start than the figure is worth
-        efficiency = 1.0
+    probe_rounds = 1 if quick else 3
+    probed = cores <= MAX_OVERSUBSCRIPTION_PROBE_CORES  # else 2 x cores processes cost more
+    if probed:                                          # to start than the figure is worth
+        m["oversubscription"] = measure_oversubscription(cores, 3 if quick else 8, probe_rounds)
+    efficiency = m["oversubscription"]["efficiency"] if probed else 1.0
     c = m["compute"]
     n = world
     hop = m["all_reduce"]["latency_s"] / (2 * (n - 1))
@@ -436,8 +435,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "oversubscription_efficiency": (
                 f"2 t(cores) / t(2 x cores): {cores} then {2 * cores} processes running the "
                 f"same MLP block (2048 x 256 -> 1024 -> 256, forward and backward) at once, median "
-                f"of 3; {where}"
-                if cores <= MAX_OVERSUBSCRIPTION_PROBE_CORES else
+                f"of {probe_rounds}; {where}"
+                if probed else
                 f"not measured on a host of more than {MAX_OVERSUBSCRIPTION_PROBE_CORES} cores "
                 f"(1.0: fair sharing)"),
             "device.op_table": f"forward and backward of each op on {OP_ROWS} x {OP_COLS} fp32 "
