@@ -127,7 +127,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         tp_cost = tp_cost_spec(cl, "bf16" if mixed_precision else "fp32")
     pm = _build(captured, chosen, prediction, mesh, factory, device, search=search,
                 max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
-                bucket_mb=bucket_mb, tp_cost=tp_cost, tp_sizes={"b": 1, "s": seq}, seed=seed)
+                bucket_mb=bucket_mb, tp_cost=tp_cost, seed=seed,
+                tp_sizes={"b": chosen.micro_batch_size, "s": seq})  # as the planner solved it
     _check_agreement(pm)
     if verify:
         pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)

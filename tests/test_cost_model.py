@@ -79,19 +79,20 @@ def _gemms(costs, layer, layout):
 
 def test_the_sharding_search_finds_megatron_per_family(shallow):
     """The cost model's layout is the sharding ILP's (passes/shard.py), solved once per (tp, sp)
-    on the captured graph: Megatron's column/row pairs in every family."""
-    gpt = _gemms(shallow["gpt3-1.3b"][1], 2, _cost_model(shallow["gpt3-1.3b"][1]).layout(8, False))
+    and micro-batch on the captured graph: Megatron's column/row pairs in every family."""
+    gpt3 = shallow["gpt3-1.3b"][1]
+    gpt = _gemms(gpt3, 2, _cost_model(gpt3).layout(8, False, 1))
     assert gpt == {"attn.c_attn": GemmSharding.COLUMN, "attn.c_proj": GemmSharding.ROW,
                    "mlp.c_fc": GemmSharding.COLUMN, "mlp.c_proj": GemmSharding.ROW}
     llama_costs = shallow["llama-7b"][1]
-    llama = _gemms(llama_costs, 2, _cost_model(llama_costs).layout(8, True))
+    llama = _gemms(llama_costs, 2, _cost_model(llama_costs).layout(8, True, 1))
     assert llama == {"self_attn.q_proj": GemmSharding.COLUMN,
                      "self_attn.k_proj": GemmSharding.COLUMN,
                      "self_attn.v_proj": GemmSharding.COLUMN,
                      "self_attn.o_proj": GemmSharding.ROW, "mlp.gate_proj": GemmSharding.COLUMN,
                      "mlp.up_proj": GemmSharding.COLUMN, "mlp.down_proj": GemmSharding.ROW}
     bert_costs = shallow["bert-large"][1]
-    layout = _cost_model(bert_costs, seq=512).layout(8, False)
+    layout = _cost_model(bert_costs, seq=512).layout(8, False, 1)
     bert = _gemms(bert_costs, 2, layout)
     assert sorted(g.value for g in bert.values()) == ["column"] * 4 + ["row"] * 2
     # the masked-LM decoder (the vocabulary GEMM) is split by columns

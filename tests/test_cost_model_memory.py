@@ -109,7 +109,7 @@ def test_activations_reproduce_korthikanti(eager_gpt, tp, b, s):
     more per layer, which the model counts because the program holds it."""
     spec, costs = eager_gpt
     h, a = spec["hidden"], spec["heads"]
-    # the layout is solved once, at s = 2048 (it does not depend on b or s here), and priced at
+    # the layout is solved once, at b = 1, s = 2048 (it does not depend on b or s here), priced at
     # each (b, s)
     cm = CostModel(costs, A100.with_devices(8), TrainingSetup(8, 2048, "fp16"))
     block = costs.template(2)
@@ -117,7 +117,7 @@ def test_activations_reproduce_korthikanti(eager_gpt, tp, b, s):
     sbh = s * b * h
     core = 5 * a * s * s * b
     for sp in ([False, True] if tp > 1 else [False]):
-        split = costs.split(block, cm.layout(tp, sp), tp)
+        split = costs.split(block, cm.layout(tp, sp, 1), tp)
         lc = price_layer(block, split, cm.cluster, "fp16", tp, b, s, 4, span)
         if sp:
             gathered = 4 * sbh * (1 - 1 / tp)

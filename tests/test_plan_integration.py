@@ -34,11 +34,12 @@ def test_predicted_tp_bytes_per_layer_equal_the_program_s_layer_comm(small_gpt, 
     best = search(cm, SearchSpace(tp=2, pp=1, sequence_parallel=sp), top_k=2).best
     plan = best.plan
     assert plan.tp == 2 and plan.sequence_parallel is sp and plan.gemm_sharding
+    # solved at the plan's micro-batch, as the planner solved it and parallelize builds it
+    sizes = {"b": plan.micro_batch_size, "s": seq}
     program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
-                                 pins=plan.gemm_sharding, sizes={"b": 1, "s": seq})
+                                 pins=plan.gemm_sharding, sizes=sizes)
     assert program.gemm_sharding == plan.gemm_sharding
     priced = cm.layer_costs(plan.tp, plan.sequence_parallel, plan.micro_batch_size)
-    sizes = {"b": plan.micro_batch_size, "s": seq}
     for lc, comm in zip(priced, program.layer_comm):
         built = Counter((c.collective.value.replace("_", "-"), c.direction.value,
                          round(float(evaluate(c.message_bytes, **sizes)))) for c in comm.calls)

@@ -106,7 +106,8 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: What the plan search uses (reported in the plan document).
 COMPONENTS = {
-    "sharding": "sharding ILP (passes/shard.py via tensor_parallelize), per (tp, sp)",
+    "sharding": "sharding ILP (passes/shard.py via tensor_parallelize), per (tp, sp, "
+                "micro-batch)",
     "stage_partition": "stage ILP (planner/stage_partition.py) for the finalists; "
                        "min-max contiguous split as the first pass",
     "schedule": "runtime/simulator.py over runtime/schedules.py action lists for the "
@@ -939,9 +940,9 @@ class CostModel:
         self.model = model
         self.cluster = cluster
         self.setup = setup
-        #: What the sharding search prices with, and the sizes it is solved at.
+        #: What the sharding search prices with; it is solved at each candidate's micro-batch
+        #: (:meth:`tp_sizes`).
         self.tp_cost = tp_cost_spec(cluster, setup.dtype)
-        self.tp_sizes = {"b": 1, "s": setup.seq}
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, _Staging] = {}
@@ -956,9 +957,20 @@ class CostModel:
         self.is_block = [k is LayerKind.BLOCK for k in model.layer_kinds]
 
     # -- tensor parallelism -------------------------------------------------------------------
-    def layout(self, tp: int, sequence_parallel: bool) -> TPLayout | None:
-        """The sharding search's layout (None at tp=1)."""
-        return self.model.layout(tp, sequence_parallel, cost=self.tp_cost, sizes=self.tp_sizes)
+    def tp_sizes(self, micro_batch_size: int) -> dict[str, int]:
+        """The sizes the sharding search solves a candidate's layout at: its micro-batch and the
+        training sequence. The micro-batch matters: a collective's latency is fixed while a
+        GEMM's time grows with the tokens, so a layout that replicates small GEMMs to save
+        collectives at one sequence can lose at sixteen (on the 2-core host, replicating the
+        attention GEMMs of dp2 x tp2 was right at micro-batch 1 and measured 501 ms against
+        397 ms for Megatron's layout at 8)."""
+        return {"b": micro_batch_size, "s": self.setup.seq}
+
+    def layout(self, tp: int, sequence_parallel: bool, micro_batch_size: int
+               ) -> TPLayout | None:
+        """The sharding search's layout at this micro-batch (None at tp=1)."""
+        return self.model.layout(tp, sequence_parallel, cost=self.tp_cost,
+                                 sizes=self.tp_sizes(micro_batch_size))
 
     # -- per-layer ---------------------------------------------------------------------------
     def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1
@@ -967,7 +979,7 @@ class CostModel:
         key = (tp, sp, mbs, span)
         out = self._layer_cache.get(key)
         if out is None:
-            layout = self.layout(tp, sp)
+            layout = self.layout(tp, sp, mbs)
             priced: dict[int, LayerCosts] = {}
             out = []
             for i in range(self.model.num_layers):
@@ -1033,8 +1045,8 @@ class CostModel:
         if c.tp > 1:
             key = (c.tp, c.sequence_parallel)
             if key not in self._tp_problems:
-                self._tp_problems[key] = self.model.tp_problem(
-                    c.tp, c.sequence_parallel, cost=self.tp_cost, sizes=self.tp_sizes)
+                self._tp_problems[key] = self.model.tp_problem(  # divisibility: any micro-batch
+                    c.tp, c.sequence_parallel, cost=self.tp_cost, sizes=self.tp_sizes(1))
             if self._tp_problems[key]:
                 return self._tp_problems[key]
         if c.pp * c.virtual_stages > self.model.num_layers:
@@ -1108,7 +1120,7 @@ class CostModel:
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp)
         times = self._layer_times(costs, c.recompute)
-        layout = self.layout(c.tp, c.sequence_parallel)
+        layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
         largest = working = 0.0
         for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
@@ -1171,7 +1183,7 @@ class CostModel:
             cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
                               (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
                                mesh_span(self.cluster, c.dp, p, c.tp, "tp")))
-        layout = self.layout(c.tp, c.sequence_parallel)
+        layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         p2ps = []
         for s, (first, last) in enumerate(cuts[:-1]):
             inter = self._stage_node(s % p, c.tp) != self._stage_node((s + 1) % p, c.tp)
@@ -1396,7 +1408,8 @@ class CostModel:
         model: the names of the blocks it did not capture do not exist)."""
         if ev.plan is None or ev.candidate.tp == 1 or self.model.extended:
             return ev
-        layout = self.layout(ev.candidate.tp, ev.candidate.sequence_parallel)
+        layout = self.layout(ev.candidate.tp, ev.candidate.sequence_parallel,
+                             ev.candidate.micro_batch_size)
         return dataclasses.replace(
             ev, plan=ev.plan.replace(gemm_sharding=dict(layout.gemm_sharding)))
 

@@ -48,7 +48,8 @@ class PlanReport:
         """The plan document (JSON-ready)."""
         best = self.best
         names = self.cost_model.model.layer_names
-        layout = self.cost_model.layout(best.plan.tp, best.plan.sequence_parallel)
+        layout = self.cost_model.layout(best.plan.tp, best.plan.sequence_parallel,
+                                        best.plan.micro_batch_size)
         plan = best.plan.to_json()
         rank_mem = {r.pp_rank: r.total for r in best.ranks}
         for st, row in zip(best.stages, plan["stages"]):
