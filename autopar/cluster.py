@@ -31,8 +31,8 @@ from typing import Any, Mapping
 
 from autopar.errors import ClusterSpecError
 
-__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "LinkKind", "GroupSpan", "PRESET_NAMES",
-           "parse_quantity", "preset_names"]
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "LinkKind", "GroupSpan", "CollectiveSpec",
+           "COLLECTIVE_NAMES", "PRESET_NAMES", "parse_quantity", "preset_names"]
 
 PRESET_NAMES = ("a100-80g", "h100-80g", "h200", "cpu")
 
@@ -291,6 +291,29 @@ class LinkSpec:
         return self.bandwidth * self.efficiency
 
 
+#: Collectives a cluster may describe one by one (``Cluster.collectives``).
+COLLECTIVE_NAMES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSpec:
+    """How one collective of the backend performs inside a node when it is not the ring of the
+    intra-node link: the per-step latency and the bus bandwidth it reaches, both measured.
+    gloo's reduce-scatter is the case in point: at 1-16 MiB between two processes it took as
+    long as an all-reduce of the same tensor, which a ring does in half the time."""
+
+    #: Latency of one step of the collective's ring (the fit's latency / its steps), seconds.
+    latency_s: float
+    #: Bus bandwidth (bytes/s), as the ring formula of :mod:`autopar.planner.comm` uses it.
+    bus_bandwidth: float
+
+    def __post_init__(self) -> None:
+        for name, base in (("latency_s", "s"), ("bus_bandwidth", "bytes/s")):
+            object.__setattr__(self, name, parse_quantity(getattr(self, name), base,
+                                                          what=f"collective {name}"))
+            _positive("collective", name, getattr(self, name))
+
+
 @dataclass(frozen=True, slots=True)
 class GroupSpan:
     """Where a communication group sits: ``size`` ranks over ``nodes`` nodes, at most
@@ -327,6 +350,11 @@ class Cluster:
     #: fair sharing (1.0): time-sliced processes evict each other's caches. autopar calibrate
     #: measures it (``cores`` then ``2 x cores`` processes running the same work).
     oversubscription_efficiency: float = 1.0
+    #: Collectives that inside a node do not perform as rings over ``intra_node`` (name from
+    #: :data:`COLLECTIVE_NAMES` -> :class:`CollectiveSpec`); ``autopar calibrate`` measures
+    #: them on the local backend. Empty for NCCL clusters (every collective a ring or a tree
+    #: over the links).
+    collectives: Mapping[str, CollectiveSpec] = field(default_factory=dict)
     #: Where each number comes from: field path -> citation.
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -363,6 +391,19 @@ class Cluster:
                fix="leave it out (1.0) or take autopar calibrate's figure")
         object.__setattr__(self, "oversubscription_efficiency",
                            float(self.oversubscription_efficiency))
+        _check(isinstance(self.collectives, Mapping),
+               f"cluster {self.name!r}: collectives must be a mapping",
+               expected=f"{{name: {{latency_s, bus_bandwidth}}}} with names among "
+                        f"{list(COLLECTIVE_NAMES)}", found=repr(self.collectives),
+               fix="write collectives as key: value pairs, or leave it out")
+        specs = {}
+        for op, spec in self.collectives.items():
+            _check(op in COLLECTIVE_NAMES, f"cluster {self.name!r}: unknown collective {op!r}",
+                   expected=f"one of {list(COLLECTIVE_NAMES)}", found=repr(op),
+                   fix="rename or remove it")
+            specs[op] = _build(CollectiveSpec, spec, f"collectives.{op}") \
+                if isinstance(spec, Mapping) else spec
+        object.__setattr__(self, "collectives", specs)
         object.__setattr__(self, "sources", dict(self.sources))
 
     # -- size ---------------------------------------------------------------------------------
@@ -446,6 +487,8 @@ class Cluster:
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),
+            "collectives": {op: {"latency_s": c.latency_s, "bus_bandwidth": c.bus_bandwidth}
+                            for op, c in self.collectives.items()},
             "sources": dict(self.sources),
         }
 

@@ -134,6 +134,11 @@ class TPCostSpec:
     #: state_bytes_per_param_byte x the graph's bytes: 16 per fp32 parameter, mixed-precision
     #: Adam's weights, gradients and moments.
     float_bytes: float | None = None
+    #: Collectives that do not run as rings at ``link_bandwidth`` / ``link_latency``:
+    #: ``((kind, latency_s, bandwidth), ...)`` with kind a :class:`Collective` value (gloo's
+    #: reduce-scatter, measured by ``autopar calibrate``, reaches a third of the all-reduce's bus
+    #: bandwidth). A tuple, so that the spec stays hashable.
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "link_bandwidth"):
@@ -149,6 +154,18 @@ class TPCostSpec:
             raise ValueError(f"param_memory_weight must be >= 0, got {self.param_memory_weight}")
         if self.float_bytes is not None and not self.float_bytes > 0:
             raise ValueError(f"float_bytes must be positive, got {self.float_bytes}")
+        for kind, latency, bandwidth in self.collectives:
+            Collective(kind)  # a known kind, or ValueError
+            if latency < 0 or not bandwidth > 0:
+                raise ValueError(f"collective {kind}: latency must be >= 0 and bandwidth "
+                                 f"positive, got {latency}, {bandwidth}")
+
+    def link_for(self, kind: Collective) -> tuple[float, float]:
+        """(latency, bandwidth) of one collective of ``kind``."""
+        for name, latency, bandwidth in self.collectives:
+            if name == kind.value:
+                return latency, bandwidth
+        return self.link_latency, self.link_bandwidth
 
     @property
     def param_weight(self) -> float:
@@ -166,7 +183,8 @@ def collective_time(kind: Collective, nbytes: float, tp: int, cost: TPCostSpec) 
     """Ring model: latency + bytes each rank sends / link bandwidth (0 for local steps)."""
     if not kind.communicates or tp == 1:
         return 0.0
-    return cost.link_latency + kind.ring_factor(tp) * nbytes / cost.link_bandwidth
+    latency, bandwidth = cost.link_for(kind)
+    return latency + kind.ring_factor(tp) * nbytes / bandwidth
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,6 +114,12 @@ def _spec(**changes):
     ({"oversubscription_efficiency": 1.2}, "oversubscription_efficiency"),
     ({"device.node_overhead_s": -1e-6}, "host time per graph node"),
     ({"device.node_backward_overhead_s": "2 s"}, "host time per graph node"),
+    ({"collectives": {"broadcast": {"latency_s": 1e-5, "bus_bandwidth": 1e9}}},
+     "unknown collective"),
+    ({"collectives": {"reduce-scatter": {"latency_s": 1e-5}}}, "lacks key"),
+    ({"collectives": {"reduce-scatter": {"latency_s": 1e-5, "bus_bandwidth": 0}}},
+     "must be a positive number"),
+    ({"collectives": [1]}, "collectives must be a mapping"),
 ])
 def test_bad_specs_name_the_problem(tmp_path, changes, match):
     path = tmp_path / "bad.json"
@@ -150,6 +156,13 @@ def test_cpu_preset_describes_its_host():
     assert gpu.cores_per_node == 0 and gpu.device.node_overhead_s == 0.0
     round_trip = Cluster.from_json(json.loads(json.dumps(c.to_json())))
     assert round_trip == c
+    # gloo's all-gather and reduce-scatter as measured; the reduce-scatter is no ring at the
+    # all-reduce's bandwidth; every collective pays the ranks' arrival from compute
+    assert set(c.collectives) == {"all-gather", "reduce-scatter"}
+    assert c.collectives["reduce-scatter"].bus_bandwidth < c.intra_node.bandwidth
+    assert c.collective_latency_s > 0
+    for key in ("collectives", "collective_latency_s"):
+        assert c.sources.get(key), key
 
 
 def test_unknown_preset_and_bad_syntax(tmp_path):

@@ -91,3 +91,34 @@ def test_single_rank_and_p2p():
     inter = p2p_time(A100, 2**30, inter_node=True)
     assert intra == pytest.approx(2.5e-6 + 2**30 / 240e9)
     assert inter == pytest.approx(2.5e-6 + 2**30 / 22.5e9)
+
+
+def test_a_measured_collective_replaces_the_link_inside_a_node_only():
+    """gloo's reduce-scatter, as calibrate measures it, has its own hop latency and bus
+    bandwidth: a0 + (n-1) hop + (n-1)/n S / B inside a node; across nodes (and for the
+    collectives the cluster does not list) the links' ring, unchanged."""
+    import dataclasses
+
+    from autopar.cluster import CollectiveSpec
+
+    spec = CollectiveSpec(latency_s=4e-4, bus_bandwidth=0.4e9)
+    base = Cluster.load("cpu").with_devices(4)
+    cl = dataclasses.replace(base, collectives={**base.collectives, "reduce-scatter": spec})
+    size, n = 8 * 2**20, 4
+    inside = GroupSpan(n, 1, n)
+    t = collective_time(cl, Collective.REDUCE_SCATTER, size, inside, Algorithm.RING).seconds
+    assert t == pytest.approx(cl.collective_latency_s + (n - 1) * spec.latency_s
+                              + (n - 1) / n * size / spec.bus_bandwidth)
+    for op in (Collective.ALL_REDUCE, Collective.ALL_GATHER):
+        assert collective_time(cl, op, size, inside).seconds == \
+            collective_time(base, op, size, inside).seconds
+    two_nodes = dataclasses.replace(A100, collectives={"reduce-scatter": spec})
+    across = GroupSpan(16, 2, 8)
+    assert collective_time(two_nodes, Collective.REDUCE_SCATTER, size, across,
+                           Algorithm.RING).seconds == \
+        collective_time(A100, Collective.REDUCE_SCATTER, size, across, Algorithm.RING).seconds
+    # the hierarchical algorithm's intra-node phases are inside a node: the measured figures
+    hier = collective_time(two_nodes, Collective.REDUCE_SCATTER, size, across,
+                           Algorithm.HIERARCHICAL).seconds
+    assert hier > collective_time(A100, Collective.REDUCE_SCATTER, size, across,
+                                  Algorithm.HIERARCHICAL).seconds

@@ -185,6 +185,31 @@ def test_loopback_transfers_cost_both_ends(costs):
         assert x.backward_s - y.backward_s == pytest.approx(copies)
 
 
+@pytest.fixture(scope="module")
+def wide_costs():
+    """The benchmarks' GPT width (hidden 256, sequence 128), two blocks: GEMMs large enough
+    that sharding them pays for a millisecond collective at some micro-batch."""
+    return capture_model_costs("gpt", layers=2, hidden=256, heads=8, vocab=2048, seq=128)[0]
+
+
+def test_tp_layout_is_solved_at_the_candidates_micro_batch(wide_costs):
+    """A collective's latency is fixed while a GEMM's time grows with the tokens: with a slow
+    collective, the sharding search replicates the small GEMMs of a one-sequence micro-batch
+    but keeps Megatron's column/row pairs at sixteen, and the cost model prices (and the plan
+    carries) the layout of the candidate's own micro-batch."""
+    from autopar.plan import GemmSharding
+
+    host = dataclasses.replace(_host(devices=2), collective_latency_s=2e-3)
+    cm = CostModel(wide_costs, host, TrainingSetup(16, 128, "fp32"))
+    one = cm.layout(2, False, 1).gemm_sharding
+    sixteen = cm.layout(2, False, 16).gemm_sharding
+    assert GemmSharding.REPLICATE in one.values()
+    assert sorted(v.value for v in sixteen.values()) == ["column"] * 5 + ["row"] * 4
+    for mbs, layout in ((1, one), (16, sixteen)):
+        ev = cm.with_sharding(cm.evaluate(_candidate(tp=2, mbs=mbs)))
+        assert ev.plan.gemm_sharding == layout
+
+
 def test_node_overhead_measurement():
     import torch
 

@@ -145,7 +145,8 @@ def test_ring_fit_recovers_latency_and_bandwidth():
 @pytest.mark.timeout(300)
 def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     out = tmp_path / "me.json"
-    assert main(["calibrate", "--quick", "--world", "2", "--out", str(out)]) == 0
+    assert main(["calibrate", "--quick", "--world", "2", "--out", str(out),
+                 "--raw", str(out.with_suffix(".raw.json"))]) == 0
     cluster = Cluster.load(str(out))
     assert cluster.backend == "gloo" and cluster.device.peak_flops["fp32"] > 1e8
     assert 0 < cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7
@@ -153,5 +154,14 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     assert 0 < cluster.oversubscription_efficiency <= 1
     probed = "2 t(cores)" in cluster.sources["oversubscription_efficiency"]
     assert probed or cluster.cores_per_node > 16
+    # all-gather and reduce-scatter measured on their own; the arrival from compute measured
+    # (the median of a difference of two noisy times: >= 0 by construction, < 50 ms sane)
+    assert set(cluster.collectives) == {"all-gather", "reduce-scatter"}
+    for spec in cluster.collectives.values():
+        assert 0 < spec.latency_s < 0.1 and spec.bus_bandwidth > 1e7
+    assert 0 <= cluster.collective_latency_s < 0.05
+    raw = json.loads(out.with_suffix(".raw.json").read_text())
+    assert raw["arrival"]["samples"] == 3 * len(raw["sizes"])
+    assert len(raw["times"]["reduce_scatter_after_compute"]) == len(raw["sizes"])
     assert main(["plan", "gpt", "--cluster", str(out), "--gpus", "2", "--global-batch", "4",
                  "--json"]) == 0

@@ -320,6 +320,34 @@ def test_bad_arguments(tiny_models):
         tensor_parallelize("not a graph", 2)
     with pytest.raises(ValueError):
         TPCostSpec(peak_flops=0)
+    with pytest.raises(ValueError):
+        TPCostSpec(collectives=(("broadcast", 1e-5, 1e9),))
+    with pytest.raises(ValueError, match="bandwidth"):
+        TPCostSpec(collectives=(("reduce_scatter", 1e-5, 0.0),))
+
+
+def test_measured_collectives_price_the_sharding_search():
+    """A collective the cluster measured on its own (gloo's reduce-scatter) is priced by its
+    own latency and bandwidth, the others by the link's ring; ``tp_cost_spec`` carries the
+    figures of ``Cluster.collectives`` after the base latency."""
+    import dataclasses
+
+    from autopar import Cluster
+    from autopar.cluster import CollectiveSpec
+    from autopar.passes.shard import collective_time
+    from autopar.planner.tp_layout import tp_cost_spec
+    from autopar.sharding import Collective
+
+    cost = TPCostSpec(link_latency=1e-5, link_bandwidth=1e9,
+                      collectives=(("reduce_scatter", 2e-5, 0.25e9),))
+    size = 4e6
+    assert collective_time(Collective.REDUCE_SCATTER, size, 4, cost) == pytest.approx(
+        2e-5 + 3 / 4 * size / 0.25e9)
+    assert collective_time(Collective.ALL_GATHER, size, 4, cost) == pytest.approx(
+        1e-5 + 3 / 4 * size / 1e9)
+    cl = dataclasses.replace(Cluster.load("a100-80g"), collective_latency_s=1e-3,
+                             collectives={"reduce-scatter": CollectiveSpec(4e-4, 5e8)})
+    assert tp_cost_spec(cl, "bf16").collectives == (("reduce_scatter", 1e-3 + 4e-4, 5e8),)
 
 
 def test_pins_override_the_search(tiny_models):

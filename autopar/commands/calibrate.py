@@ -11,8 +11,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="measure this machine's GEMM rate and collectives; write a cluster file",
         description="Start WORLD local gloo processes (one thread each), time torch.mm, memory "
                     "copies, a kernel's floor and fused attention on every rank at once, time "
-                    "all-reduce / all-gather / send-recv from 4 KiB to 16 MiB, fit the ring "
-                    "model's latency and bandwidth, and write the result as a cluster file that "
+                    "all-reduce / all-gather / reduce-scatter / send-recv from 4 KiB to 16 MiB, "
+                    "fit the ring model's latency and bandwidth for each, and write the result as a cluster file that "
                     "`autopar plan --cluster FILE` reads.")
     p.add_argument("--out", required=True, metavar="FILE", help="cluster file (.json or .yaml)")
     p.add_argument("--world", type=int, default=2, help="processes (default 2)")
@@ -41,15 +41,17 @@ def run(args: argparse.Namespace) -> int:
                                 fix="pass --world 2 (or more)")
     cluster, raw = calibrate_cluster(args.world, quick=args.quick, name=args.name)
     d = cluster.device
-    ar = raw["all_reduce"]
     return _write_and_show(args, cluster, raw, f"{args.world} processes", [
         ("GEMM fp32", f"{d.peak_flops['fp32'] / 1e9:.2f} GFLOP/s"),
         ("GEMM bf16", f"{d.peak_flops['bf16'] / 1e9:.2f} GFLOP/s"),
         ("memory bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s"),
         ("kernel floor", fmt_seconds(d.kernel_floor_s)),
         ("attention / GEMM rate", f"{d.attention_efficiency:.2f}"),
-        ("all-reduce latency", fmt_seconds(ar["latency_s"])),
-        ("all-reduce bus bandwidth", f"{fmt_bytes(ar['bus_bandwidth'])}/s"),
+        *[(f"{name} latency / bus bandwidth", f"{fmt_seconds(raw[key]['latency_s'])} / "
+                                              f"{fmt_bytes(raw[key]['bus_bandwidth'])}/s")
+          for name, key in (("all-reduce", "all_reduce"), ("all-gather", "all_gather"),
+                            ("reduce-scatter", "reduce_scatter"))],
+        ("collective arrival after compute", fmt_seconds(raw["arrival"]["latency_s"])),
         ("p2p latency / bandwidth", f"{fmt_seconds(raw['p2p']['latency_s'])} / "
                                     f"{fmt_bytes(raw['p2p']['bandwidth'])}/s"),
         ("cores / oversubscribed efficiency",

@@ -32,9 +32,12 @@ GEMM_SIZES = (256, 384, 512, 768, 1024)
 TABLE_M = (64, 128, 256, 1024, 4096)
 TABLE_NK = (64, 256, 1024, 4096)
 TABLE_MAX_MACS = 2**31
-#: Fused attention table: sequence x head dim, with batch x heads = 8.
+#: Fused attention table: sequence x head dim, with batch x heads = 8 or as many as make each
+#: of q, k, v ATTENTION_OPERAND_BYTES (out of a core's cache, as in a step: batch 8 x 8 heads of
+#: 128 x 32 is 1 MiB per operand; 8 x 64 x 32 is 64 KiB and ran 30% faster per FLOP).
 ATTENTION_SEQ = (64, 256, 1024)
 ATTENTION_HEAD = (32, 64, 128)
+ATTENTION_OPERAND_BYTES = 2 * 2**20
 AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 #: Operand bytes the GEMM table's measurements cycle through (beyond a core's L2 cache), so
 #: that they read their operands cold, as a training step does; a GEMM re-reading the same
@@ -42,6 +45,8 @@ AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 COLD_BYTES = 16 * 2**20
 #: Hosts with more cores than this skip the oversubscription probe (it starts 2 x cores processes).
 MAX_OVERSUBSCRIPTION_PROBE_CORES = 16
+#: Rows of the GEMM (x 256 x 256, fp32; ~3 ms on one core) each timed collective follows.
+PACE_ROWS = 4096
 #: Nodes in the chain that times the host's per-node cost.
 NODE_CHAIN = 400
 
@@ -128,9 +133,11 @@ def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str,
             "node_backward_overhead_s": max(t_bwd - floor, 0.0)}
 
 
-#: Elements per op in the op table's measurements (128 tokens x 1024 features: a micro-batch's
-#: activations in an MLP; cross-entropy over a vocabulary of 1024).
-OP_ROWS, OP_COLS = 128, 1024
+#: Elements per op in the op table's measurements (1024 tokens x 2048 features: a micro-batch's
+#: activations in an MLP; cross-entropy over a vocabulary of 2048): 8 MiB per fp32 tensor,
+#: beyond a core's L2 cache, as a step's activations are. At 128 x 1024 (512 KiB, in cache) the
+#: table priced the small GPT's cross-entropy at a quarter and its forward 20% short.
+OP_ROWS, OP_COLS = 1024, 2048
 
 
 def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
@@ -225,8 +232,9 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     att = []
     for s in ATTENTION_SEQ:
         for d in ATTENTION_HEAD:
-            q = torch.randn(2, 4, s, d, requires_grad=True)
-            flops = 4 * 8 * s * s * d
+            bh = max(8, ATTENTION_OPERAND_BYTES // (s * d * 4))
+            q = torch.randn(1, bh, s, d, requires_grad=True)
+            flops = 4 * bh * s * s * d
             t_f = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
                              repeat)
             o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -247,21 +255,43 @@ def _rank_compute(quick: bool) -> dict[str, float]:
 
 
 def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[float]]:
+    """Per size, the mean seconds of each collective, two ways: back to back (``all_reduce``,
+    ...), and as a training step pays it (``all_reduce_after_compute``, ...): every call follows
+    ``PACE_ROWS`` rows of GEMM on each rank (a layer's compute), less that compute timed alone.
+    After compute the ranks arrive at slightly different times and the first blocks; on the
+    2-core VM that cost 1-2 ms more per call than back to back, where the ranks stay in
+    lockstep. Plus a rank 0 <-> 1 send/recv (``p2p``, half a round trip)."""
     import torch
     import torch.distributed as dist
 
-    out: dict[str, list[float]] = {"all_reduce": [], "all_gather": [], "p2p": []}
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    out: dict[str, list[float]] = {k: [] for op in ops for k in (op, f"{op}_after_compute")}
+    out["p2p"] = []
     n = dist.get_world_size()
     rank = dist.get_rank()
+    a, b = torch.randn(PACE_ROWS, 256), torch.randn(256, 256)
+
+    def pace() -> None:
+        torch.mm(a, b)
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     for size in sizes:
         x = torch.ones(size // 4)
-        dist.barrier()
-        out["all_reduce"].append(_mean_time(lambda: dist.all_reduce(x), repeat))
         shard = torch.ones(size // 4 // n)
         full = torch.empty(shard.numel() * n)
-        dist.barrier()
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        out["all_gather"].append(_mean_time(lambda: gather(full, shard), repeat))
+        calls = {"all_reduce": lambda: dist.all_reduce(x),
+                 "all_gather": lambda: gather(full, shard),
+                 "reduce_scatter": lambda: scatter(shard, full)}
+        for op in ops:
+            fn = calls[op]
+            dist.barrier()
+            out[op].append(_mean_time(fn, repeat))
+            dist.barrier()
+            alone = _mean_time(pace, repeat)
+            dist.barrier()
+            out[f"{op}_after_compute"].append(
+                max(_mean_time(lambda: (pace(), fn()), repeat) - alone, 0.0))
         dist.barrier()
 
         def ping() -> None:  # rank 0 <-> rank 1 round trip; the others idle
@@ -348,8 +378,16 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     per_size = {k: [max(r[k][i] for r in coll) for i in range(len(sizes))]
                 for k in coll[0]}
     n = world
-    ar_lat, ar_bw = fit_ring(list(sizes), per_size["all_reduce"], 2 * (n - 1) / n)
-    ag_lat, ag_bw = fit_ring(list(sizes), per_size["all_gather"], (n - 1) / n)
+    fits = {op: dict(zip(("latency_s", "bus_bandwidth"), fit_ring(list(sizes), per_size[op],
+                                                                  steps)))
+            for op, steps in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n),
+                              ("reduce_scatter", (n - 1) / n))}
+    # what a call costs more after compute than back to back: one figure per call, the median
+    # over every collective and size (single calls are bimodal on a VM: a fit of the paced
+    # times alone moved its latency from 1.0 to 2.3 ms between two calibrations)
+    extra = [after - alone for op in fits
+             for after, alone in zip(per_size[f"{op}_after_compute"], per_size[op])]
+    fits["arrival"] = {"latency_s": max(statistics.median(extra), 0.0), "samples": len(extra)}
     p2p_lat, p2p_bw = fit_ring(list(sizes), per_size["p2p"], 1.0)
     merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]
               if not k.endswith("_table")}
@@ -363,8 +401,7 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
                        for i in range(len(rows[0]))]
     return {"world": n, "sizes": list(sizes), "times": per_size, "compute": merged,
             "per_rank_compute": compute,
-            "all_reduce": {"latency_s": ar_lat, "bus_bandwidth": ar_bw},
-            "all_gather": {"latency_s": ag_lat, "bus_bandwidth": ag_bw},
+            **fits,
             "p2p": {"latency_s": p2p_lat, "bandwidth": p2p_bw}}
 
 
@@ -386,7 +423,12 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     efficiency = m["oversubscription"]["efficiency"] if probed else 1.0
     c = m["compute"]
     n = world
+    # Two latencies from two measurements: the ring's per-step latency from the back-to-back
+    # calls (it grows with the group), and the per-call cost of arriving from compute (ranks
+    # out of step, the first to arrive blocked and woken) as the base latency a0 of every
+    # collective.
     hop = m["all_reduce"]["latency_s"] / (2 * (n - 1))
+    arrival = m["arrival"]["latency_s"]
     try:
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -400,7 +442,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     cluster = Cluster.from_json({
         "name": name or f"calibrated-{platform.node() or 'local'}",
         "nodes": 1, "devices_per_node": world, "backend": "gloo",
-        "collective_latency_s": 0.0, "cores_per_node": cores,
+        "collective_latency_s": arrival, "cores_per_node": cores,
         "oversubscription_efficiency": round(efficiency, 4),
         "device": {
             "name": f"{platform.processor() or platform.machine()} (1 thread per process)",
@@ -422,6 +464,12 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
         },
         "intra_node": link,
         "inter_node": dict(link),
+        # all-gather and reduce-scatter as measured: gloo's are not rings at the all-reduce's
+        # bandwidth (per step of the ring formula: the fit's latency over its n - 1 steps)
+        "collectives": {name: {"latency_s": max(m[key]["latency_s"] / (n - 1), 1e-7),
+                               "bus_bandwidth": m[key]["bus_bandwidth"]}
+                        for name, key in (("all-gather", "all_gather"),
+                                          ("reduce-scatter", "reduce_scatter"))},
         "sources": {
             "device.peak_flops": f"best torch.mm rate over n in {list(GEMM_SIZES)}; {where}",
             "device.memory_bandwidth": f"tensor copy of 16-32 MiB, read + write; {where}",
@@ -444,15 +492,24 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "
                                            f"{where}",
             "device.memory_bytes": "physical memory / processes",
-            "intra_node": f"least-squares fit of all_reduce times (4 KiB-16 MiB) to the ring "
-                          f"model t = a + 2(n-1)/n S/B, hop latency a / 2(n-1); {where}",
+            "intra_node": f"least-squares fit of back-to-back all_reduce times (4 KiB-16 MiB) "
+                          f"to the ring model t = a + 2(n-1)/n S/B, hop latency a / 2(n-1); "
+                          f"{where}",
+            "collective_latency_s": f"median over all-reduce, all-gather and reduce-scatter "
+                                   f"of 4 KiB-16 MiB of (time after {PACE_ROWS} x 256 x 256 of "
+                                   f"GEMM - time back to back): the ranks' arrival out of step; "
+                                   f"{where}",
             "inter_node": "single node: same as intra_node",
+            "collectives": f"least-squares fits of back-to-back all_gather_single and "
+                           f"reduce_scatter_single times (4 KiB-16 MiB) to t = a + (n-1)/n S/B, "
+                           f"hop latency a / (n-1); {where}",
             "gemm_efficiency": "1.0: the measured rate is the achievable rate",
             "device.gemm_table": f"F.linear rate for m in {list(TABLE_M)}, n, k in "
                                  f"{list(TABLE_NK)} (m n k <= 2^31), operands cycled through "
                                  f"{COLD_BYTES >> 20} MiB (cold caches); {where}",
             "device.attention_table": f"causal scaled_dot_product_attention, batch x heads = "
-                                      f"8, s in {list(ATTENTION_SEQ)}, d in "
+                                      f"max(8, {ATTENTION_OPERAND_BYTES >> 20} MiB / "
+                                      f"(4 s d)), s in {list(ATTENTION_SEQ)}, d in "
                                       f"{list(ATTENTION_HEAD)}, forward and backward; {where}",
         },
     })

@@ -18,6 +18,10 @@ group's share of its nodes' NICs (``g`` members use ``g * nics / devices_per_nod
 the other groups of the mesh communicate at the same time, rail-optimized). The tree's 0.92 and
 its halved algorithm bandwidth are NCCL's. The cheapest algorithm is used, as NCCL does.
 
+Inside a node, a collective the cluster describes on its own (``Cluster.collectives``, measured
+by ``autopar calibrate`` on the local backend) takes its hop latency and bus bandwidth from
+there: gloo's reduce-scatter is no ring (two processes took as long for it as for an all-reduce).
+
 Groups follow the mesh layout of ``runtime/mesh.py``: rank = (dp_i * pp + pp_i) * tp + tp_i,
 tensor parallel innermost, ranks filling node 0 first.
 """
@@ -79,10 +83,14 @@ def _bus(cluster: Cluster, span: GroupSpan) -> float:
 def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> CollectiveCost:
     n, k = span.size, span.nodes
     bus = _bus(cluster, span)
+    hop = cluster.intra_node.latency_s
+    measured = cluster.collectives.get(op.value) if k == 1 else None
+    if measured is not None:  # inside a node, this backend's own figures for this collective
+        bus, hop = measured.bus_bandwidth, measured.latency_s
     factor = 2 if op is Collective.ALL_REDUCE else 1
     inter_steps = factor * (k - 1)
     intra_steps = factor * (n - 1) - inter_steps
-    latency = (cluster.collective_latency_s + intra_steps * cluster.intra_node.latency_s
+    latency = (cluster.collective_latency_s + intra_steps * hop
                + inter_steps * cluster.inter_node.latency_s)
     volume = nbytes / n if op is Collective.ALL_TO_ALL else factor * nbytes
     return CollectiveCost(latency + (n - 1) / n * volume / bus, Algorithm.RING, bus)

@@ -1,4 +1,5 @@
-"""Tensor-parallel layouts for the cost model: the sharding search's answer, per (tp, SP).
+"""Tensor-parallel layouts for the cost model: the sharding search's answer, per (tp, SP,
+micro-batch).
 
 For each tensor-parallel degree ``tp`` and sequence-parallel setting the planner prices, the
 captured graph goes through :func:`autopar.tensor_parallel.tensor_parallelize`: the sharding ILP
@@ -22,7 +23,10 @@ program back as a :class:`TPLayout`:
   the cost model prices with its collective model on the tensor-parallel group.
 
 A layout depends on the sizes and the hardware numbers the ILP prices with; the planner solves it
-at micro-batch 1 and the training sequence length, with :func:`tp_cost_spec` of the cluster.
+at each candidate's micro-batch and the training sequence length, with :func:`tp_cost_spec` of
+the cluster (a collective's latency is fixed while a GEMM's time grows with the tokens, so the
+best layout of one sequence need not be the best of sixteen), and ``parallelize`` solves it at
+the plan's.
 """
 
 from __future__ import annotations
@@ -101,17 +105,20 @@ _FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 def tp_cost_spec(cluster: Any, dtype: str) -> Any:
     """The numbers the sharding ILP prices with, from the cluster: achieved GEMM rate, HBM
-    bandwidth and the NVLink bus bandwidth and latency of a collective inside a node; tensors
+    bandwidth and the NVLink bus bandwidth and latency of a collective inside a node (the
+    cluster's own figures for the collectives it measured, ``Cluster.collectives``); tensors
     at the training precision ``dtype`` (a model captured in fp32 moves bf16 activations)."""
     from autopar.passes.shard import TPCostSpec
 
     d = cluster.device
     link = cluster.intra_node
+    measured = tuple((name.replace("-", "_"), cluster.collective_latency_s + spec.latency_s,
+                      spec.bus_bandwidth) for name, spec in sorted(cluster.collectives.items()))
     return TPCostSpec(peak_flops=d.peak(dtype) * d.gemm_efficiency,
                       hbm_bandwidth=d.memory_bandwidth * d.memory_efficiency,
                       link_bandwidth=link.effective_bandwidth,
                       link_latency=cluster.collective_latency_s + link.latency_s,
-                      float_bytes=_FLOAT_BYTES.get(dtype))
+                      float_bytes=_FLOAT_BYTES.get(dtype), collectives=measured)
 
 
 def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
