@@ -144,7 +144,9 @@ OP_ROWS, OP_COLS = 1024, 2048
 def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
     """Forward and backward seconds per element of the element-wise and normalization ops a
     transformer runs, as the graph names them, on ``OP_ROWS x OP_COLS`` fp32 elements with
-    autograd (a layer norm with its weight and bias, cross-entropy over ``OP_COLS`` classes).
+    autograd (a layer norm with its weight and bias, cross-entropy over ``OP_COLS`` classes;
+    ``linear.bias``: a bias vector broadcast into a fresh output, what a CPU GEMM with a bias
+    does before it accumulates, and its gradient, a sum over rows).
     The backward is timed alone, on a graph built beforehand."""
     import torch
     import torch.nn.functional as F
@@ -164,6 +166,7 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
         "softmax": lambda: torch.softmax(x, -1),
         "log_softmax": lambda: torch.log_softmax(x, -1),
         "cross_entropy_loss": lambda: F.cross_entropy(x, targets),
+        "linear.bias": lambda: bias.expand(OP_ROWS, OP_COLS).contiguous(),
     }
     n = x.numel()
     out = {}

@@ -201,7 +201,9 @@ class _Term:
     #: first of this term's values (GEMM: batch, m, n, k; attention: flops, bytes, s, d;
     #: memory: flops, bytes, elements of its largest float tensor)
     index: int
-    op: str = ""  # the op's name in a device's op_table (memory terms)
+    #: the op's name in a device's op_table: memory terms; GEMMs with a bias vector have
+    #: ``BIAS_OP`` (a CPU GEMM first copies the broadcast bias into its output)
+    op: str = ""
 
 
 @dataclass(slots=True)
@@ -347,6 +349,24 @@ def _gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
         if a.ndim >= 2 and b.ndim >= 2 and out is not None and out.ndim >= 2:
             return _prod(out.shape[:-2]), out.shape[-2], out.shape[-1], a.shape[-1]
     return None
+
+
+#: A device's ``op_table`` entry for a GEMM's bias vector: the broadcast copy of the bias into
+#: the GEMM's output that a CPU GEMM makes before accumulating into it (``addmm``'s
+#: ``out.copy_(bias.expand(m, n))``), and the bias gradient (a sum over rows), per output
+#: element. GPU GEMMs add the bias in their epilogue: GPU tables have no such entry.
+BIAS_OP = "linear.bias"
+
+
+def _has_bias_vector(node: torch.fx.Node, op: str) -> bool:
+    if op == "linear":
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    elif op == "addmm":
+        bias = node.args[0]
+    else:
+        return False
+    spec = _spec(bias)
+    return spec is not None and spec.ndim == 1
 
 
 def _table_key(node: torch.fx.Node, op: str) -> str:
@@ -523,7 +543,7 @@ class ModelCosts:
                 for d in dims[1:]:
                     add(d)
                 terms.append(_Term(_Kind.GEMM, name, meta.requires_grad, weighted, grads, core,
-                                   idx))
+                                   idx, BIAS_OP if _has_bias_vector(node, op) else ""))
                 continue
             # memory-bound (including GEMM-like ops the model has no shape rule for)
             terms.append(_Term(_Kind.MEMORY, name, meta.requires_grad, False, grads, core,
@@ -728,6 +748,11 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
             elif how is _Split.BATCH:
                 batch = batch / tp
             f = gemm_time(cluster, dtype, batch, m, n, k)
+            bias = d.op_table.get(term.op) if term.op and dtype == d.default_dtype else None
+            if bias is not None:  # measured: the bias broadcast into the output, its gradient
+                f += batch * m * n * bias[0]
+                if term.backward:
+                    bwd += batch * m * n * bias[1]
             fwd += f
             if term.core:
                 core += f
