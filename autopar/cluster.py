@@ -401,8 +401,13 @@ class Cluster:
             _check(op in COLLECTIVE_NAMES, f"cluster {self.name!r}: unknown collective {op!r}",
                    expected=f"one of {list(COLLECTIVE_NAMES)}", found=repr(op),
                    fix="rename or remove it")
-            specs[op] = _build(CollectiveSpec, spec, f"collectives.{op}") \
-                if isinstance(spec, Mapping) else spec
+            if isinstance(spec, Mapping):
+                spec = _build(CollectiveSpec, spec, f"collectives.{op}")
+            _check(isinstance(spec, CollectiveSpec),
+                   f"cluster {self.name!r}: collectives.{op} must be a mapping",
+                   expected="{latency_s, bus_bandwidth}", found=repr(spec),
+                   fix="give the collective's hop latency and bus bandwidth")
+            specs[op] = spec
         object.__setattr__(self, "collectives", specs)
         object.__setattr__(self, "sources", dict(self.sources))
 

@@ -120,6 +120,7 @@ def _spec(**changes):
     ({"collectives": {"reduce-scatter": {"latency_s": 1e-5, "bus_bandwidth": 0}}},
      "must be a positive number"),
     ({"collectives": [1]}, "collectives must be a mapping"),
+    ({"collectives": {"all-gather": 1e9}}, "collectives.all-gather must be a mapping"),
 ])
 def test_bad_specs_name_the_problem(tmp_path, changes, match):
     path = tmp_path / "bad.json"

@@ -160,6 +160,8 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     for spec in cluster.collectives.values():
         assert 0 < spec.latency_s < 0.1 and spec.bus_bandwidth > 1e7
     assert 0 <= cluster.collective_latency_s < 0.05
+    # a CPU GEMM's bias broadcast, priced per output element (forward, backward)
+    assert all(t > 0 for t in cluster.device.op_table["linear.bias"])
     raw = json.loads(out.with_suffix(".raw.json").read_text())
     assert raw["arrival"]["samples"] == 3 * len(raw["sizes"])
     assert len(raw["times"]["reduce_scatter_after_compute"]) == len(raw["sizes"])

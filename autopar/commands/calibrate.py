@@ -11,8 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="measure this machine's GEMM rate and collectives; write a cluster file",
         description="Start WORLD local gloo processes (one thread each), time torch.mm, memory "
                     "copies, a kernel's floor and fused attention on every rank at once, time "
-                    "all-reduce / all-gather / reduce-scatter / send-recv from 4 KiB to 16 MiB, "
-                    "fit the ring model's latency and bandwidth for each, and write the result as a cluster file that "
+                    "all-reduce / all-gather / reduce-scatter / send-recv from 4 KiB to 16 MiB "
+                    "(back to back and after compute), fit the ring model's latency and "
+                    "bandwidth for each, and write the result as a cluster file that "
                     "`autopar plan --cluster FILE` reads.")
     p.add_argument("--out", required=True, metavar="FILE", help="cluster file (.json or .yaml)")
     p.add_argument("--world", type=int, default=2, help="processes (default 2)")
