@@ -165,6 +165,12 @@ class DeviceSpec:
     #: table matters where a device computes an op slower than it streams it (a CPU core's tanh
     #: GELU or cross-entropy). Empty: every such op is memory-bound (GPUs).
     op_table: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: Measured seconds per parameter of an optimizer step (``torch.optim.AdamW`` as a training
+    #: script calls it, its default implementation on this device). 0: the step is priced as
+    #: memory traffic, 28 bytes per parameter at the streaming bandwidth (a fused GPU AdamW);
+    #: a CPU core's for-loop AdamW runs ~10 passes over the parameters and takes 1.5-2.5 times
+    #: that.
+    optimizer_s_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -186,6 +192,13 @@ class DeviceSpec:
                    f"{owner}.{name} must be a host time per graph node",
                    expected="0 <= value < 10 ms (a few microseconds on CPUs, 0 on GPUs)",
                    found=value, fix="regenerate with autopar calibrate, or give 0")
+        step = parse_quantity(self.optimizer_s_per_param, "s",
+                              what=f"{owner}.optimizer_s_per_param")
+        object.__setattr__(self, "optimizer_s_per_param", step)
+        _check(math.isfinite(step) and 0 <= step < 1e-6,
+               f"{owner}.optimizer_s_per_param must be an optimizer step's time per parameter",
+               expected="0 <= value < 1 us (a few ns on a CPU core; 0: priced as memory traffic)",
+               found=step, fix="regenerate with autopar calibrate, or give 0")
         for name in ("memory_bytes", "memory_bandwidth", "kernel_floor_s"):
             base = {"memory_bytes": "bytes", "memory_bandwidth": "bytes/s",
                     "kernel_floor_s": "s"}[name]
@@ -489,6 +502,7 @@ class Cluster:
                        "op_table": {k: list(v) for k, v in d.op_table.items()},
                        "node_overhead_s": d.node_overhead_s,
                        "node_backward_overhead_s": d.node_backward_overhead_s,
+                       "optimizer_s_per_param": d.optimizer_s_per_param,
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),

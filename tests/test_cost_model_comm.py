@@ -122,3 +122,43 @@ def test_a_measured_collective_replaces_the_link_inside_a_node_only():
                            Algorithm.HIERARCHICAL).seconds
     assert hier > collective_time(A100, Collective.REDUCE_SCATTER, size, across,
                                   Algorithm.HIERARCHICAL).seconds
+
+
+def test_weights_tied_across_pipeline_stages_sum_their_gradients_once():
+    """A GPT's embedding (first stage) and LM head (last stage) share one weight: after the
+    data-parallel reduction its two gradients are summed with one all-reduce over the two
+    pipeline ranks holding it (runtime/data_parallel.py), exposed before the step. Without
+    pipeline parallelism, or with the tied layers on one rank, there is nothing to sum."""
+    import dataclasses
+
+    from autopar.plan import RecomputeKind, ScheduleKind
+    from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
+    from autopar.planner.memory import STATE_BYTES
+    from autopar.planner.planning import capture_model_costs
+
+    shape = dict(layers=2, hidden=64, heads=4, vocab=256, seq=32)
+    costs = capture_model_costs("gpt", **shape)[0]
+    tied = [f for f in costs.template(0).params if f in costs.template(costs.num_layers - 1).params]
+    assert tied == ["lm_head.weight"]
+    for devices, per_node in ((2, 2), (2, 1)):  # one node, then the two stages on two nodes
+        cluster = dataclasses.replace(A100.with_devices(8), devices_per_node=per_node,
+                                      nodes=devices // per_node)
+        cm = CostModel(costs, cluster, TrainingSetup(8, shape["seq"], "bf16"))
+        for pp, dp in ((2, 1), (1, 2)):
+            c = Candidate(dp, 1, pp, 1, 2, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0,
+                          False)
+            st = cm._staging(c)
+            got = cm._tied_sum_time(c, st)
+            if pp == 1:
+                assert got == 0.0
+                continue
+            grad_bytes = shape["vocab"] * shape["hidden"] * STATE_BYTES["bf16"][1]
+            span = GroupSpan(2, 2 // per_node, per_node)
+            assert got == pytest.approx(collective_time(cluster, Collective.ALL_REDUCE,
+                                                        grad_bytes, span).seconds)
+            ev = cm.refine(cm.evaluate(c))
+            with_sum = ev.prediction.breakdown["dp_comm_s"]
+            plain = CostModel(costs, cluster, TrainingSetup(8, shape["seq"], "bf16"))
+            plain._tied_sum_time = lambda *a: 0.0  # the same plan without the sum
+            assert with_sum - plain.refine(plain.evaluate(c)).prediction.breakdown[
+                "dp_comm_s"] == pytest.approx(got)

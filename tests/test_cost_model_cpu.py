@@ -23,10 +23,10 @@ def costs():
     return capture_model_costs("gpt", **SHAPE)[0]
 
 
-def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4, efficiency=1.0):
+def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4, efficiency=1.0, optimizer=0.0):
     base = Cluster.load("cpu")
     device = dataclasses.replace(base.device, node_overhead_s=fwd, node_backward_overhead_s=bwd,
-                                 op_table=ops or {})
+                                 op_table=ops or {}, optimizer_s_per_param=optimizer)
     return dataclasses.replace(base, device=device, cores_per_node=cores,
                                oversubscription_efficiency=efficiency).with_devices(devices)
 
@@ -252,3 +252,23 @@ def test_node_overhead_measurement():
     assert m["node_overhead_s"] <= m["node_forward_s"]
     assert set(table) >= {"gelu(tanh)", "layer_norm", "cross_entropy_loss", "add"}
     assert all(0 < f < 1e-6 and 0 < b < 1e-6 for f, b in table.values())
+
+
+@pytest.mark.parametrize("per_param", [0.0, 1e-10, 5e-9])
+def test_optimizer_step_at_the_measured_rate_where_it_is_slower_than_streaming(costs, per_param):
+    """The Adam step of a rank's parameters: 28 bytes each at the streaming bandwidth, or the
+    measured seconds per parameter (a CPU core's for-loop AdamW), whichever is longer; shared
+    cores stretch it as they stretch compute."""
+    from autopar.planner.cost_model import OPTIMIZER_BYTES_PER_PARAM, memory_time
+
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    params = sum(n for i in range(costs.num_layers)
+                 for n in costs.template(i).params.values()) - SHAPE["vocab"] * SHAPE["hidden"]
+    for devices, cores, dp in ((1, 0, 1), (4, 2, 4)):
+        host = _host(devices=devices, cores=cores, optimizer=per_param)
+        cm = CostModel(costs, host, setup)
+        got = cm.refine(cm.evaluate(_candidate(dp=dp))).prediction.breakdown["optimizer_s"]
+        alone = max(memory_time(host, OPTIMIZER_BYTES_PER_PARAM * params), params * per_param)
+        assert got == pytest.approx(alone / host.compute_share(devices))
+        if per_param == 5e-9:
+            assert got == pytest.approx(params * per_param / host.compute_share(devices))

@@ -50,6 +50,10 @@ MAX_OVERSUBSCRIPTION_PROBE_CORES = 16
 PACE_ROWS = 4096
 #: Nodes in the chain that times the host's per-node cost.
 NODE_CHAIN = 400
+#: Hidden size and count of the transformer blocks whose parameters (4 matrices, 12 h^2, and
+#: 8 vectors each) the optimizer step is timed on: ~6.3M parameters, 25 MiB per state tensor,
+#: beyond a core's caches as a model's are.
+OPTIMIZER_HIDDEN, OPTIMIZER_BLOCKS = 512, 2
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
@@ -184,6 +188,30 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
     return out
 
 
+def measure_optimizer_step(repeat: int = 5) -> float:
+    """Seconds per parameter of ``torch.optim.AdamW.step()`` with its defaults (the
+    implementation a training script gets on this device), on ``OPTIMIZER_BLOCKS`` transformer
+    blocks' parameters of hidden size ``OPTIMIZER_HIDDEN``, every parameter with a gradient;
+    the median of ``repeat`` steps after two that create the moments."""
+    import torch
+
+    h = OPTIMIZER_HIDDEN
+    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
+              (h,), (h,), (h,), (h,)] * OPTIMIZER_BLOCKS
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt.step()
+    opt.step()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
 def measure_compute(quick: bool = False) -> dict[str, float]:
     """GEMM FLOP/s (fp32, bf16), streaming bandwidth, kernel floor and fused-attention rate of
     one process with one thread."""
@@ -209,6 +237,7 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     out["kernel_floor_s"] = _best_time(lambda: one.add(one), repeat, inner=200)
     out.update(measure_node_overhead(repeat))
     out["op_table"] = measure_op_table(repeat)
+    out["optimizer_s_per_param"] = measure_optimizer_step(repeat)
     q = torch.randn(1, 4, 256, 64)
     t = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
     out["attention_flops_fp32"] = 4 * 4 * 256 * 256 * 64 / t
@@ -461,6 +490,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "op_table": c["op_table"],
             "node_overhead_s": c["node_overhead_s"],
             "node_backward_overhead_s": c["node_backward_overhead_s"],
+            "optimizer_s_per_param": c["optimizer_s_per_param"],
             "sm_count": 0,
             "reserved_memory_bytes": 0.0,
             "default_dtype": "fp32",
@@ -492,6 +522,9 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                 if probed else
                 f"not measured on a host of more than {MAX_OVERSUBSCRIPTION_PROBE_CORES} cores "
                 f"(1.0: fair sharing)"),
+            "device.optimizer_s_per_param": (
+                f"median torch.optim.AdamW step (defaults) over {OPTIMIZER_BLOCKS} transformer "
+                f"blocks' parameters at hidden {OPTIMIZER_HIDDEN}, per parameter; {where}"),
             "device.op_table": f"forward and backward of each op on {OP_ROWS} x {OP_COLS} fp32 "
                                f"elements with autograd, per element; {where}",
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "

@@ -54,7 +54,9 @@ all-gather of the updated weights after the step (exposed); ZeRO-2 reduce-scatte
 micro-batch; ZeRO-3 gathers weights before each forward and backward and reduce-scatters
 gradients every micro-batch, prefetched so only the excess over the compute it overlaps is
 exposed. The optimizer step is memory-bound: 28 bytes moved per parameter of the local optimizer
-shard (Adam reads weights, gradients, two moments and writes three, plus the low-precision copy).
+shard (Adam reads weights, gradients, two moments and writes three, plus the low-precision copy),
+or the device's measured time per parameter where that is longer (``optimizer_s_per_param``: a
+CPU core's for-loop AdamW makes ~10 passes).
 
 **Reported**: MFU = model FLOPs / (step x devices x peak), model FLOPs = 3 x forward GEMM FLOPs
 of the graph (6 P per token + attention, as Megatron-LM counts); the hardware FLOP rate also
@@ -72,7 +74,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import sympy
 import torch.fx
 
-from autopar.cluster import Cluster, LinkKind
+from autopar.cluster import Cluster, GroupSpan, LinkKind
 from autopar.errors import AutoparError
 from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, op_name
 from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
@@ -86,7 +88,8 @@ from autopar.planner.tp_layout import TPLayout, solve_layout, tp_cost_spec
 
 __all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "StageCost",
            "TrainingSetup", "price_layer", "lower_bound_step", "COMPONENTS",
-           "gemm_time", "wave_efficiency", "DDP_BUCKET_BYTES", "OPTIMIZER_BYTES_PER_PARAM"]
+           "gemm_time", "wave_efficiency", "DDP_BUCKET_BYTES", "OPTIMIZER_BYTES_PER_PARAM",
+           "optimizer_time"]
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb=25).
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -171,6 +174,13 @@ def gemm_time(cluster: Cluster, dtype: str, batch: float, m: float, n: float, k:
 def memory_time(cluster: Cluster, nbytes: float) -> float:
     d = cluster.device
     return max(nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
+
+
+def optimizer_time(cluster: Cluster, params: float) -> float:
+    """One device's Adam step over ``params`` parameters, alone on its core: the memory traffic
+    (``OPTIMIZER_BYTES_PER_PARAM``) or the measured time per parameter, whichever is longer."""
+    return max(memory_time(cluster, OPTIMIZER_BYTES_PER_PARAM * params),
+               params * cluster.device.optimizer_s_per_param)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1267,6 +1277,38 @@ class CostModel:
         self._staging_cache[key] = out
         return out
 
+    def _tied_sum_time(self, c: Candidate, st: "_Staging") -> float:
+        """Seconds of summing the gradients of weights tied across pipeline ranks (a GPT's
+        embedding on the first stage and its LM head on the last): one all-reduce per tied
+        weight over the ranks holding it, after their data-parallel reduction and before the
+        step (runtime/data_parallel.py ``finish_gradient_sync``), so exposed."""
+        if c.pp == 1:
+            return 0.0
+        layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
+        split = layout.sharded_params if layout is not None else frozenset()
+        holders: dict[str, set[int]] = {}
+        numel: dict[str, int] = {}
+        for stage in st.stages:
+            for i in range(stage.layers[0], stage.layers[1] + 1):
+                tmpl = self.model.template(i)
+                if tmpl.shared:  # a repeated block's names are its representative's
+                    continue
+                for fqn, n in tmpl.params.items():
+                    holders.setdefault(fqn, set()).add(stage.pp_rank)
+                    numel[fqn] = n
+        _, g_bytes, _ = STATE_BYTES[self.setup.dtype]
+        total = 0.0
+        for fqn, ranks in holders.items():
+            if len(ranks) < 2:
+                continue
+            nodes = {self._stage_node(r, c.tp) for r in ranks}
+            per_node = max(sum(1 for r in ranks if self._stage_node(r, c.tp) == node)
+                           for node in nodes)
+            nbytes = numel[fqn] / (c.tp if fqn in split else 1) * g_bytes
+            total += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
+                                     GroupSpan(len(ranks), len(nodes), per_node)).seconds
+        return total
+
     def _stage_node(self, pp_rank: int, tp: int) -> int:
         return (pp_rank * tp) // self.cluster.devices_per_node
 
@@ -1378,10 +1420,11 @@ class CostModel:
                 dp_exposed = max(dp_exposed, exposed)
             local = rs.params / c.dp if c.zero >= 1 else rs.params
             # every rank steps at once: on a CPU host they share its cores
-            optimizer_s = max(optimizer_s, memory_time(cl, OPTIMIZER_BYTES_PER_PARAM * local)
+            optimizer_s = max(optimizer_s, optimizer_time(cl, local)
                               / cl.compute_share(cl.devices_per_node))
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
+        dp_exposed += self._tied_sum_time(c, st)
         step = pipe.total_s + dp_exposed + optimizer_s
         # -- breakdown from the bottleneck rank
         b = st.ranks[pipe.bottleneck_rank]
