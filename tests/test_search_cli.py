@@ -162,6 +162,8 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     assert 0 <= cluster.collective_latency_s < 0.05
     # a CPU GEMM's bias broadcast, priced per output element (forward, backward)
     assert all(t > 0 for t in cluster.device.op_table["linear.bias"])
+    # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic
+    assert 28 / cluster.device.memory_bandwidth < cluster.device.optimizer_s_per_param < 1e-7
     raw = json.loads(out.with_suffix(".raw.json").read_text())
     assert raw["arrival"]["samples"] == 3 * len(raw["sizes"])
     assert len(raw["times"]["reduce_scatter_after_compute"]) == len(raw["sizes"])
