@@ -32,6 +32,8 @@ def fmt_seconds(t: float) -> str:
         return f"{t:.3f} s"
     if t >= 1e-3:
         return f"{t * 1e3:.2f} ms"
+    if 0 < t < 1e-6:
+        return f"{t * 1e9:.2f} ns"
     return f"{t * 1e6:.1f} us"
 
 

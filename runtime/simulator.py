@@ -72,6 +72,11 @@ class Durations:
     p2p: tuple[float, ...] = ()
     p2p_grad: tuple[float, ...] = ()
     send_overhead: float = 0.0
+    #: Of each stage's forward (and of its backward, or input-gradient half), the seconds its
+    #: rank waits on peers without computing (its tensor-parallel collectives' arrival): with
+    #: shared processors that part takes no core and is not slowed by sharing. Default 0.
+    forward_wait: tuple[float, ...] = ()
+    backward_wait: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -87,6 +92,13 @@ class Durations:
         p2p = _floats("p2p", self.p2p or (0.0,) * (n - 1), n - 1)
         object.__setattr__(self, "p2p", p2p)
         object.__setattr__(self, "p2p_grad", _floats("p2p_grad", self.p2p_grad or p2p, n - 1))
+        for name, total in (("forward_wait", self.forward),
+                            ("backward_wait", self.backward_input)):
+            waits = _floats(name, getattr(self, name) or (0.0,) * n, n)
+            if any(w > t * (1 + 1e-9) for w, t in zip(waits, total)):
+                raise ScheduleError(f"durations.{name} exceeds the time it is part of",
+                                    found=str(waits), expected=f"at most {total}")
+            object.__setattr__(self, name, waits)
         if self.send_overhead < 0:
             raise ScheduleError("send_overhead is negative", found=str(self.send_overhead))
 
@@ -109,6 +121,15 @@ class Durations:
         return {ActionKind.FORWARD: self.forward, ActionKind.BACKWARD: self.backward,
                 ActionKind.BACKWARD_INPUT: self.backward_input,
                 ActionKind.BACKWARD_WEIGHT: self.backward_weight}[action.kind][s]
+
+    def wait(self, action: Action) -> float:
+        """The part of :meth:`compute` spent waiting on peers (no processor)."""
+        kind = action.kind
+        if kind is ActionKind.FORWARD:
+            return self.forward_wait[action.stage]
+        if kind is ActionKind.BACKWARD or kind is ActionKind.BACKWARD_INPUT:
+            return self.backward_wait[action.stage]
+        return 0.0
 
 
 class TimelineEvent(NamedTuple):
@@ -372,6 +393,7 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
     done: dict[tuple[int, ActionKind, int], float] = {}
     posted: dict[tuple[int, str, int], tuple[float, int]] = {}
     running: dict[int, list] = {}  # rank -> [action, work left, start, work] (own-processor s)
+    waiting: dict[int, tuple[Action, float, float]] = {}  # rank -> (action, start, end)
     future: list[float] = []  # event times ahead (arrivals, ends of postings)
     events: list[TimelineEvent] = []
     now = 0.0
@@ -406,15 +428,16 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
         """Take the rank's actions that can happen at ``now``; True if it moved."""
         actions = schedule.ranks[rank]
         moved = False
-        while rank not in running and pos[rank] < len(actions) and clock[rank] <= now:
+        while rank not in running and rank not in waiting and pos[rank] < len(actions) \
+                and clock[rank] <= now:
             a = actions[pos[rank]]
             ready = ready_time(rank, a)
             if ready is None or ready > now:
                 break
             kind = a.kind
             if kind in compute_time:
-                work = compute_time[kind][a.stage]
-                running[rank] = [a, work, now, work]
+                work = compute_time[kind][a.stage] - durations.wait(a)
+                running[rank] = [a, work, now, max(work, 1e-300)]
                 if kind is F:
                     in_flight[rank] += 1
                     peaks[rank] = max(peaks[rank], in_flight[rank])
@@ -444,7 +467,8 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
     while True:
         while any([advance(rank) for rank in range(p)]):
             pass
-        if not running and all(pos[r] == len(schedule.ranks[r]) for r in range(p)):
+        if not running and not waiting and all(pos[r] == len(schedule.ranks[r])
+                                               for r in range(p)):
             break
         while future and future[0] <= now:
             heapq.heappop(future)
@@ -460,18 +484,32 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
                                 fix="reorder the action lists so that every receive's send and "
                                     "every backward's forward come earlier on their ranks")
         now += step
+
+        def finish_action(rank: int, a: Action, begin: float) -> None:
+            done[(a.stage, a.kind, a.microbatch)] = now
+            busy[rank] += now - begin
+            events.append(TimelineEvent(rank, a, begin, now))
+            if a.kind is B or a.kind is W:
+                in_flight[rank] -= 1
+            clock[rank] = now
+
+        for rank in list(waiting):  # waits on peers that are over
+            a, begin, end = waiting[rank]
+            if end <= now + 1e-12 * max(now, 1e-9):
+                del waiting[rank]
+                finish_action(rank, a, begin)
         for rank in list(running):
             entry = running[rank]
             entry[1] -= rate * step
             if entry[1] <= 1e-9 * entry[3]:
                 a, _, begin, _ = entry
                 del running[rank]
-                done[(a.stage, a.kind, a.microbatch)] = now
-                busy[rank] += now - begin
-                events.append(TimelineEvent(rank, a, begin, now))
-                if a.kind is B or a.kind is W:
-                    in_flight[rank] -= 1
-                clock[rank] = now
+                wait = durations.wait(a)
+                if wait > 0:  # its peers' arrival: no processor taken
+                    waiting[rank] = (a, begin, now + wait)
+                    heapq.heappush(future, now + wait)
+                else:
+                    finish_action(rank, a, begin)
     assert len(events) == total
     step_time = max(max(clock), now)
     total_busy = sum(busy)

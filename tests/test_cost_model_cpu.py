@@ -272,3 +272,60 @@ def test_optimizer_step_at_the_measured_rate_where_it_is_slower_than_streaming(c
         assert got == pytest.approx(alone / host.compute_share(devices))
         if per_param == 5e-9:
             assert got == pytest.approx(params * per_param / host.compute_share(devices))
+
+
+def test_waiting_on_peers_takes_no_core():
+    """Two replicas of a one-rank pipeline on one core, each forward and backward half a
+    second of it waiting on tensor-parallel peers: the computing part runs at half speed, the
+    waits do not stretch (per micro-batch 0.5 / 0.5 + 0.5 + 1.5 / 0.5 + 0.5 = 5 s, against 6 s
+    if the waits computed). A rank with a core of its own is not affected."""
+    kw = dict(forward_wait_s=(0.5,), backward_wait_s=(0.5,))
+    shared = PipelineWork(ScheduleKind.ONE_F_ONE_B, 1, 1, 4, (1.0,), (2.0,), (0.0,), cores=1,
+                          replicas=2, **kw)
+    t, sim = simulated_pipeline_time(shared)
+    assert t.total_s == pytest.approx(4 * 5.0)
+    assert closed_form_pipeline_time(shared).total_s == pytest.approx(4 * 5.0)
+    computing = dataclasses.replace(shared, forward_wait_s=(), backward_wait_s=())
+    assert simulated_pipeline_time(computing)[0].total_s == pytest.approx(4 * 6.0)
+    own = dataclasses.replace(shared, cores=0)
+    assert simulated_pipeline_time(own)[0].total_s == pytest.approx(4 * 3.0)
+    from autopar.errors import ScheduleError
+    from autopar.runtime.simulator import Durations
+    with pytest.raises(ScheduleError, match="forward_wait exceeds"):
+        Durations((1.0,), (2.0,), forward_wait=(1.5,))
+
+
+def test_a_stage_waits_a0_per_tensor_parallel_collective(costs):
+    """The arrival part of each tensor-parallel collective (the cluster's base latency a0) is
+    the stage's wait: a0 x the forward calls of its layers, and x the backward calls."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    base = _host(devices=4, cores=2)
+    fast = dataclasses.replace(base.intra_node, bandwidth=1e12, latency_s=1e-8)
+    a0 = 1e-7  # collectives cheap enough for the layout to shard the GEMMs
+    host = dataclasses.replace(base, collective_latency_s=a0, intra_node=fast, inter_node=fast,
+                               collectives={})
+    cm = CostModel(costs, host, setup)
+    st = cm._staging(_candidate(tp=2, pp=2))
+    per_mb = cm.layer_costs(2, False, 2)
+    for s, (first, last) in enumerate(st.cuts):
+        calls = [c for i in range(first, last + 1) for c in per_mb[i].tp_calls]
+        assert st.forward_wait[s] == pytest.approx(a0 * sum(d == "forward" for _, d, _ in calls))
+        assert st.backward_wait[s] == pytest.approx(a0 * sum(d == "backward" for _, d, _ in calls))
+    assert sum(st.forward_wait) > 0
+    assert not any(cm._staging(_candidate(dp=2, pp=2)).forward_wait)
+
+
+def test_one_bucket_of_data_parallel_gradients_is_exposed_once(costs):
+    """Gradients that fit one 25 MB bucket are reduced after the backward: exposed once, not
+    also charged as overlapping the backward."""
+    from autopar.planner.comm import Collective, collective_time, mesh_span
+
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    host = _host(devices=2)
+    cm = CostModel(costs, host, setup)
+    got = cm.refine(cm.evaluate(_candidate(dp=2))).prediction.breakdown["dp_comm_s"]
+    params = sum(n for i in range(costs.num_layers)
+                 for n in costs.template(i).params.values()) - SHAPE["vocab"] * SHAPE["hidden"]
+    assert params * 4 < 25e6
+    assert got == pytest.approx(collective_time(host, Collective.ALL_REDUCE, params * 4,
+                                                mesh_span(host, 2, 1, 1, "dp")).seconds)

@@ -165,7 +165,12 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic
     assert 28 / cluster.device.memory_bandwidth < cluster.device.optimizer_s_per_param < 1e-7
     raw = json.loads(out.with_suffix(".raw.json").read_text())
-    assert raw["arrival"]["samples"] == 3 * len(raw["sizes"])
+    # a0 from the three collectives' fits after compute less back to back; the bandwidths
+    # priced are the after-compute fits' (what a step gets)
+    assert raw["arrival"]["samples"] == 3
+    for key in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert raw[key]["after_compute_latency_s"] >= 0 and raw[key]["back_to_back_bus_bandwidth"] > 0
+    assert cluster.intra_node.bandwidth == pytest.approx(raw["all_reduce"]["bus_bandwidth"])
     assert len(raw["times"]["reduce_scatter_after_compute"]) == len(raw["sizes"])
     assert main(["plan", "gpt", "--cluster", str(out), "--gpus", "2", "--global-batch", "4",
                  "--json"]) == 0

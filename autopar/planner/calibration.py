@@ -46,8 +46,12 @@ AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 COLD_BYTES = 16 * 2**20
 #: Hosts with more cores than this skip the oversubscription probe (it starts 2 x cores processes).
 MAX_OVERSUBSCRIPTION_PROBE_CORES = 16
-#: Rows of the GEMM (x 256 x 256, fp32; ~3 ms on one core) each timed collective follows.
-PACE_ROWS = 4096
+#: The compute each paced collective follows: PACE_GEMMS GEMMs of PACE_TOKENS x PACE_IN ->
+#: PACE_OUT (fp32; ~13 ms on one core, the small GPT's compute between two tensor-parallel
+#: collectives), operands cycled through PACE_COPIES copies (24 MiB, cold as in a step). After a
+#: warm 3 ms GEMM a 2 MiB all-reduce took ~1 ms longer than back to back; after this, ~2 ms, and
+#: an 8 MiB one ~3.3 ms: what a tensor-parallel step paid.
+PACE_TOKENS, PACE_IN, PACE_OUT, PACE_GEMMS, PACE_COPIES = 2048, 256, 1024, 2, 8
 #: Nodes in the chain that times the host's per-node cost.
 NODE_CHAIN = 400
 #: Hidden size and count of the transformer blocks whose parameters (4 matrices, 12 h^2, and
@@ -290,23 +294,28 @@ def _rank_compute(quick: bool) -> dict[str, float]:
 def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[float]]:
     """Per size, the mean seconds of each collective, two ways: back to back (``all_reduce``,
     ...), and as a training step pays it (``all_reduce_after_compute``, ...): every call follows
-    ``PACE_ROWS`` rows of GEMM on each rank (a layer's compute), less that compute timed alone.
-    After compute the ranks arrive at slightly different times and the first blocks; on the
-    2-core VM that cost 0.1-4 ms more per call than back to back (median ~0.9 ms, at any size),
-    where the ranks stay in lockstep. Plus a rank 0 <-> 1 send/recv (``p2p``, half a round
-    trip)."""
+    a layer's worth of GEMMs on cold operands on each rank (``PACE_*``), less that compute timed
+    alone. After compute the ranks arrive at slightly different times, the first blocks and
+    sleeps, and the data comes from beyond the caches; on the 2-core VM that cost 1-4 ms more
+    per call than back to back, more for larger tensors, where back-to-back ranks stay in
+    lockstep. Plus a rank 0 <-> 1 send/recv (``p2p``, half a round trip)."""
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
 
     ops = ("all_reduce", "all_gather", "reduce_scatter")
     out: dict[str, list[float]] = {k: [] for op in ops for k in (op, f"{op}_after_compute")}
     out["p2p"] = []
     n = dist.get_world_size()
     rank = dist.get_rank()
-    a, b = torch.randn(PACE_ROWS, 256), torch.randn(256, 256)
+    operands = [(torch.randn(PACE_TOKENS, PACE_IN), torch.randn(PACE_OUT, PACE_IN))
+                for _ in range(PACE_COPIES)]
+    turn = iter(range(10**12))
 
     def pace() -> None:
-        torch.mm(a, b)
+        for _ in range(PACE_GEMMS):
+            x, w = operands[next(turn) % PACE_COPIES]
+            F.linear(x, w)
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -412,15 +421,21 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     per_size = {k: [max(r[k][i] for r in coll) for i in range(len(sizes))]
                 for k in coll[0]}
     n = world
-    fits = {op: dict(zip(("latency_s", "bus_bandwidth"), fit_ring(list(sizes), per_size[op],
-                                                                  steps)))
-            for op, steps in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n),
-                              ("reduce_scatter", (n - 1) / n))}
-    # what a call costs more after compute than back to back: one figure per call, the median
-    # over every collective and size (single calls are bimodal on a VM: a fit of the paced
-    # times alone moved its latency from 1.0 to 2.3 ms between two calibrations)
-    extra = [after - alone for op in fits
-             for after, alone in zip(per_size[f"{op}_after_compute"], per_size[op])]
+    # Two fits per collective of t = a + steps S / B (relative error): back to back, whose
+    # latency is the ring's per-hop latency (it grows with the group), and after compute, as a
+    # step pays it, whose bandwidth is the one a step gets and whose latency, less the
+    # back-to-back one, is the base latency a0 every call pays arriving from compute (one figure:
+    # the median over the collectives).
+    steps = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+             "reduce_scatter": (n - 1) / n}
+    fits: dict[str, Any] = {}
+    extra = []
+    for op, factor in steps.items():
+        latency, b2b_bw = fit_ring(list(sizes), per_size[op], factor)
+        paced, bw = fit_ring(list(sizes), per_size[f"{op}_after_compute"], factor)
+        fits[op] = {"latency_s": latency, "bus_bandwidth": bw,
+                    "back_to_back_bus_bandwidth": b2b_bw, "after_compute_latency_s": paced}
+        extra.append(paced - latency)
     fits["arrival"] = {"latency_s": max(statistics.median(extra), 0.0), "samples": len(extra)}
     p2p_lat, p2p_bw = fit_ring(list(sizes), per_size["p2p"], 1.0)
     merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]
@@ -468,6 +483,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         total_ram = 8 * 2**30
     stamp = datetime.date.today().isoformat()
+    pace = (f"{PACE_GEMMS} GEMMs of {PACE_TOKENS} x {PACE_IN} -> {PACE_OUT} on cold operands "
+            f"on every rank")
     where = (f"measured by autopar calibrate on {platform.node() or 'this machine'} "
              f"({os.cpu_count()} CPUs, torch {torch.__version__}, {world} gloo processes of one "
              f"thread, {stamp})")
@@ -530,17 +547,16 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "
                                            f"{where}",
             "device.memory_bytes": "physical memory / processes",
-            "intra_node": f"least-squares fit of back-to-back all_reduce times (4 KiB-16 MiB) "
-                          f"to the ring model t = a + 2(n-1)/n S/B, hop latency a / 2(n-1); "
-                          f"{where}",
+            "intra_node": f"all_reduce times (4 KiB-16 MiB) fitted to the ring model "
+                          f"t = a + 2(n-1)/n S/B in relative error: hop latency a / 2(n-1) "
+                          f"back to back, bandwidth B after {pace}; {where}",
             "collective_latency_s": f"median over all-reduce, all-gather and reduce-scatter "
-                                   f"of 4 KiB-16 MiB of (time after {PACE_ROWS} x 256 x 256 of "
-                                   f"GEMM - time back to back): the ranks' arrival out of step; "
-                                   f"{where}",
+                                   f"of the ring fit's latency a after {pace} less a back to "
+                                   f"back: the ranks' arrival out of step; {where}",
             "inter_node": "single node: same as intra_node",
-            "collectives": f"least-squares fits of back-to-back all_gather_single and "
-                           f"reduce_scatter_single times (4 KiB-16 MiB) to t = a + (n-1)/n S/B, "
-                           f"hop latency a / (n-1); {where}",
+            "collectives": f"all_gather_single and reduce_scatter_single times (4 KiB-16 "
+                           f"MiB) fitted to t = a + (n-1)/n S/B in relative error: hop latency "
+                           f"a / (n-1) back to back, bandwidth B after {pace}; {where}",
             "gemm_efficiency": "1.0: the measured rate is the achievable rate",
             "device.gemm_table": f"F.linear rate for m in {list(TABLE_M)}, n, k in "
                                  f"{list(TABLE_NK)} (m n k <= 2^31), operands cycled through "
@@ -708,6 +724,8 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
                                       ("a100", "a100-80g")) if key in low), "h100-80g")
     doc = Cluster.load(base).to_json()
     stamp = datetime.date.today().isoformat()
+    pace = (f"{PACE_GEMMS} GEMMs of {PACE_TOKENS} x {PACE_IN} -> {PACE_OUT} on cold operands "
+            f"on every rank")
     where = (f"measured by autopar calibrate --device cuda on {device_name} (torch "
              f"{torch_version}, {stamp})")
     dev = doc["device"]

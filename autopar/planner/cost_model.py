@@ -923,6 +923,9 @@ class _Staging:
     p2p: tuple[float, ...]
     recompute_flops: float  # per micro-batch
     cuts: tuple[tuple[int, int], ...] = ()
+    #: per stage, the part of forward / backward waiting on tensor-parallel peers (a0 per call)
+    forward_wait: tuple[float, ...] = ()
+    backward_wait: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -1198,7 +1201,8 @@ class CostModel:
         cl = self.cluster
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=float(cl.cores_per_node * cl.nodes),
-                            replicas=c.dp * c.tp, efficiency=cl.oversubscription_efficiency)
+                            replicas=c.dp * c.tp, efficiency=cl.oversubscription_efficiency,
+                            forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
 
     def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
                  ) -> "_Staging":
@@ -1270,10 +1274,24 @@ class CostModel:
                 rec_flops += lc.gemm_flops
             elif block and c.recompute is RecomputeKind.SELECTIVE:
                 rec_flops += lc.core_flops
+        # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
+        # not computing: on shared cores it takes no core (runtime/simulator.py)
+        a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
+        fwd_wait, bwd_wait = [], []
+        for first, last in cuts:
+            f_calls = b_calls = 0
+            for i in range(first, last + 1):
+                calls = costs[i].tp_calls
+                f = sum(1 for _, direction, _ in calls if direction == "forward")
+                f_calls += f * (2 if self.is_block[i] and c.recompute is RecomputeKind.FULL
+                                else 1)
+                b_calls += sum(1 for _, direction, _ in calls if direction == "backward")
+            fwd_wait.append(a0 * f_calls)
+            bwd_wait.append(a0 * b_calls)
         out = _Staging(tuple(stages), tuple(ranks),
                        tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
                        tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
-                       rec_flops, tuple(cuts))
+                       rec_flops, tuple(cuts), tuple(fwd_wait), tuple(bwd_wait))
         self._staging_cache[key] = out
         return out
 
@@ -1395,14 +1413,17 @@ class CostModel:
                 reduce_op = Collective.ALL_REDUCE if c.zero == 0 else Collective.REDUCE_SCATTER
                 bucket = DDP_BUCKET_BYTES
                 last_bucket = coll(reduce_op, min(grads, bucket), bucket)
+                # the last bucket waits for the end of the backward, and what the backward
+                # cannot hide follows it; the rest overlaps the backward
                 if c.zero <= 1:
                     t = coll(reduce_op, grads, bucket)
                     exposed = max(last_bucket, t - window)
-                    overlapped = min(t, window)
+                    overlapped = t - exposed
                 elif c.zero == 2:  # a reduce-scatter after every micro-batch's backward
                     t = coll(Collective.REDUCE_SCATTER, grads, bucket)
-                    exposed = (m - 1) * max(0.0, t - window) + max(last_bucket, t - window)
-                    overlapped = m * min(t, window)
+                    tail = max(last_bucket, t - window)
+                    exposed = (m - 1) * max(0.0, t - window) + tail
+                    overlapped = (m - 1) * min(t, window) + t - tail
                 else:  # ZeRO-3 (FSDP): per layer, gather for forward and backward,
                     #     reduce-scatter after backward, prefetched one layer ahead
                     unit = max(rs.params / max(rs.layers, 1), 1.0)

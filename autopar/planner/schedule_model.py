@@ -22,8 +22,9 @@ chunks), ``T* = max_r T_r`` (Narayanan et al. 2021, Qi et al. 2023, generalised 
 - plus point-to-point, when p > 1: 2 (v m + p - 2) max_s c_s (each of a rank's transfers on its
   critical path, as with Megatron-LM's synchronous send/recv);
 - ranks sharing ``cores`` processors with ``replicas`` copies of the pipeline (CPU processes,
-  :attr:`PipelineWork.cores`): at least ``replicas m sum_r T_r / cores``, all the host's work
-  spread over its cores. The simulator shares the processors event by event instead
+  :attr:`PipelineWork.cores`): at least ``m (replicas sum_r (T_r - w_r) / cores + max_r w_r)``,
+  all the host's work spread over its cores, where ``w_r`` is the time rank r waits on its
+  tensor-parallel peers (it takes no core, and is not shortened by more cores). The simulator shares the processors event by event instead
   (``runtime/simulator.py``).
 
 It equals the simulator on equal stages without transfers (tests), is within 10% of it on stages
@@ -63,9 +64,17 @@ class PipelineWork:
     #: Throughput of the shared cores while more ranks compute than there are cores, relative
     #: to fair sharing (:attr:`autopar.cluster.Cluster.oversubscription_efficiency`).
     efficiency: float = 1.0
+    #: Of ``forward_s`` (``backward_s``), the seconds a stage's rank waits on its peers without
+    #: computing (its tensor-parallel collectives' arrival): sharing the cores does not slow
+    #: them. Empty: none.
+    forward_wait_s: tuple[float, ...] = ()
+    backward_wait_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.pp * self.virtual_stages
+        for name in ("forward_wait_s", "backward_wait_s"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries; expected {n}")
         for name in ("forward_s", "backward_s", "weight_s"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries; expected "
@@ -94,6 +103,12 @@ class PipelineWork:
 
     def rank_work(self, rank: int) -> float:
         return sum(self.forward_s[s] + self.backward_s[s] + self.weight_s[s]
+                   for s in range(rank, self.num_stages, self.pp))
+
+    def rank_wait(self, rank: int) -> float:
+        """The part of :meth:`rank_work` spent waiting on peers."""
+        return sum((self.forward_wait_s[s] if self.forward_wait_s else 0.0)
+                   + (self.backward_wait_s[s] if self.backward_wait_s else 0.0)
                    for s in range(rank, self.num_stages, self.pp))
 
     @property
@@ -132,7 +147,10 @@ def closed_form_pipeline_time(work: PipelineWork) -> PipelineTime:
     p2p = 2 * (v * m + p - 2) * work.p2p_max if p > 1 else 0.0
     total = busy + bubble + p2p
     if work.shared:  # no faster than all the host's work spread over its cores
-        shared = max(total, m * sum(per_rank) * work.replicas / (work.cores * work.efficiency))
+        waits = [work.rank_wait(r) for r in range(p)]
+        cpu = sum(per_rank) - sum(waits)
+        shared = max(total, m * (cpu * work.replicas / (work.cores * work.efficiency)
+                                 + max(waits)))
         stretch = (shared - p2p) / (total - p2p) if total > p2p else 1.0
         busy, bubble, total = busy * stretch, bubble * stretch, shared
     return PipelineTime(total, busy, bubble, p2p, bottleneck)
@@ -153,12 +171,13 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     n = work.num_stages
     zero_bubble = work.schedule is ScheduleKind.ZB_H1
     full = tuple(b + w for b, w in zip(work.backward_s, work.weight_s))
+    transfers = work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1)
+    waits = dict(forward_wait=work.forward_wait_s, backward_wait=work.backward_wait_s)
     if zero_bubble:
-        durations = Durations(work.forward_s, full, work.backward_s, work.weight_s,
-                              work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1))
+        durations = Durations(work.forward_s, full, work.backward_s, work.weight_s, transfers,
+                              **waits)
     else:
-        durations = Durations(work.forward_s, full, full, (0.0,) * n,
-                              work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1))
+        durations = Durations(work.forward_s, full, full, (0.0,) * n, transfers, **waits)
     schedule = _schedule(work.schedule, work.pp, work.num_micro_batches, work.virtual_stages)
     if work.shared:
         return simulate(schedule, durations, cores=work.cores, replicas=work.replicas,
