@@ -92,8 +92,7 @@ class Durations:
         p2p = _floats("p2p", self.p2p or (0.0,) * (n - 1), n - 1)
         object.__setattr__(self, "p2p", p2p)
         object.__setattr__(self, "p2p_grad", _floats("p2p_grad", self.p2p_grad or p2p, n - 1))
-        for name, total in (("forward_wait", self.forward),
-                            ("backward_wait", self.backward_input)):
+        for name, total in (("forward_wait", self.forward), ("backward_wait", self.backward)):
             waits = _floats(name, getattr(self, name) or (0.0,) * n, n)
             if any(w > t * (1 + 1e-9) for w, t in zip(waits, total)):
                 raise ScheduleError(f"durations.{name} exceeds the time it is part of",
@@ -436,7 +435,7 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
                 break
             kind = a.kind
             if kind in compute_time:
-                work = compute_time[kind][a.stage] - durations.wait(a)
+                work = max(compute_time[kind][a.stage] - durations.wait(a), 0.0)
                 running[rank] = [a, work, now, max(work, 1e-300)]
                 if kind is F:
                     in_flight[rank] += 1

@@ -1283,9 +1283,10 @@ class CostModel:
             for i in range(first, last + 1):
                 calls = costs[i].tp_calls
                 f = sum(1 for _, direction, _ in calls if direction == "forward")
-                f_calls += f * (2 if self.is_block[i] and c.recompute is RecomputeKind.FULL
-                                else 1)
+                f_calls += f
                 b_calls += sum(1 for _, direction, _ in calls if direction == "backward")
+                if self.is_block[i] and c.recompute is RecomputeKind.FULL:
+                    b_calls += f  # the forward re-run inside the backward
             fwd_wait.append(a0 * f_calls)
             bwd_wait.append(a0 * b_calls)
         out = _Staging(tuple(stages), tuple(ranks),

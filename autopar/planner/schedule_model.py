@@ -24,8 +24,8 @@ chunks), ``T* = max_r T_r`` (Narayanan et al. 2021, Qi et al. 2023, generalised 
 - ranks sharing ``cores`` processors with ``replicas`` copies of the pipeline (CPU processes,
   :attr:`PipelineWork.cores`): at least ``m (replicas sum_r (T_r - w_r) / cores + max_r w_r)``,
   all the host's work spread over its cores, where ``w_r`` is the time rank r waits on its
-  tensor-parallel peers (it takes no core, and is not shortened by more cores). The simulator shares the processors event by event instead
-  (``runtime/simulator.py``).
+  tensor-parallel peers (it takes no core, and is not shortened by more cores). The simulator
+  shares the processors event by event instead (``runtime/simulator.py``).
 
 It equals the simulator on equal stages without transfers (tests), is within 10% of it on stages
 within +-10% of each other, and is above it with transfers (the executor's sends are
