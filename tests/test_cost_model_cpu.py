@@ -313,6 +313,14 @@ def test_a_stage_waits_a0_per_tensor_parallel_collective(costs):
         assert st.backward_wait[s] == pytest.approx(a0 * sum(d == "backward" for _, d, _ in calls))
     assert sum(st.forward_wait) > 0
     assert not any(cm._staging(_candidate(dp=2, pp=2)).forward_wait)
+    # full recomputation re-runs a block's forward, collectives included, inside its backward
+    full = Candidate(1, 2, 2, 1, 2, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL, 0, False)
+    rec = cm._staging(full)
+    assert rec.cuts == st.cuts and rec.forward_wait == st.forward_wait
+    for s, (first, last) in enumerate(st.cuts):
+        again = sum(d == "forward" for i in range(first, last + 1) if cm.is_block[i]
+                    for _, d, _ in per_mb[i].tp_calls)
+        assert rec.backward_wait[s] == pytest.approx(st.backward_wait[s] + a0 * again)
 
 
 def test_one_bucket_of_data_parallel_gradients_is_exposed_once(costs):
