@@ -462,6 +462,14 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
             moved = True
         return moved
 
+    def finish_action(rank: int, a: Action, begin: float) -> None:
+        done[(a.stage, a.kind, a.microbatch)] = now
+        busy[rank] += now - begin
+        events.append(TimelineEvent(rank, a, begin, now))
+        if a.kind is B or a.kind is W:
+            in_flight[rank] -= 1
+        clock[rank] = now
+
     total = sum(len(r) for r in schedule.ranks)
     while True:
         while any([advance(rank) for rank in range(p)]):
@@ -483,15 +491,6 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
                                 fix="reorder the action lists so that every receive's send and "
                                     "every backward's forward come earlier on their ranks")
         now += step
-
-        def finish_action(rank: int, a: Action, begin: float) -> None:
-            done[(a.stage, a.kind, a.microbatch)] = now
-            busy[rank] += now - begin
-            events.append(TimelineEvent(rank, a, begin, now))
-            if a.kind is B or a.kind is W:
-                in_flight[rank] -= 1
-            clock[rank] = now
-
         for rank in list(waiting):  # waits on peers that are over
             a, begin, end = waiting[rank]
             if end <= now + 1e-12 * max(now, 1e-9):

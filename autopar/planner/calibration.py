@@ -422,7 +422,7 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
                 for k in coll[0]}
     n = world
     # Two fits per collective of t = a + steps S / B (relative error): back to back, whose
-    # latency is the ring's per-hop latency (it grows with the group), and after compute, as a
+    # latency gives the ring's per-hop latency (it grows with the group), and after compute, as a
     # step pays it, whose bandwidth is the one a step gets and whose latency, less the
     # back-to-back one, is the base latency a0 every call pays arriving from compute (one figure:
     # the median over the collectives).
@@ -724,8 +724,6 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
                                       ("a100", "a100-80g")) if key in low), "h100-80g")
     doc = Cluster.load(base).to_json()
     stamp = datetime.date.today().isoformat()
-    pace = (f"{PACE_GEMMS} GEMMs of {PACE_TOKENS} x {PACE_IN} -> {PACE_OUT} on cold operands "
-            f"on every rank")
     where = (f"measured by autopar calibrate --device cuda on {device_name} (torch "
              f"{torch_version}, {stamp})")
     dev = doc["device"]

@@ -985,6 +985,16 @@ class CostModel:
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, _Staging] = {}
         self._params_cache: dict[tuple, tuple[float, float]] = {}
+        # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
+        # a repeated block's template names its representative's weights, so it is left out
+        readers: dict[str, list[int]] = {}
+        for i in range(model.num_layers):
+            tmpl = model.template(i)
+            if not tmpl.shared:
+                for fqn in tmpl.params:
+                    readers.setdefault(fqn, []).append(i)
+        self._tied_weights = {fqn: (tuple(layers), model.template(layers[0]).params[fqn])
+                              for fqn, layers in readers.items() if len(layers) > 1}
         self._coll_cache: dict[Any, dict[tuple, float]] = {}
         self._tp_problems: dict[tuple[int, bool], str | None] = {}
         self._refined: dict[tuple, Evaluation] = {}
@@ -1301,29 +1311,22 @@ class CostModel:
         embedding on the first stage and its LM head on the last): one all-reduce per tied
         weight over the ranks holding it, after their data-parallel reduction and before the
         step (runtime/data_parallel.py ``finish_gradient_sync``), so exposed."""
-        if c.pp == 1:
+        if c.pp == 1 or not self._tied_weights:
             return 0.0
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         split = layout.sharded_params if layout is not None else frozenset()
-        holders: dict[str, set[int]] = {}
-        numel: dict[str, int] = {}
-        for stage in st.stages:
-            for i in range(stage.layers[0], stage.layers[1] + 1):
-                tmpl = self.model.template(i)
-                if tmpl.shared:  # a repeated block's names are its representative's
-                    continue
-                for fqn, n in tmpl.params.items():
-                    holders.setdefault(fqn, set()).add(stage.pp_rank)
-                    numel[fqn] = n
+        rank_of = {i: stage.pp_rank for stage in st.stages
+                   for i in range(stage.layers[0], stage.layers[1] + 1)}
         _, g_bytes, _ = STATE_BYTES[self.setup.dtype]
         total = 0.0
-        for fqn, ranks in holders.items():
+        for fqn, (layers, numel) in self._tied_weights.items():
+            ranks = {rank_of[i] for i in layers}
             if len(ranks) < 2:
                 continue
             nodes = {self._stage_node(r, c.tp) for r in ranks}
             per_node = max(sum(1 for r in ranks if self._stage_node(r, c.tp) == node)
                            for node in nodes)
-            nbytes = numel[fqn] / (c.tp if fqn in split else 1) * g_bytes
+            nbytes = numel / (c.tp if fqn in split else 1) * g_bytes
             total += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
                                      GroupSpan(len(ranks), len(nodes), per_node)).seconds
         return total
