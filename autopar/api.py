@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.compiler import Planned, compile_program
 from autopar.errors import (
     InfeasiblePlanError,
     InvalidInputError,
@@ -41,7 +42,10 @@ from autopar.errors import (
     error_from_parts,
 )
 from autopar.plan import Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import collective, set_default_timeout
+from autopar.runtime.mesh import ParallelMesh
+from autopar.runtime.schedules import schedule_spec
 
 __all__ = ["parallelize", "PINNABLE"]
 
@@ -56,7 +60,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                 max_grad_norm: float | None = None, mixed_precision: bool = False,
                 bucket_mb: float = 25.0, timeout_s: float | None = None, tp_cost: Any = None,
                 seq: int | None = None, seed: int | None = None, verify: bool = False,
-                verify_tolerance: float | None = None) -> "ParallelModel":
+                verify_tolerance: float | None = None) -> ParallelModel:
     """Parallelize ``model`` for this job; call on every rank. See the module docstring.
 
     Args:
@@ -91,8 +95,6 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         verify_tolerance: the largest relative difference per layer accepted by ``verify``
             (default 1e-4, or 5e-2 with mixed precision).
     """
-    from autopar.frontend import capture
-
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InvalidInputError("timeout_s must be a positive number of seconds",
                                 found=repr(timeout_s))
@@ -108,27 +110,24 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     if loss_fn is None:
         raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
-    factory = _optimizer_factory(optimizer)
+    training = TrainingOptions(_optimizer_factory(optimizer), max_grad_norm=max_grad_norm,
+                               mixed_precision=mixed_precision, bucket_mb=bucket_mb)
     _broadcast_model(model)
     captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
-    batch = _batch_size(example_inputs)
-    global_batch = global_batch or batch
+    global_batch = global_batch or _batch_size(example_inputs)
     seq = seq or _seq_len(example_inputs)
-    chosen, prediction, search, seed = _agree_on_plan(plan, captured, cl, world, global_batch,
-                                                      seq, mixed_precision, seed)
-    from autopar.runtime.mesh import ParallelMesh
-
-    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
-                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-                        device_type=device.type)
+    planned = _agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed)
+    chosen = planned.plan
     if tp_cost is None:  # the numbers the planner priced the plan with: the same layout
         from autopar.planner.tp_layout import tp_cost_spec
 
         tp_cost = tp_cost_spec(cl, "bf16" if mixed_precision else "fp32")
-    pm = _build(captured, chosen, prediction, mesh, factory, device, search=search,
-                max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
-                bucket_mb=bucket_mb, tp_cost=tp_cost, seed=seed,
-                tp_sizes={"b": chosen.micro_batch_size, "s": seq})  # as the planner solved it
+    program = compile_program(planned, dist.get_rank(), cost=tp_cost, device=device,
+                              sizes={"b": chosen.micro_batch_size, "s": seq})  # as planned
+    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
+                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                        device_type=device.type)
+    pm = program.instantiate(mesh, training, tensors=program.staged.sharded.full_tensors(model))
     _check_agreement(pm)
     if verify:
         pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
@@ -374,16 +373,14 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                fix="pin sequence_parallel=True or False")
     schedule = pins.get("schedule")
     v = pins.get("virtual_stages")
-    if v is not None and v > 1 and schedule is not None and \
-            schedule != ScheduleKind.INTERLEAVED_1F1B.value:
-        raise InvalidPlanError(f"virtual_stages={v} needs the interleaved-1f1b schedule",
-                               expected="virtual_stages=1 with gpipe, 1f1b or zb-h1",
-                               found=f"virtual_stages={v}, schedule={schedule}",
-                               fix="pin schedule='interleaved-1f1b', or drop virtual_stages")
-    if schedule == ScheduleKind.INTERLEAVED_1F1B.value and v == 1:
-        raise InvalidPlanError("interleaved-1f1b needs virtual_stages >= 2",
-                               expected="virtual_stages >= 2", found="virtual_stages=1",
-                               fix="pin virtual_stages >= 2, or schedule='1f1b'")
+    if schedule is not None and v is not None:  # the micro-batch count is checked with the plan
+        problem = schedule_spec(schedule).shape_problem(pins.get("pp", 1), v, 0)
+        if problem is not None:
+            summary, expected, fix = problem
+            raise InvalidPlanError(summary, expected=expected,
+                                   found=f"virtual_stages={v}, schedule={schedule}", fix=fix)
+    if schedule is not None and "zero" in pins:
+        schedule_spec(schedule).check_zero(pins["zero"])
     if pins.get("sequence_parallel") and pins.get("tp") == 1:
         raise InvalidPlanError("sequence_parallel needs tp > 1", expected="tp >= 2",
                                found="tp=1", fix="drop sequence_parallel or pin tp >= 2")
@@ -406,8 +403,7 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 
 
 def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
-                   seq: int, mixed_precision: bool, seed: int | None = None
-                   ) -> tuple[Plan, Prediction | None, Any, int]:
+                   seq: int, mixed_precision: bool, seed: int | None = None) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
     message), and the dropout seed."""
     decided = None
@@ -439,7 +435,7 @@ def _agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_ba
                                 expected=f"dp x pp x tp = {chosen.world_size} processes",
                                 found=f"a world of {world}",
                                 fix=f"launch {chosen.world_size} processes, or re-plan")
-    return chosen, prediction, search, int(payload["seed"])
+    return Planned(captured, chosen, prediction, int(payload["seed"]), search)
 
 
 def _error_parts(exc: BaseException) -> dict[str, Any]:
@@ -560,25 +556,27 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
         mbs, rest = divmod(global_batch, pins["dp"] * pins["num_micro_batches"])
         if rest or mbs < 1:
             raise InvalidInputError("the global batch does not split as pinned",
-                                    expected=f"a multiple of dp x num_micro_batches")
+                                    expected="a multiple of dp x num_micro_batches")
         space_pins["micro_batch_size"] = mbs
     dtype = "bf16" if mixed_precision else "fp32"
     costs = ModelCosts(captured, name=type(captured.model).__name__)
     cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype))
     result = search(cost_model, SearchSpace(**space_pins), top_k=5, progress=False)
     for ev in (result.best, *result.alternatives):
-        if _runnable(ev.plan):
+        if ev.plan is not None and _runnable(ev.plan):
             return _with_stages(ev.plan, captured), ev.prediction, result
     raise InfeasiblePlanError("no searched plan can be run by this runtime",
                               found=f"best: {result.best.plan}",
                               fix="pin schedule, recompute or zero")
 
 
-def _runnable(plan: Plan | None) -> bool:
+def _runnable(plan: Plan) -> bool:
     """What the runtime executes today (docs say what is not supported yet)."""
-    if plan is None:
+    try:
+        schedule_spec(plan.schedule).check_zero(plan.zero)
+    except InvalidPlanError:
         return False
-    return not (plan.zero == 3 and plan.schedule is ScheduleKind.ZB_H1)
+    return True
 
 
 def _with_stages(plan: Plan, captured: Any) -> Plan:
@@ -601,108 +599,6 @@ def _with_stages(plan: Plan, captured: Any) -> Plan:
     from autopar.planner.stage_partition import stages_for_plan
 
     return plan.replace(stages=stages_for_plan(captured, plan))
-
-
-# ---------------------------------------------------------------------------------------------
-# Assembly
-# ---------------------------------------------------------------------------------------------
-
-def _build(captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any, factory: Any,
-           device: torch.device, *, search: Any, max_grad_norm: float | None,
-           mixed_precision: bool, bucket_mb: float, tp_cost: Any,
-           tp_sizes: Mapping[str, int] | None = None, seed: int = 0) -> Any:
-    from autopar.parallel_model import ParallelModel, _fqn_shards
-    from autopar.passes.device import retarget_device
-    from autopar.passes.recompute import recompute_attention_cores
-    from autopar.passes.split_stages import split_into_stages
-    from autopar.runtime.pipeline import PipelineExecutor
-    from autopar.runtime.schedules import build_schedule
-    from autopar.runtime.tp import TPGroup
-    from autopar.tensor_parallel import tensor_parallelize
-
-    if plan.zero == 3 and plan.schedule is ScheduleKind.ZB_H1:
-        raise InvalidInputError("ZeRO-3 with the zero-bubble schedule is not supported yet",
-                                expected="zero <= 2 with zb-h1, or another schedule with zero 3")
-    tp_program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
-                                    cost=tp_cost, sizes=tp_sizes,
-                                    pins=plan.gemm_sharding or None)
-    retarget_device(tp_program.gm, device)  # device= arguments recorded at capture (cpu)
-    stages = sorted(plan.stages, key=lambda s: s.index)
-    split = split_into_stages(tp_program.gm, captured.layers, [s.layers for s in stages],
-                              constants={k: v.to(device) for k, v in captured.constants.items()})
-    if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
-        for stage in split.stages:
-            recompute_attention_cores(stage.gm)
-    schedule = build_schedule(plan.schedule, plan.pp, plan.num_micro_batches, plan.virtual_stages)
-    for s in stages:
-        if schedule.stage_to_rank[s.index] != s.pp_rank:
-            raise PlanMismatchError(f"stage {s.index} is placed on pipeline rank {s.pp_rank}, but "
-                                    f"the {plan.schedule.value} schedule runs it on rank "
-                                    f"{schedule.stage_to_rank[s.index]}", fix="re-plan")
-    tensors = {k: v.to(device) for k, v in
-               _fqn_shards(tp_program, tp_program.full_tensors(captured.model), mesh.tp_rank).items()}
-    holder: dict[str, Any] = {}
-
-    def on_backward(stage: int, microbatch: int) -> None:
-        # Gradients stay local until a stage's last micro-batch, whose backward then overlaps
-        # the reduction.
-        holder["dp"].set_requires_gradient_sync(
-            executor.is_last_backward(stage, microbatch), chunk=holder["chunk"][stage])
-
-    tp_group = TPGroup.from_mesh(mesh)
-    tp_group.rng.seed = int(seed)
-
-    def on_forward(stage: int, microbatch: int) -> None:
-        holder["pm"]._before_stage(stage, microbatch, "forward")
-
-    def on_stage_backward(stage: int, microbatch: int) -> None:
-        holder["pm"]._before_stage(stage, microbatch, "backward")
-        on_backward(stage, microbatch)
-
-    executor = PipelineExecutor(split, schedule, mesh, tensors=tensors,
-                                bindings={"tp": tp_group}, sync_tied=False,
-                                on_backward=on_stage_backward, on_forward=on_forward,
-                                recompute=plan.recompute is RecomputeKind.FULL)
-    local_stages = list(executor.stage_modules)
-    holder["chunk"] = {s: (i if len(local_stages) > 1 else None) for i, s in enumerate(local_stages)}
-    pm = ParallelModel(captured=captured, plan=plan, prediction=prediction, mesh=mesh,
-                       tp_program=tp_program, split=split, executor=executor, data_parallel=None,
-                       device=device, search=search)
-    pm._dp_args = dict(factory=factory, max_grad_norm=max_grad_norm,
-                       mixed_precision=mixed_precision, bucket_mb=bucket_mb)
-    pm._dp_holder = holder
-    pm.tp_group = tp_group
-    holder["pm"] = pm
-    pm.data_parallel = _rebuild_data_parallel(pm)
-    return pm
-
-
-def _rebuild_data_parallel(pm: Any) -> Any:
-    """The data-parallel engine over the executor's stage modules (collective)."""
-    from autopar.runtime.data_parallel import DataParallel, DataParallelConfig, ParamSpec
-    from autopar.runtime.optim import MixedPrecision
-    from autopar.sharding import placement_str
-
-    if pm.data_parallel is not None:
-        pm.data_parallel.close()
-    args = pm._dp_args
-    executor, mesh, plan = pm.executor, pm.mesh, pm.plan
-    layouts = {p.fqn: p for p in pm.tp_program.layouts}
-    shared = pm.split.shared_params()
-    specs = []
-    for fqn, name in pm._dp_name.items():
-        pp_ranks = sorted({executor.stage_to_rank[s] for s in shared.get(fqn, ())})
-        tied = tuple(mesh.stage_rank(r) for r in pp_ranks) if len(pp_ranks) > 1 else ()
-        specs.append(ParamSpec(name, replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
-                               shared_with=tied, tie_id=fqn if tied else ""))
-    shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.dp else None
-    config = DataParallelConfig(zero=plan.zero, bucket_mb=args["bucket_mb"], shard_size=shard_size,
-                                mixed_precision=MixedPrecision() if args["mixed_precision"] else None,
-                                max_grad_norm=args["max_grad_norm"])
-    dp = DataParallel(list(executor.stage_modules.values()), mesh, args["factory"], config,
-                      param_specs=specs)
-    pm._dp_holder["dp"] = dp
-    return dp
 
 
 def _check_agreement(pm: Any) -> None:

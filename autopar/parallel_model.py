@@ -1,15 +1,12 @@
 """The program one rank runs: tensor-parallel stage modules, the pipeline executor, data parallel.
 
-:class:`ParallelModel` is what :func:`autopar.parallelize` returns on every rank. Assembly:
+:class:`ParallelModel` is what :func:`autopar.parallelize` returns on every rank, made by
+:meth:`autopar.compiler.RankProgram.instantiate` from the rank's compiled program (its
+tensor-parallel stage graphs, schedule and the tensors it holds, ``autopar/compiler.py``):
 
-1. the tensor-parallel program (``autopar.tensor_parallel``) turns the captured graph into the
-   per-rank graph (collectives as nodes, every node keeping its layer);
-2. the stage split (``passes/split_stages.py``) cuts that graph into the plan's pipeline stages;
-   under selective recompute each stage's attention cores become regions recomputed in backward
-   (``passes/recompute.py``, docs/recompute.md);
-3. the pipeline executor (``runtime/pipeline.py``) runs this rank's stages on the plan's schedule,
-   with this rank's parameter shards sliced from the full model;
-4. the data-parallel layer (``runtime/data_parallel.py``) syncs gradients (overlapped with the
+1. the pipeline executor (``runtime/pipeline.py``) runs this rank's stages on the plan's schedule,
+   with this rank's parameter shards;
+2. the data-parallel layer (``runtime/data_parallel.py``) syncs gradients (overlapped with the
    last micro-batch's backward), shards optimizer state / gradients / parameters by ZeRO stage,
    sums tied weights across stages, clips the global norm and steps the optimizer.
 
@@ -26,45 +23,114 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.fx
 import torch.nn as nn
 
 from autopar.errors import InvalidInputError, PlanMismatchError
-from autopar.ir import NodeKind, info
-from autopar.plan import Plan, Prediction, ScheduleKind
+from autopar.plan import RecomputeKind
 from autopar.runtime.comm import activity, collective, set_activity
+from autopar.runtime.optim import OptimizerFactory
 from autopar.sharding import unshard_tensors
 
-__all__ = ["ParallelModel"]
+if TYPE_CHECKING:
+    from autopar.compiler import RankProgram
+
+__all__ = ["ParallelModel", "TrainingOptions"]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingOptions:
+    """How a rank trains its program: the optimizer, clipping, precision, bucket size."""
+
+    optimizer: OptimizerFactory
+    #: Clip the global gradient norm (over all ranks) to this value; None: no clipping.
+    max_grad_norm: float | None = None
+    #: bf16 compute with fp32 master weights and fp32 gradient reduction.
+    mixed_precision: bool = False
+    #: Data-parallel gradient bucket size.
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, OptimizerFactory):
+            raise TypeError(f"optimizer must be an OptimizerFactory, got "
+                            f"{type(self.optimizer).__name__}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise InvalidInputError("max_grad_norm must be positive",
+                                    found=repr(self.max_grad_norm),
+                                    fix="pass a positive norm, or None for no clipping")
+        if not self.bucket_mb > 0:
+            raise InvalidInputError("bucket_mb must be positive", found=repr(self.bucket_mb))
 
 
 class ParallelModel:
-    """One rank's part of a parallelized model (see the module docstring)."""
+    """One rank's part of a parallelized model (see the module docstring).
 
-    def __init__(self, *, captured: Any, plan: Plan, prediction: Prediction | None, mesh: Any,
-                 tp_program: Any, split: Any, executor: Any, data_parallel: Any,
-                 device: torch.device, search: Any = None) -> None:
-        self.captured = captured
-        self.plan = plan
-        self.prediction = prediction
+    Built by :meth:`autopar.compiler.RankProgram.instantiate` from the rank's program, the mesh,
+    the training options and this rank's tensors (FQN -> its shard)."""
+
+    def __init__(self, program: "RankProgram", mesh: Any, training: TrainingOptions,
+                 tensors: Mapping[str, torch.Tensor]) -> None:
+        from autopar.runtime.pipeline import PipelineExecutor
+        from autopar.runtime.tp import TPGroup
+
+        planned = program.planned
+        self.program = program
+        self.captured = planned.captured
+        self.plan = planned.plan
+        self.prediction = planned.prediction
+        self.search = planned.search
         self.mesh = mesh
-        self.tp_program = tp_program
-        self.split = split
-        self.executor = executor
-        self.data_parallel = data_parallel
-        self.device = device
-        self.search = search
+        self.training = training
+        self.tp_program = program.staged.sharded
+        self.split = program.staged.split
+        self.device = program.device
         self.steps = 0
-        #: The tensor-parallel communicator the stage modules run with (its .rng: dropout).
-        self.tp_group: Any = None
         #: (first global row of this replica's share, micro-batch size) of the running step.
         self._rows = (0, 0)
+        #: The tensor-parallel communicator the stage modules run with (its .rng: dropout).
+        self.tp_group = TPGroup.from_mesh(mesh)
+        self.tp_group.rng.seed = int(planned.seed)
+        self.data_parallel: Any = None
+        self.executor = PipelineExecutor(self.split, program.staged.schedule, mesh,
+                                         tensors=tensors, bindings={"tp": self.tp_group},
+                                         sync_tied=False, on_backward=self._on_backward,
+                                         on_forward=self._on_forward,
+                                         recompute=self.plan.recompute is RecomputeKind.FULL)
+        local = list(self.executor.stage_modules)
+        #: Stage -> its chunk index in the data-parallel engine (None: one stage per rank).
+        self._chunk = {s: (i if len(local) > 1 else None) for i, s in enumerate(local)}
         #: Parameter FQN -> this rank's DataParallel name for it (stages it holds only).
-        self._dp_name = _dp_names(executor)
+        self._dp_name = _dp_names(self.executor)
+        self.data_parallel = self._build_data_parallel()
+
+    def _build_data_parallel(self) -> Any:
+        """The data-parallel engine over the executor's stage modules (collective)."""
+        from autopar.runtime.data_parallel import DataParallel, DataParallelConfig, ParamSpec
+        from autopar.runtime.optim import MixedPrecision
+        from autopar.sharding import placement_str
+
+        executor, mesh, plan = self.executor, self.mesh, self.plan
+        layouts = {p.fqn: p for p in self.program.held}
+        shared = self.split.shared_params()
+        specs = []
+        for fqn, name in self._dp_name.items():
+            pp_ranks = sorted({executor.stage_to_rank[s] for s in shared.get(fqn, ())})
+            tied = tuple(mesh.stage_rank(r) for r in pp_ranks) if len(pp_ranks) > 1 else ()
+            specs.append(ParamSpec(name,
+                                   replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
+                                   shared_with=tied, tie_id=fqn if tied else ""))
+        shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.dp else None
+        training = self.training
+        config = DataParallelConfig(
+            zero=plan.zero, bucket_mb=training.bucket_mb, shard_size=shard_size,
+            mixed_precision=MixedPrecision() if training.mixed_precision else None,
+            max_grad_norm=training.max_grad_norm)
+        return DataParallel(list(executor.stage_modules.values()), mesh, training.optimizer,
+                            config, param_specs=specs)
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, inputs: Sequence[Any] | torch.Tensor, targets: Sequence[Any] | torch.Tensor = (),
@@ -117,19 +183,27 @@ class ParallelModel:
         return verify(self, inputs, targets, tolerance=tolerance,
                       raise_on_failure=raise_on_failure, local=local)
 
-    # -- hooks the executor calls (api._build wires them) ----------------------------------------
+    # -- hooks the executor calls -----------------------------------------------------------------
     def _set_dropout(self, *, training: bool) -> None:
-        if self.tp_group is not None:
-            self.tp_group.rng.training = training
-            self.tp_group.rng.step = self.steps
+        self.tp_group.rng.training = training
+        self.tp_group.rng.step = self.steps
+
+    def _on_forward(self, stage: int, microbatch: int) -> None:
+        self._before_stage(stage, microbatch, "forward")
+
+    def _on_backward(self, stage: int, microbatch: int) -> None:
+        """Gradients stay local until a stage's last micro-batch, whose backward then overlaps
+        the data-parallel reduction."""
+        self._before_stage(stage, microbatch, "backward")
+        self.data_parallel.set_requires_gradient_sync(
+            self.executor.is_last_backward(stage, microbatch), chunk=self._chunk[stage])
 
     def _before_stage(self, stage: int, microbatch: int, direction: str) -> None:
         """Before each stage call: name the activity (errors say it) and tell dropout which
         global rows this micro-batch holds."""
         set_activity(f"pipeline stage {stage} {direction} of micro-batch {microbatch}")
-        if self.tp_group is not None:
-            first, size = self._rows
-            self.tp_group.rng.set_rows(first + microbatch * size, size)
+        first, size = self._rows
+        self.tp_group.rng.set_rows(first + microbatch * size, size)
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's share of a global batch (dim 0), as train_step takes it:
@@ -255,11 +329,9 @@ class ParallelModel:
 
         Collective. The optimizer state is reset (use :meth:`load` to restore a checkpoint with
         it: parameters, optimizer state and step count)."""
-        from autopar.api import _rebuild_data_parallel
-
         if isinstance(state, nn.Module):
             state = self.tp_program.full_tensors(state)
-        shards = _fqn_shards(self.tp_program, state, self.mesh.tp_rank)
+        shards = self.program.shards(state)
         missing = sorted(set(self.executor.params) - set(shards))
         if missing:
             raise InvalidInputError(f"the state dict has no {missing[0]!r}"
@@ -274,7 +346,7 @@ class ParallelModel:
         with torch.no_grad():
             for fqn, p in self.executor.params.items():
                 p.data = shards[fqn].to(device=p.device, dtype=stored.get(fqn, p.dtype)).clone()
-        self.data_parallel = _rebuild_data_parallel(self)
+        self.data_parallel = self._build_data_parallel()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -352,13 +424,12 @@ class ParallelModel:
     def _checkpoint_sidecar(self) -> dict[str, Any]:
         from autopar import __version__
 
-        factory = getattr(self, "_dp_args", {}).get("factory")
-        options = {k: v for k, v in (factory.options if factory else {}).items()
+        options = {k: v for k, v in self.training.optimizer.options.items()
                    if isinstance(v, (int, float, bool, str, list, tuple))}
         return {"steps": self.steps, "model_fingerprint": self.model_fingerprint(),
                 "tensors": self._tensor_table(), "plan": self.plan.to_json(),
                 "world_size": self.plan.world_size,
-                "mixed_precision": bool(getattr(self, "_dp_args", {}).get("mixed_precision")),
+                "mixed_precision": self.training.mixed_precision,
                 "optimizer": {"class": self.data_parallel.optimizer.__class__.__name__,
                               "options": options},
                 "autopar_version": __version__, "torch_version": torch.__version__}
@@ -403,26 +474,7 @@ class ParallelModel:
         """The Python source this rank's modules run: the tensor-parallel module of its tp
         coordinate, then the stage graphs of its pipeline coordinate (``rank``: any global rank,
         default this one)."""
-        from autopar.runtime.mesh import coordinates
-
-        rank = dist.get_rank() if rank is None else rank
-        if not 0 <= rank < self.plan.world_size:
-            raise InvalidInputError(f"rank must be in [0, {self.plan.world_size})", found=str(rank))
-        _, pp_rank, tp_rank = coordinates(rank, self.plan.dp, self.plan.pp, self.plan.tp)
-        parts = [f"# autopar rank {rank}: dp x pp x tp = {self.plan.dp} x {self.plan.pp} x "
-                 f"{self.plan.tp}; pipeline rank {pp_rank}, tensor-parallel rank {tp_rank}\n",
-                 self.tp_program.source(tp_rank)]
-        for s, stage in enumerate(self.split.stages):
-            if self.executor.schedule.stage_to_rank[s] == pp_rank:
-                parts.append(f"\n# ---- pipeline stage {s} (layers {stage.layers[0]}-"
-                             f"{stage.layers[1]}) as run by the executor ----\n{stage.gm.code}")
-                for name, module in stage.gm.named_children():  # selective recompute's regions
-                    body = getattr(module, "body", None)
-                    if isinstance(body, torch.fx.GraphModule):
-                        parts.append(f"\n# ---- stage {s}: self.{name}, {type(module).__name__} "
-                                     f"(run under torch.utils.checkpoint: its saved tensors are "
-                                     f"recomputed in backward) ----\n{body.code}")
-        return "".join(parts)
+        return self.program.staged.source(dist.get_rank() if rank is None else rank)
 
     def memory_bytes(self) -> dict[str, int]:
         report = self.data_parallel.memory_bytes()
@@ -455,17 +507,3 @@ def _dp_names(executor: Any) -> dict[str, str]:
             out.setdefault(fqn, prefix + name)
     return out
 
-
-def _fqn_shards(tp_program: Any, full: Mapping[str, torch.Tensor], tp_rank: int
-                ) -> dict[str, torch.Tensor]:
-    """This tp rank's shard of every parameter and buffer, keyed by FQN."""
-    by_attr = tp_program.shard_state_dict(full, tp_rank)
-    return {p.fqn: by_attr[p.attribute] for p in tp_program.layouts}
-
-
-def split_is_trained(captured: Any) -> bool:
-    return any(info(n).kind is NodeKind.TARGET for n in captured.gm.graph.nodes)
-
-
-def schedule_is_zero_bubble(plan: Plan) -> bool:
-    return plan.schedule is ScheduleKind.ZB_H1

@@ -23,25 +23,13 @@ from typing import Any, Mapping
 
 from autopar._version import __version__, major_minor
 from autopar.errors import InvalidPlanError, PlanMismatchError
+from autopar.runtime.schedules import ScheduleKind, schedule_spec
 
 __all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "StagePlan", "Plan", "Prediction",
            "PLAN_FORMAT_VERSION"]
 
 #: Bumped when the JSON form of a plan changes incompatibly.
 PLAN_FORMAT_VERSION = 1
-
-
-class ScheduleKind(str, enum.Enum):
-    """Pipeline schedules (the value is the CLI spelling)."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved-1f1b"
-    ZB_H1 = "zb-h1"
-
-    @property
-    def interleaved(self) -> bool:
-        return self is ScheduleKind.INTERLEAVED_1F1B
 
 
 class RecomputeKind(str, enum.Enum):
@@ -147,27 +135,15 @@ class Plan:
             raise InvalidPlanError("sequence_parallel must be True or False",
                                    expected="a bool", found=repr(self.sequence_parallel),
                                    fix="set sequence_parallel=True or False")
-        if self.schedule.interleaved:
-            if self.virtual_stages < 2:
-                raise InvalidPlanError("interleaved-1f1b needs virtual_stages >= 2",
-                                       expected="virtual_stages >= 2 with interleaved-1f1b",
-                                       found=f"virtual_stages={self.virtual_stages}",
-                                       fix="use 1f1b for one stage per rank, or raise "
-                                           "virtual_stages")
-            if self.num_micro_batches % self.pp:
-                raise InvalidPlanError(
-                    f"interleaved-1f1b needs num_micro_batches ({self.num_micro_batches}) "
-                    f"divisible by pp ({self.pp})",
-                    expected=f"a multiple of pp={self.pp} micro-batches",
-                    found=f"num_micro_batches={self.num_micro_batches}",
-                    fix="change the micro-batch count or the schedule")
-        elif self.virtual_stages != 1:
-            raise InvalidPlanError(f"virtual_stages={self.virtual_stages} needs the "
-                                   f"interleaved-1f1b schedule (got {self.schedule.value})",
-                                   expected="virtual_stages=1 with gpipe, 1f1b or zb-h1",
-                                   found=f"virtual_stages={self.virtual_stages}, "
-                                         f"schedule={self.schedule.value}",
-                                   fix="set schedule='interleaved-1f1b', or virtual_stages=1")
+        problem = schedule_spec(self.schedule).shape_problem(self.pp, self.virtual_stages,
+                                                             self.num_micro_batches)
+        if problem is not None:
+            summary, expected, fix = problem
+            raise InvalidPlanError(summary, expected=expected,
+                                   found=f"schedule={self.schedule.value}, pp={self.pp}, "
+                                         f"virtual_stages={self.virtual_stages}, "
+                                         f"num_micro_batches={self.num_micro_batches}",
+                                   fix=fix)
         if self.sequence_parallel and self.tp == 1:
             raise InvalidPlanError("sequence_parallel needs tp > 1",
                                    expected="tp >= 2 with sequence_parallel", found="tp=1",

@@ -124,7 +124,7 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
            raise_on_failure: bool = True, local: bool = False) -> VerificationReport:
     """See the module docstring. Collective: call on every rank with the same batch."""
     if tolerance is None:
-        mixed = bool(getattr(pm, "_dp_args", {}).get("mixed_precision"))
+        mixed = pm.training.mixed_precision
         tolerance = MIXED_PRECISION_TOLERANCE if mixed else DEFAULT_TOLERANCE
     captured = pm.captured
     layer_index = {layer.name: i for i, layer in enumerate(captured.layers)}

@@ -28,12 +28,16 @@ import enum
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from autopar.errors import ScheduleError
-from autopar.plan import ScheduleKind
+from autopar.errors import InvalidPlanError, ScheduleError
 
 __all__ = [
+    "ScheduleKind",
+    "ScheduleSpec",
+    "StageILPForm",
+    "SCHEDULES",
+    "schedule_spec",
     "ActionKind",
     "Action",
     "PipelineSchedule",
@@ -47,6 +51,25 @@ __all__ = [
     "COMPUTE_KINDS",
     "COMM_KINDS",
 ]
+
+
+class ScheduleKind(str, enum.Enum):
+    """Pipeline schedules (the value is the CLI spelling). Each has one :class:`ScheduleSpec`
+    in :data:`SCHEDULES`, which everything else reads."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
+
+    @property
+    def spec(self) -> "ScheduleSpec":
+        return SCHEDULES[self]
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the schedule runs several stages (chunks) per rank."""
+        return SCHEDULES[self].min_virtual_stages > 1
 
 
 class ActionKind(str, enum.Enum):
@@ -388,27 +411,189 @@ def zb_h1(p: int, m: int) -> PipelineSchedule:
     return PipelineSchedule(tuple(ranks), m, ScheduleKind.ZB_H1)
 
 
+# ---------------------------------------------------------------------------------------------
+# The registry: one spec per schedule
+# ---------------------------------------------------------------------------------------------
+
+class StageILPForm(enum.Enum):
+    """How the stage-partition ILP (``autopar/planner/stage_partition.py``) models a schedule's
+    steady state."""
+
+    #: Every forward, then every backward (GPipe): a forward and a backward phase, each paced
+    #: by its slowest stage.
+    PHASED = "phased"
+    #: One stage per rank, forwards and backwards alternating (1F1B and its zero-bubble
+    #: variants): a micro-batch's round trip from stage i is shared by the micro-batches stage i
+    #: keeps in flight.
+    LOOPED = "looped"
+    #: Several chunks per rank run in rounds paced by the slowest chunk.
+    INTERLEAVED = "interleaved"
+
+
+def _rank_sums(values: Sequence[float], p: int, stages_of: Callable[[int], Sequence[int]]
+               ) -> list[float]:
+    return [sum(values[s] for s in stages_of(r)) for r in range(p)]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleSpec:
+    """Everything autopar knows about one schedule: how to build its action lists, what shapes
+    it takes, how it places stages, and its closed forms (what the planner's first pass and the
+    stage ILP use; the simulator of the same lists is the reference, and tests hold them equal
+    where the closed form is exact)."""
+
+    kind: ScheduleKind
+    #: ``build(p, m, v)``: compute-only action lists for p ranks, m micro-batches, v stages per
+    #: rank (validated by :meth:`shape_problem` first).
+    build: Callable[[int, int, int], "PipelineSchedule"]
+    #: One line for help texts and docs, with its source.
+    summary: str
+    ilp_form: StageILPForm
+    #: ``in_flight(p, v, m, rank)``: micro-batches whose activations rank ``rank`` holds at its
+    #: peak, in units of its whole per-micro-batch activations (all its chunks); the closed form
+    #: of ``PipelineSchedule.peak_in_flight`` (tests hold them equal).
+    in_flight: Callable[[int, int, int, int], float]
+    #: The backward is split into input gradients (I) and weight gradients (W).
+    splits_backward: bool = False
+    min_virtual_stages: int = 1
+    #: None: no upper bound.
+    max_virtual_stages: int | None = 1
+    micro_batches_divisible_by_pp: bool = False
+
+    def stage_to_rank(self, stage: int, p: int) -> int:
+        """The pipeline rank that runs ``stage`` (Megatron-LM's loop placement: stage
+        ``c p + r`` on rank r)."""
+        return stage % p
+
+    def stages_of_rank(self, rank: int, p: int, v: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` runs, in chunk order."""
+        return tuple(s for s in range(p * v) if self.stage_to_rank(s, p) == rank)
+
+    def virtual_stage_choices(self, top: int) -> range:
+        """The stages per rank the planner tries when at most ``top`` fit (a schedule of a fixed
+        count is always tried: the cost model says why it does not fit)."""
+        if self.max_virtual_stages == self.min_virtual_stages:
+            return range(self.min_virtual_stages, self.min_virtual_stages + 1)
+        hi = top if self.max_virtual_stages is None else min(top, self.max_virtual_stages)
+        return range(self.min_virtual_stages, hi + 1)
+
+    def shape_problem(self, p: int, v: int, m: int) -> tuple[str, str, str] | None:
+        """Why ``p`` ranks, ``v`` stages per rank and ``m`` micro-batches cannot run this
+        schedule, as (summary, expected, fix); None when they can."""
+        name = self.kind.value
+        if v < self.min_virtual_stages:
+            return (f"{name} needs virtual_stages >= {self.min_virtual_stages}",
+                    f"virtual_stages >= {self.min_virtual_stages} with {name}",
+                    "use 1f1b for one stage per rank, or raise virtual_stages")
+        if self.max_virtual_stages is not None and v > self.max_virtual_stages:
+            takers = [k.value for k, sp in SCHEDULES.items()
+                      if sp.max_virtual_stages is None or sp.max_virtual_stages >= v]
+            if self.max_virtual_stages == 1:
+                return (f"virtual_stages={v} needs the " + " or the ".join(takers)
+                        + f" schedule (got {name})",
+                        f"virtual_stages=1 with {name}",
+                        f"set schedule to one of {takers}, or virtual_stages=1")
+            return (f"{name} runs {self.max_virtual_stages} stages per rank",
+                    f"virtual_stages <= {self.max_virtual_stages}", f"use one of {takers}")
+        if self.micro_batches_divisible_by_pp and m % p:
+            return (f"{name} needs num_micro_batches ({m}) divisible by pp ({p})",
+                    f"a multiple of pp={p} micro-batches",
+                    "change the micro-batch count or the schedule")
+        return None
+
+    def check_zero(self, zero: int) -> None:
+        """ZeRO-3 gathers a stage's parameters around its forward and backward; a split
+        backward's later weight-gradient actions would need them gathered again."""
+        if zero == 3 and self.splits_backward:
+            raise InvalidPlanError(f"ZeRO-3 with the {self.kind.value} schedule is not supported "
+                                   f"yet", expected=f"zero <= 2 with {self.kind.value}, or a "
+                                                    f"schedule without split backward with "
+                                                    f"zero 3",
+                                   fix="pin zero <= 2, or another schedule")
+
+    def fill_drain(self, forward: Sequence[float], backward: Sequence[float],
+                   weight: Sequence[float], p: int, v: int) -> float:
+        """The closed-form bubble of the planner's first pass: what m micro-batches take beyond
+        m times the busiest rank's per-micro-batch work, from the stages' forward, backward
+        (without W when split) and weight-gradient times (Narayanan et al. 2021, Qi et al. 2024,
+        generalised to unequal ranks)."""
+        stages_of = lambda r: self.stages_of_rank(r, p, v)  # noqa: E731
+        work = _rank_sums([f + b + w for f, b, w in zip(forward, backward, weight)], p, stages_of)
+        bottleneck = max(range(p), key=work.__getitem__)
+        if self.splits_backward:  # W runs in the bubble
+            idle = [max(x, 0.0) for x in _rank_sums(
+                [f + b - w for f, b, w in zip(forward, backward, weight)], p, stages_of)]
+            return sum(idle) - idle[bottleneck]
+        if self.ilp_form is StageILPForm.INTERLEAVED:
+            return (sum(work) - work[bottleneck]) / v
+        return sum(work) - work[bottleneck]
+
+
+def _gpipe_in_flight(p: int, v: int, m: int, rank: int) -> float:
+    """GPipe keeps all m."""
+    return float(m)
+
+
+def _one_f_one_b_in_flight(p: int, v: int, m: int, rank: int) -> float:
+    """1F1B keeps p - r (Narayanan et al. 2021, section 2.2.1)."""
+    return float(min(p - rank, m))
+
+
+def _interleaved_in_flight(p: int, v: int, m: int, rank: int) -> float:
+    """(v - 1) p + 2 (p - r - 1) + 1 chunk-micro-batches, each 1/v of the rank's activations
+    (Megatron-LM's warm-up count; Korthikanti et al. 2022, section 4.2.3); with m = p every
+    forward comes first: all m v."""
+    if p == 1:
+        return 1.0
+    if m == p:
+        return float(m)
+    return min((v - 1) * p + 2 * (p - rank - 1) + 1, m * v) / v
+
+
+def _zb_h1_in_flight(p: int, v: int, m: int, rank: int) -> float:
+    """p on every rank: rank r defers its weight gradients by r micro-batches, and the executor
+    holds a micro-batch's activations until its W (Qi et al. 2024: 1F1B's peak)."""
+    return float(min(p, m)) if p > 1 else 1.0
+
+
+#: Every schedule autopar plans, simulates and runs. Adding one is one entry here and its tests.
+SCHEDULES: dict[ScheduleKind, ScheduleSpec] = {spec.kind: spec for spec in (
+    ScheduleSpec(ScheduleKind.GPIPE, lambda p, m, v: gpipe(p, m),
+                 "every forward, then every backward (Huang et al. 2019)",
+                 StageILPForm.PHASED, _gpipe_in_flight),
+    ScheduleSpec(ScheduleKind.ONE_F_ONE_B, lambda p, m, v: one_f_one_b(p, m),
+                 "one forward, one backward after a warm-up (PipeDream-Flush, Narayanan et al. "
+                 "2021)", StageILPForm.LOOPED, _one_f_one_b_in_flight),
+    ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, lambda p, m, v: interleaved_1f1b(p, v, m),
+                 "1F1B over v chunks per rank (Narayanan et al. 2021)",
+                 StageILPForm.INTERLEAVED, _interleaved_in_flight, min_virtual_stages=2,
+                 max_virtual_stages=None, micro_batches_divisible_by_pp=True),
+    ScheduleSpec(ScheduleKind.ZB_H1, lambda p, m, v: zb_h1(p, m),
+                 "1F1B with the weight gradient deferred into the bubble (Qi et al. 2024)",
+                 StageILPForm.LOOPED, _zb_h1_in_flight, splits_backward=True),
+)}
+
+
+def schedule_spec(kind: ScheduleKind | str) -> ScheduleSpec:
+    """The spec of schedule ``kind`` (a :class:`ScheduleKind` or its spelling)."""
+    try:
+        return SCHEDULES[ScheduleKind(kind)]
+    except ValueError:
+        raise ScheduleError(f"unknown schedule {kind!r}",
+                            expected=", ".join(k.value for k in ScheduleKind)) from None
+
+
 def build_schedule(kind: ScheduleKind | str, num_ranks: int, num_microbatches: int,
                    stages_per_rank: int = 1, *, communication: bool = True) -> PipelineSchedule:
     """The schedule ``kind`` for p ranks and m micro-batches (lowered with sends and receives
     unless ``communication=False``)."""
-    try:
-        kind = ScheduleKind(kind)
-    except ValueError:
-        raise ScheduleError(f"unknown schedule {kind!r}",
-                            expected=", ".join(k.value for k in ScheduleKind)) from None
-    if kind is not ScheduleKind.INTERLEAVED_1F1B and stages_per_rank != 1:
-        raise ScheduleError(f"{kind.value} runs one stage per rank",
+    spec = schedule_spec(kind)
+    _check(num_ranks, num_microbatches)
+    if spec.max_virtual_stages == 1 and stages_per_rank != 1:
+        raise ScheduleError(f"{spec.kind.value} runs one stage per rank",
                             found=f"stages_per_rank={stages_per_rank}",
                             fix="use interleaved-1f1b for several stages per rank")
-    if kind is ScheduleKind.GPIPE:
-        schedule = gpipe(num_ranks, num_microbatches)
-    elif kind is ScheduleKind.ONE_F_ONE_B:
-        schedule = one_f_one_b(num_ranks, num_microbatches)
-    elif kind is ScheduleKind.INTERLEAVED_1F1B:
-        schedule = interleaved_1f1b(num_ranks, stages_per_rank, num_microbatches)
-    else:
-        schedule = zb_h1(num_ranks, num_microbatches)
+    schedule = spec.build(num_ranks, num_microbatches, stages_per_rank)
     return add_communication(schedule) if communication else schedule
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from autopar.runtime.schedules import ScheduleKind
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="plan and train a small GPT on local CPU ranks",
@@ -15,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name in ("dp", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, help=f"pin {name} (default: searched)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    p.add_argument("--schedule", choices=[k.value for k in ScheduleKind])
     p.set_defaults(run=run)
 
 

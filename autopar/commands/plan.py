@@ -6,6 +6,7 @@ import argparse
 import json
 
 from autopar.commands._model_args import add_model_args, model_overrides
+from autopar.runtime.schedules import ScheduleKind
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pins.add_argument("--dp", type=int)
     pins.add_argument("--virtual-stages", dest="virtual_stages", type=int)
     pins.add_argument("--micro-batch", dest="micro_batch", type=int)
-    pins.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    pins.add_argument("--schedule", choices=[k.value for k in ScheduleKind])
     pins.add_argument("--recompute", choices=["none", "selective", "full"])
     pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     pins.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",

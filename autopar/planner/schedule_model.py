@@ -14,7 +14,8 @@ to stage ``s + 1`` (its gradient comes back in the same time).
 
 :func:`closed_form_pipeline_time` is the search's FAST FIRST PASS, used to rank thousands of
 candidates before the finalists are simulated. With ``T_r`` rank r's per-micro-batch work (all its
-chunks), ``T* = max_r T_r`` (Narayanan et al. 2021, Qi et al. 2023, generalised to unequal ranks):
+chunks), ``T* = max_r T_r`` (Narayanan et al. 2021, Qi et al. 2023, generalised to unequal ranks;
+each schedule's fill and drain is its ``ScheduleSpec.fill_drain`` in ``runtime/schedules.py``):
 
 - GPipe and 1F1B:   t = m T* + (sum_r T_r - T*)               (uniform: (m + p - 1) T)
 - interleaved 1F1B: t = m T* + (sum_r T_r - T*) / v           (uniform: (m + (p - 1)/v) T)
@@ -83,9 +84,10 @@ class PipelineWork:
             raise ValueError(f"p2p_s has {len(self.p2p_s)} entries; expected {n - 1}")
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
-        if self.schedule is ScheduleKind.INTERLEAVED_1F1B and self.num_micro_batches % self.pp:
-            raise ValueError(f"interleaved 1F1B needs num_micro_batches "
-                             f"({self.num_micro_batches}) divisible by pp ({self.pp})")
+        problem = self.schedule.spec.shape_problem(self.pp, self.virtual_stages,
+                                                   self.num_micro_batches)
+        if problem is not None:
+            raise ValueError(problem[0])
         if self.cores < 0 or self.replicas < 1:
             raise ValueError(f"cores ({self.cores}) must be >= 0 and replicas ({self.replicas}) "
                              f">= 1")
@@ -101,15 +103,18 @@ class PipelineWork:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return self.schedule.spec.stages_of_rank(rank, self.pp, self.virtual_stages)
+
     def rank_work(self, rank: int) -> float:
         return sum(self.forward_s[s] + self.backward_s[s] + self.weight_s[s]
-                   for s in range(rank, self.num_stages, self.pp))
+                   for s in self.stages_of(rank))
 
     def rank_wait(self, rank: int) -> float:
         """The part of :meth:`rank_work` spent waiting on peers."""
         return sum((self.forward_wait_s[s] if self.forward_wait_s else 0.0)
                    + (self.backward_wait_s[s] if self.backward_wait_s else 0.0)
-                   for s in range(rank, self.num_stages, self.pp))
+                   for s in self.stages_of(rank))
 
     @property
     def p2p_max(self) -> float:
@@ -138,12 +143,7 @@ def closed_form_pipeline_time(work: PipelineWork) -> PipelineTime:
     bottleneck = max(range(p), key=per_rank.__getitem__)
     t_max = per_rank[bottleneck]
     busy = m * t_max
-    if work.schedule is ScheduleKind.ZB_H1:
-        idle = [max(sum(work.forward_s[s] + work.backward_s[s] - work.weight_s[s]
-                        for s in range(r, work.num_stages, p)), 0.0) for r in range(p)]
-        bubble = sum(idle) - idle[bottleneck]
-    else:
-        bubble = (sum(per_rank) - t_max) / v
+    bubble = work.schedule.spec.fill_drain(work.forward_s, work.backward_s, work.weight_s, p, v)
     p2p = 2 * (v * m + p - 2) * work.p2p_max if p > 1 else 0.0
     total = busy + bubble + p2p
     if work.shared:  # no faster than all the host's work spread over its cores
@@ -169,7 +169,7 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     from autopar.runtime.simulator import Durations, simulate
 
     n = work.num_stages
-    zero_bubble = work.schedule is ScheduleKind.ZB_H1
+    zero_bubble = work.schedule.spec.splits_backward
     full = tuple(b + w for b, w in zip(work.backward_s, work.weight_s))
     transfers = work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1)
     waits = dict(forward_wait=work.forward_wait_s, backward_wait=work.backward_wait_s)
@@ -204,28 +204,8 @@ def simulated_pipeline_time(work: PipelineWork):
 def in_flight_micro_batches(schedule: ScheduleKind, pp: int, virtual_stages: int,
                             num_micro_batches: int, rank: int) -> float:
     """Micro-batches whose activations rank ``rank`` holds at its peak, in units of the rank's
-    whole per-micro-batch activations (all its chunks): the peak of
-    ``PipelineSchedule.peak_in_flight`` of the runtime's action lists, in closed form (tests
-    hold them equal):
-
-    - GPipe keeps all m;
-    - 1F1B keeps p - r (Narayanan et al. 2021, section 2.2.1);
-    - ZB-H1 keeps p on every rank: rank r defers its weight gradients by r micro-batches, and the
-      executor holds a micro-batch's activations until its W (Qi et al. 2024: 1F1B's peak);
-    - interleaved 1F1B keeps (v - 1) p + 2 (p - r - 1) + 1 chunk-micro-batches, each 1/v of the
-      rank's activations (Megatron-LM's warm-up count; Korthikanti et al. 2022, section 4.2.3);
-      with m = p every forward comes first: all m v.
-    """
-    m, p, v = num_micro_batches, pp, virtual_stages
-    if p == 1:
-        return 1.0 if schedule is not ScheduleKind.GPIPE else float(m)
-    if schedule is ScheduleKind.GPIPE:
-        return float(m)
-    if schedule is ScheduleKind.INTERLEAVED_1F1B:
-        if m == p:
-            return float(m)
-        chunks = min((v - 1) * p + 2 * (p - rank - 1) + 1, m * v)
-        return chunks / v
-    if schedule is ScheduleKind.ZB_H1:
-        return float(min(p, m))
-    return float(min(p - rank, m))
+    whole per-micro-batch activations (all its chunks): the schedule's closed form
+    (:attr:`autopar.runtime.schedules.ScheduleSpec.in_flight`), equal to the peak of
+    ``PipelineSchedule.peak_in_flight`` of the runtime's action lists (tests hold them equal).
+    One rank keeps one (all m under GPipe)."""
+    return schedule.spec.in_flight(pp, virtual_stages, num_micro_batches, rank)

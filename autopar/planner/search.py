@@ -41,6 +41,7 @@ from typing import Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.runtime.schedules import SCHEDULES
 from autopar.planner.cost_model import (COMPONENTS, Candidate, CostModel, Evaluation,
                                         lower_bound_step)
 
@@ -138,15 +139,14 @@ def enumerate_candidates(cm: CostModel, space: SearchSpace = SearchSpace()) -> l
                 mbs_options = [pin.micro_batch_size]
             for mbs in mbs_options:
                 schedules: list[tuple[ScheduleKind, int]] = []
-                if pp == 1:
+                if pp == 1:  # no pipeline: every schedule is the same single stage
                     schedules = [(ScheduleKind.ONE_F_ONE_B, 1)]
                 else:
-                    schedules = [(ScheduleKind.GPIPE, 1), (ScheduleKind.ONE_F_ONE_B, 1),
-                                 (ScheduleKind.ZB_H1, 1)]
                     top = min(space.max_virtual_stages, layers // pp)
                     if pin.virtual_stages is not None:
                         top = max(top, pin.virtual_stages)
-                    schedules += [(ScheduleKind.INTERLEAVED_1F1B, v) for v in range(2, top + 1)]
+                    schedules = [(kind, v) for kind, spec in SCHEDULES.items()
+                                 for v in spec.virtual_stage_choices(top)]
                 for sched, v in schedules:
                     if pin.schedule is not None and sched is not pin.schedule:
                         continue

@@ -104,7 +104,7 @@ import pulp
 
 from autopar.errors import InfeasiblePlanError, InvalidInputError
 from autopar.plan import ScheduleKind, StagePlan
-from autopar.runtime.schedules import build_schedule
+from autopar.runtime.schedules import ScheduleSpec, StageILPForm, build_schedule
 
 __all__ = [
     "LayerCosts",
@@ -179,10 +179,11 @@ class PartitionProblem:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.schedule.interleaved != (self.stages_per_rank > 1):
+        problem = self.schedule.spec.shape_problem(self.num_ranks, self.stages_per_rank,
+                                                   self.num_microbatches)
+        if problem is not None and "divisible" not in problem[0]:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} does not fit the "
-                             f"{self.schedule.value} schedule; interleaved-1f1b needs >= 2, the "
-                             f"others 1")
+                             f"{self.schedule.value} schedule: {problem[0]}")
         if not self.layers:
             raise ValueError("the problem has no layers")
         if self.device_memory <= 0 or self.link_bandwidth <= 0 or self.link_latency < 0 \
@@ -193,6 +194,14 @@ class PartitionProblem:
     @property
     def num_stages(self) -> int:
         return self.num_ranks * self.stages_per_rank
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return self.schedule.spec
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` runs, in chunk order (the schedule's placement)."""
+        return self.spec.stages_of_rank(rank, self.num_ranks, self.stages_per_rank)
 
     def transfer_time(self, layer: int) -> float:
         """Seconds to send what crosses a cut right after ``layer``."""
@@ -225,6 +234,8 @@ class StagePartition:
     solve_seconds: float
     status: str
     num_ranks: int = 1
+    #: The schedule the partition was made for (its placement puts the stages on ranks).
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     #: Binary and integer variables of the program (0 for brute force).
     num_variables: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -241,10 +252,16 @@ class StagePartition:
         return tuple(last - first + 1 for first, last in self.ranges)
 
     def stage_plans(self) -> tuple[StagePlan, ...]:
-        """As :class:`autopar.plan.StagePlan` s (stage s on rank s mod p, chunk s div p)."""
-        p = self.num_ranks
-        return tuple(StagePlan(index=s, layers=r, pp_rank=s % p, chunk=s // p)
-                     for s, r in enumerate(self.ranges))
+        """As :class:`autopar.plan.StagePlan` s, on the ranks the schedule places them (stage
+        s on rank s mod p, chunk s div p, for Megatron-LM's loop placement)."""
+        p, spec = self.num_ranks, self.schedule.spec
+        v = len(self.ranges) // p
+        out = []
+        for s, r in enumerate(self.ranges):
+            rank = spec.stage_to_rank(s, p)
+            out.append(StagePlan(index=s, layers=r, pp_rank=rank,
+                                 chunk=spec.stages_of_rank(rank, p, v).index(s)))
+        return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +300,7 @@ def rank_memory(problem: PartitionProblem, ranges: Sequence[tuple[int, int]],
     acts = _stage_sum(problem, ranges, "activation_bytes")
     out = []
     for r in range(p):
-        stages = list(range(r, problem.num_stages, p))
+        stages = problem.stages_of(r)
         static = problem.state_bytes_per_param * sum(params[s] for s in stages)
         peak = max((sum(n * acts[s] for n, s in zip(vec, stages)) for vec in vectors[r]),
                    default=0.0)
@@ -300,15 +317,15 @@ def modeled_step_time(problem: PartitionProblem, ranges: Sequence[tuple[int, int
     t = [x + y for x, y in zip(f, b)]
     tau = [problem.transfer_time(last) for _, last in ranges[:-1]] + [0.0]
     comm = 2 * sum(tau)
-    kind = problem.schedule
-    if kind is ScheduleKind.GPIPE:
+    form, split = problem.spec.ilp_form, problem.spec.splits_backward
+    if form is StageILPForm.PHASED:
         return (m - 1) * (max(f) + max(b)) + sum(t) + comm
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
+    if form is StageILPForm.INTERLEAVED:
         y = max(v * max(t), (sum(t) + comm) / (2 * p - 1))
         return (m - 1 / v) * y + sum(t) / v + comm
-    loop = [x - (wi if kind is ScheduleKind.ZB_H1 else 0.0) for x, wi in zip(t, w)]
+    loop = [x - (wi if split else 0.0) for x, wi in zip(t, w)]
     y = max(max(t), max((sum(loop[i:]) + 2 * sum(tau[i:])) / (p - i) for i in range(p)))
-    if kind is ScheduleKind.ZB_H1:
+    if split:
         return (m - 1) * y + sum(x - 2 * wi for x, wi in zip(t, w)) + 2 * max(w) + comm
     return (m - 1) * y + sum(t) + comm
 
@@ -369,7 +386,8 @@ def _result(problem, ranges, lp_bound, seconds, status, vectors, num_vars) -> St
         ranges=tuple(ranges), step_time=modeled_step_time(problem, ranges), lp_bound=lp_bound,
         stage_times=tuple(x + y for x, y in zip(f, b)),
         rank_memory=tuple(rank_memory(problem, ranges, vectors)), solve_seconds=seconds,
-        status=status, num_ranks=problem.num_ranks, num_variables=num_vars)
+        status=status, num_ranks=problem.num_ranks, schedule=problem.schedule,
+        num_variables=num_vars)
 
 
 def min_max_split(layer_times: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -527,21 +545,21 @@ def _add_bottleneck(model: _Model, stage) -> None:
     """(C4) the steady state is no faster than the busiest stage (or rank, interleaved)."""
     problem = model.problem
     S, p = problem.num_stages, problem.num_ranks
-    kind = problem.schedule
+    form = problem.spec.ilp_form
     for s in range(S):
-        if kind is ScheduleKind.GPIPE:
+        if form is StageILPForm.PHASED:
             model.lp += model.Y_F >= stage("forward", s), f"C4f_{s}"
             model.lp += model.Y_B >= stage("backward", s), f"C4b_{s}"
         else:  # interleaved: the v chunks of a rank run in rounds paced by the slowest one
             weight = problem.stages_per_rank
             model.lp += model.Y >= weight * (stage("forward", s) + stage("backward", s)), \
                 f"C4_{s}"
-        if kind is ScheduleKind.ZB_H1:
+        if problem.spec.splits_backward:
             model.lp += model.Z >= stage("weight_grad", s), f"C4w_{s}"
-    if kind is ScheduleKind.INTERLEAVED_1F1B:  # Y_F >= the busiest rank's total (tie-break)
+    if form is StageILPForm.INTERLEAVED:  # Y_F >= the busiest rank's total (tie-break)
         for r in range(p):
             model.lp += model.Y_F >= pulp.lpSum(stage("forward", s) + stage("backward", s)
-                                                for s in range(r, S, p)), f"C4r_{r}"
+                                                for s in problem.stages_of(r)), f"C4r_{r}"
 
 
 def _add_loops(model: _Model, stage, transfer, prefix_at) -> None:
@@ -551,11 +569,11 @@ def _add_loops(model: _Model, stage, transfer, prefix_at) -> None:
     a running sum R_i = τ(c_i) + R_{i+1}, so the family has O(S) terms, not O(S^2)."""
     problem = model.problem
     S, p = problem.num_stages, problem.num_ranks
-    kind = problem.schedule
+    form = problem.spec.ilp_form
     total = model.prefix["forward"][-1] + model.prefix["backward"][-1]
-    if kind is ScheduleKind.GPIPE:
+    if form is StageILPForm.PHASED:
         return
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
+    if form is StageILPForm.INTERLEAVED:
         model.lp += (2 * p - 1) * model.Y >= total + 2 * pulp.lpSum(
             transfer(s) for s in range(S - 1)), "C5"
         return
@@ -567,7 +585,7 @@ def _add_loops(model: _Model, stage, transfer, prefix_at) -> None:
     total_w = model.prefix["weight_grad"][-1]
     for i in range(p):
         work = total - prefix_at("forward", i - 1) - prefix_at("backward", i - 1)
-        if kind is ScheduleKind.ZB_H1:
+        if problem.spec.splits_backward:
             work = work - (total_w - prefix_at("weight_grad", i - 1))
         model.lp += (p - i) * model.Y >= work + 2 * tail[i], f"C5_{i}"
 
@@ -581,7 +599,7 @@ def _add_memory(model: _Model, stage, vectors) -> None:
     scale = 1.0 / problem.device_memory  # keep coefficients near 1
     acts_of = [stage("activation_bytes", s) for s in range(S)]  # built once per stage
     for r in range(p):
-        stages = list(range(r, S, p))
+        stages = problem.stages_of(r)
         static = pulp.lpSum(problem.state_bytes_per_param * scale * stage("params", s)
                             for s in stages)
         for i, vec in enumerate(vectors[r]):
@@ -596,12 +614,12 @@ def _objective(model: _Model, transfer):
     total_b = model.prefix["backward"][-1]
     total_w = model.prefix["weight_grad"][-1]
     comm = 2 * pulp.lpSum(transfer(s) for s in range(S - 1))
-    kind = problem.schedule
-    if kind is ScheduleKind.GPIPE:
+    form = problem.spec.ilp_form
+    if form is StageILPForm.PHASED:
         return (m - 1) * (model.Y_F + model.Y_B) + total_f + total_b + comm
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
+    if form is StageILPForm.INTERLEAVED:
         return (m - 1 / v) * model.Y + (total_f + total_b) / v + comm
-    if kind is ScheduleKind.ZB_H1:
+    if problem.spec.splits_backward:
         return (m - 1) * model.Y + total_f + total_b - 2 * total_w + 2 * model.Z + comm
     return (m - 1) * model.Y + total_f + total_b + comm
 
@@ -660,7 +678,7 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
     optimal = optimal_status(model)
     objective = float(pulp.value(model.lp.objective))
     tie_break = None
-    if problem.schedule is ScheduleKind.INTERLEAVED_1F1B and optimal:
+    if problem.spec.ilp_form is StageILPForm.INTERLEAVED and optimal:
         # among the optima, the one whose busiest rank is least busy (the objective has ties);
         # a heuristic refinement with its own short time limit: it only picks among optima
         model.lp += _objective(model, model.transfer) <= objective * (1 + 1e-7), "optimum"

@@ -1,0 +1,238 @@
+"""The compiler's phases as values: from a captured, planned model to the program one rank runs.
+
+Each phase is a function from the previous artifact to a new, immutable one; nothing is changed
+in place once it is produced::
+
+    CapturedGraph                         autopar.frontend.capture (the graph, shapes in b and s)
+      -> Planned                          autopar.api (rank 0 decides, every rank agrees)
+      -> TPProgram ("sharded program")    shard_program: tensor_parallelize + device retargeting
+      -> StagedProgram                    stage_program: stage split, selective recompute, the
+                                          schedule's action lists (every rank's)
+      -> RankProgram                      lower_to_rank: this rank's stages, the tensors it holds
+                                          and their shards, its actions
+      -> ParallelModel                    RankProgram.instantiate(mesh, training, tensors)
+
+:func:`compile_program` chains the three compile phases. ``autopar.parallelize`` is then four
+steps: capture, agree on the plan, compile, instantiate (``autopar/api.py``).
+
+A :class:`RankProgram` knows exactly which parameters, buffers and constants this rank holds
+(:attr:`RankProgram.held`: full shape, placement over the tensor-parallel axis and local shape),
+so the values can come from anywhere that can produce those slices: today the full tensors of the
+model (:meth:`RankProgram.shards`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+
+from autopar.errors import PlanMismatchError
+from autopar.plan import Plan, Prediction, RecomputeKind
+
+if TYPE_CHECKING:
+    from autopar.frontend import CapturedGraph
+    from autopar.parallel_model import ParallelModel, TrainingOptions
+    from autopar.passes.split_stages import StageSplit
+    from autopar.passes.tp_codegen import ParamLayout
+    from autopar.planner.search import SearchResult
+    from autopar.runtime.mesh import ParallelMesh
+    from autopar.runtime.schedules import PipelineSchedule
+    from autopar.tensor_parallel import TPCostSpec, TPProgram
+
+__all__ = ["Planned", "StagedProgram", "RankProgram", "shard_program", "stage_program",
+           "lower_to_rank", "compile_program"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Planned:
+    """A captured model and the plan every rank agreed on."""
+
+    captured: "CapturedGraph"
+    plan: Plan
+    #: What the cost model predicts (None for a plan given whole or fully pinned).
+    prediction: Prediction | None
+    #: The dropout seed (rank 0's): masks depend on it, the step and the sample only.
+    seed: int
+    #: The search that chose the plan (rank 0 only; None elsewhere and for given plans).
+    search: "SearchResult | None" = None
+
+    def __post_init__(self) -> None:
+        if not self.plan.stages:
+            raise PlanMismatchError("a planned model needs its stage cuts",
+                                    fix="cut the stages first (autopar.planner.stage_partition."
+                                        "stages_for_plan)")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagedProgram:
+    """Every rank's part of the pipeline: the tensor-parallel program cut into stages, and the
+    schedule's action lists (with their sends and receives)."""
+
+    planned: Planned
+    #: The tensor-parallel program of every tp rank (the per-rank graph before the cut).
+    sharded: "TPProgram"
+    split: "StageSplit"
+    schedule: "PipelineSchedule"
+
+    def source(self, rank: int) -> str:
+        """The Python source global rank ``rank`` runs: its tensor-parallel module, then the
+        stage graphs of its pipeline coordinate."""
+        import torch.fx
+
+        from autopar.errors import InvalidInputError
+        from autopar.runtime.mesh import coordinates
+
+        plan = self.planned.plan
+        if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
+            raise InvalidInputError(f"rank must be in [0, {plan.world_size})", found=str(rank))
+        _, pp_rank, tp_rank = coordinates(rank, plan.dp, plan.pp, plan.tp)
+        parts = [f"# autopar rank {rank}: dp x pp x tp = {plan.dp} x {plan.pp} x {plan.tp}; "
+                 f"pipeline rank {pp_rank}, tensor-parallel rank {tp_rank}\n",
+                 self.sharded.source(tp_rank)]
+        for s in self.schedule.stages_of(pp_rank):
+            stage = self.split.stages[s]
+            parts.append(f"\n# ---- pipeline stage {s} (layers {stage.layers[0]}-"
+                         f"{stage.layers[1]}) as run by the executor ----\n{stage.gm.code}")
+            for name, module in stage.gm.named_children():  # selective recompute's regions
+                body = getattr(module, "body", None)
+                if isinstance(body, torch.fx.GraphModule):
+                    parts.append(f"\n# ---- stage {s}: self.{name}, {type(module).__name__} "
+                                 f"(run under torch.utils.checkpoint: its saved tensors are "
+                                 f"recomputed in backward) ----\n{body.code}")
+        return "".join(parts)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RankProgram:
+    """What one rank runs: its coordinates, its stages and the tensors those stages read."""
+
+    staged: StagedProgram
+    rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    #: This rank's pipeline stages, in chunk order.
+    stages: tuple[int, ...]
+    #: Every parameter, buffer and constant this rank's stages read: its FQN, full shape,
+    #: placement over the tensor-parallel axis and the local shape this rank keeps.
+    held: tuple["ParamLayout", ...]
+    device: torch.device
+
+    @property
+    def planned(self) -> Planned:
+        return self.staged.planned
+
+    @property
+    def plan(self) -> Plan:
+        return self.staged.planned.plan
+
+    def held_bytes(self) -> int:
+        """Bytes of this rank's parameter and buffer shards at their captured dtypes."""
+        total = 0
+        for layout in self.held:
+            n = 1
+            for d in layout.local_shape:
+                n *= int(d)
+            total += n * torch.empty((), dtype=layout.dtype).element_size()
+        return total
+
+    def shards(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors by FQN, sliced from the full model's (tied names accepted),
+        on this rank's device."""
+        by_attribute = self.staged.sharded.shard_state_dict(full, self.tp_rank)
+        return {p.fqn: by_attribute[p.attribute].to(self.device) for p in self.held}
+
+    def source(self) -> str:
+        """The Python source this rank runs."""
+        return self.staged.source(self.rank)
+
+    def instantiate(self, mesh: "ParallelMesh", training: "TrainingOptions", *,
+                    tensors: Mapping[str, torch.Tensor]) -> "ParallelModel":
+        """This rank's executor and data-parallel engine on ``mesh`` (collective: every rank
+        creates the same process groups), with its shards taken from ``tensors`` (FQN -> full
+        tensor, e.g. the model's parameters and buffers)."""
+        from autopar.parallel_model import ParallelModel
+
+        if (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank) != (self.dp_rank, self.pp_rank, self.tp_rank):
+            raise PlanMismatchError("the mesh does not place this process where the program was "
+                                    "compiled for",
+                                    expected=f"(dp, pp, tp) = ({self.dp_rank}, {self.pp_rank}, "
+                                             f"{self.tp_rank})",
+                                    found=f"({mesh.dp_rank}, {mesh.pp_rank}, {mesh.tp_rank})",
+                                    fix="compile the program for this process's rank")
+        return ParallelModel(self, mesh, training, self.shards(tensors))
+
+
+# ---------------------------------------------------------------------------------------------
+# Phases
+# ---------------------------------------------------------------------------------------------
+
+def shard_program(planned: Planned, *, cost: "TPCostSpec | None", device: torch.device,
+                  sizes: Mapping[str, int] | None = None) -> "TPProgram":
+    """The tensor-parallel program of the plan (the plan's GEMM shardings, or the search's at
+    ``sizes``), its device arguments retargeted to ``device``."""
+    from autopar.passes.device import retarget_device
+    from autopar.tensor_parallel import tensor_parallelize
+
+    plan = planned.plan
+    program = tensor_parallelize(planned.captured, plan.tp,
+                                 sequence_parallel=plan.sequence_parallel, cost=cost,
+                                 sizes=sizes, pins=plan.gemm_sharding or None)
+    retarget_device(program.gm, device)  # device= arguments recorded at capture (cpu)
+    return program
+
+
+def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.device
+                  ) -> StagedProgram:
+    """Cut the sharded program into the plan's stages (selective recompute's regions marked)
+    and build the schedule's action lists; the stages must sit where the schedule runs them."""
+    from autopar.passes.recompute import recompute_attention_cores
+    from autopar.passes.split_stages import split_into_stages
+    from autopar.runtime.schedules import add_communication, build_schedule, schedule_spec
+
+    plan = planned.plan
+    captured = planned.captured
+    schedule_spec(plan.schedule).check_zero(plan.zero)
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    split = split_into_stages(sharded.gm, captured.layers, [s.layers for s in stages],
+                              constants={k: v.to(device) for k, v in captured.constants.items()})
+    if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
+        for stage in split.stages:
+            recompute_attention_cores(stage.gm)
+    schedule = add_communication(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
+                                                plan.virtual_stages))
+    for s in stages:
+        if schedule.stage_to_rank[s.index] != s.pp_rank:
+            raise PlanMismatchError(f"stage {s.index} is placed on pipeline rank {s.pp_rank}, but "
+                                    f"the {plan.schedule.value} schedule runs it on rank "
+                                    f"{schedule.stage_to_rank[s.index]}", fix="re-plan")
+    return StagedProgram(planned, sharded, split, schedule)
+
+
+def lower_to_rank(staged: StagedProgram, rank: int, *, device: torch.device) -> RankProgram:
+    """Global rank ``rank``'s part of the staged program."""
+    from autopar.runtime.mesh import coordinates
+
+    plan = staged.planned.plan
+    dp_rank, pp_rank, tp_rank = coordinates(rank, plan.dp, plan.pp, plan.tp)
+    local = staged.schedule.stages_of(pp_rank)
+    read: set[str] = set()
+    for s in local:
+        stage = staged.split.stages[s]
+        read.update(stage.params)
+        read.update(stage.buffers)
+    held = tuple(p for p in staged.sharded.layouts if p.fqn in read)
+    return RankProgram(staged, rank, dp_rank, pp_rank, tp_rank, tuple(local), held,
+                       torch.device(device))
+
+
+def compile_program(planned: Planned, rank: int, *, cost: "TPCostSpec | None",
+                    device: torch.device, sizes: Mapping[str, int] | None = None
+                    ) -> RankProgram:
+    """shard -> stage -> lower: the program global rank ``rank`` runs under ``planned``."""
+    sharded = shard_program(planned, cost=cost, device=device, sizes=sizes)
+    staged = stage_program(planned, sharded, device=device)
+    return lower_to_rank(staged, rank, device=device)
+
