@@ -61,7 +61,7 @@ def _module_call(module: nn.Module, names: list[str]):
 
 
 def capture_with_fx(step: nn.Module, args: tuple[Any, ...]):
-    from autopar.frontend import CaptureMethod, CapturedGraph, ParamInfo, _MODEL_ATTR, _strip
+    from autopar.captured import MODEL_ATTR, CapturedGraph, CaptureMethod, ParamInfo, strip_model_prefix
 
     if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         raise UntraceableModelError("the fx fallback runs the model once and cannot on the meta device",
@@ -86,10 +86,10 @@ def capture_with_fx(step: nn.Module, args: tuple[Any, ...]):
 
     tensors = dict(root.named_parameters(remove_duplicate=True))
     tensors.update({k: v for k, v in root.named_buffers(remove_duplicate=True)})
-    prefix = "step." + _MODEL_ATTR + "."
+    prefix = "step." + MODEL_ATTR + "."
 
     def fqn(name: str) -> str:
-        return _strip(name[len("step."):]) if name.startswith("step.") else name
+        return strip_model_prefix(name[len("step."):]) if name.startswith("step.") else name
 
     graph = torch.fx.Graph()
     lifted: dict[str, torch.fx.Node] = {}
@@ -168,7 +168,7 @@ def capture_with_fx(step: nn.Module, args: tuple[Any, ...]):
             if inner.op == "get_attr":  # a constant make_fx lifted: keep as a module attribute
                 raise UntraceableModelError(f"{node.name}: lowering produced a tensor constant")
             copied = graph.node_copy(inner, lambda a: sub_env[a])
-            path = node.target.removeprefix("step.") if node.op == "call_module" else _MODEL_ATTR
+            path = node.target.removeprefix("step.") if node.op == "call_module" else MODEL_ATTR
             copied.meta["nn_module_stack"] = {"fx": (path, "")}
             sub_env[inner] = copied
         if isinstance(result, (list, tuple)) and not isinstance(values[node], (list, tuple)):

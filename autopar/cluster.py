@@ -32,7 +32,7 @@ from typing import Any, Mapping
 from autopar.errors import ClusterSpecError
 
 __all__ = ["Cluster", "DeviceSpec", "LinkSpec", "LinkKind", "GroupSpan", "CollectiveSpec",
-           "COLLECTIVE_NAMES", "PRESET_NAMES", "parse_quantity", "preset_names"]
+           "COLLECTIVE_NAMES", "PRESET_NAMES", "parse_quantity", "preset_names", "processor_share"]
 
 PRESET_NAMES = ("a100-80g", "h100-80g", "h200", "cpu")
 
@@ -473,8 +473,6 @@ class Cluster:
         colder caches), 1 when the devices have their own compute (``cores_per_node == 0``)."""
         if self.cores_per_node <= 0:
             return 1.0
-        from autopar.runtime.simulator import processor_share
-
         return processor_share(computing, self.cores_per_node, self.oversubscription_efficiency)
 
     # -- serialisation ------------------------------------------------------------------------
@@ -589,3 +587,11 @@ def _build(cls: type, data: Mapping[str, Any], origin: str) -> Any:
     except TypeError as exc:
         raise ClusterSpecError(f"{origin} is malformed", expected="the fields of "
                                f"{cls.__name__}", found=str(exc), fix="check the types") from None
+
+
+def processor_share(computing: float, cores: float, efficiency: float = 1.0) -> float:
+    """Fraction of its own speed each of ``computing`` single-thread processes runs at on
+    ``cores`` shared cores: 1 while they fit, else ``efficiency x cores / computing`` (fair
+    sharing, less what oversubscription loses). The one law of the simulator and of
+    :meth:`autopar.cluster.Cluster.compute_share` (the cost model's optimizer step)."""
+    return 1.0 if computing <= cores else efficiency * cores / computing

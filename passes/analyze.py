@@ -21,9 +21,8 @@ Conventions (the ones Megatron-LM and the MFU literature use):
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import sympy
 import torch
@@ -163,7 +162,8 @@ def _rg(a: Any) -> bool:
     return isinstance(a, torch.fx.Node) and info(a).requires_grad
 
 
-def _view_root(a: torch.fx.Node) -> torch.fx.Node:
+def view_root(a: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``a`` is a view of (through any chain of view ops)."""
     while (a.op == "call_function" and op_name(a) in VIEW_OPS and a.args
            and isinstance(a.args[0], torch.fx.Node)):
         a = a.args[0]
@@ -188,7 +188,9 @@ def _is_identity(node: torch.fx.Node) -> bool:
     return False
 
 
-def _identity_root(a: torch.fx.Node) -> torch.fx.Node:
+def identity_root(a: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``a`` is, through ops that hand back their input (alias, detach, a no-op
+    dropout or cast): saved tensors are counted once by it."""
     while _is_identity(a) and isinstance(a.args[0], torch.fx.Node):
         a = a.args[0]
     return a
@@ -196,11 +198,11 @@ def _identity_root(a: torch.fx.Node) -> torch.fx.Node:
 
 def _is_activation(a: Any) -> bool:
     """A tensor computed from inputs (not a weight, buffer or constant, nor a view of one)."""
-    return isinstance(a, torch.fx.Node) and info(a).spec is not None and info(_view_root(a)).kind \
+    return isinstance(a, torch.fx.Node) and info(a).spec is not None and info(view_root(a)).kind \
         not in (NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT)
 
 
-def _saved(node: torch.fx.Node, name: str) -> list[Saved]:
+def saved_tensors(node: torch.fx.Node, name: str) -> list[Saved]:
     """Tensors ``node`` keeps for its backward (activations only)."""
     meta = info(node)
     if not meta.requires_grad:
@@ -210,7 +212,7 @@ def _saved(node: torch.fx.Node, name: str) -> list[Saved]:
 
     def keep(a: Any) -> None:
         if _is_activation(a):
-            out.append((_identity_root(a).name, info(a).spec))
+            out.append((identity_root(a).name, info(a).spec))
 
     if name in VIEW_OPS or name in CREATION_OPS or name in _SAVES_NOTHING:
         return []
@@ -332,7 +334,7 @@ def _charge_saved_activations(gm: torch.fx.GraphModule, layers: list[Layer]) -> 
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for key, spec in _saved(node, op_name(node)):
+        for key, spec in saved_tensors(node, op_name(node)):
             if key in charged:
                 continue
             charged.add(key)

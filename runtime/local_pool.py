@@ -101,7 +101,7 @@ class LocalPool:
         while len(ready) < self.world_size:
             msg = self._get(deadline)
             if msg is None:
-                self._fail(f"start the process group", ready)
+                self._fail("start the process group", ready)
             if msg[0] == "ready":
                 ready.add(msg[1])
         return self

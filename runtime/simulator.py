@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import NamedTuple, Sequence
 
+from autopar.cluster import processor_share
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import Action, ActionKind, PipelineSchedule, add_communication
 
@@ -357,14 +358,6 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     events.sort(key=attrgetter("start", "rank"))
     return SimulationResult(step, tuple(busy), tuple(comm), idle, bubble, tuple(peaks),
                             tuple(events))
-
-
-def processor_share(computing: float, cores: float, efficiency: float = 1.0) -> float:
-    """Fraction of its own speed each of ``computing`` single-thread processes runs at on
-    ``cores`` shared cores: 1 while they fit, else ``efficiency x cores / computing`` (fair
-    sharing, less what oversubscription loses). The one law of the simulator and of
-    :meth:`autopar.cluster.Cluster.compute_share` (the cost model's optimizer step)."""
-    return 1.0 if computing <= cores else efficiency * cores / computing
 
 
 def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: float,

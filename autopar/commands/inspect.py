@@ -35,7 +35,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(report) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from autopar.report import collapse_repeated

@@ -690,8 +690,8 @@ def _cuda_op_table(dev: Any, repeat: int) -> dict[str, list[float]]:
         result = fn()  # one graph, its backward timed alone (no accumulation into .grad)
         grad = torch.ones_like(result)
         inputs = wrt.get(name, (x,))
-        backward = _cuda_time(lambda: torch.autograd.grad(result, inputs, grad,
-                                                          retain_graph=True), repeat)
+        backward = _cuda_time(lambda out=result, wrt_=inputs, g=grad: torch.autograd.grad(
+            out, wrt_, g, retain_graph=True), repeat)
         table[name] = [forward / n, backward / n]
         del result, grad
     return table
@@ -704,7 +704,6 @@ def calibrate_cuda_cluster(base: str | None = None, *, quick: bool = False,
     the preset named after the device: h200, h100-80g, or a100-80g)."""
     import torch
 
-    from autopar.cluster import Cluster
 
     if not torch.cuda.is_available():
         raise RuntimeError("calibrating a GPU needs a CUDA device")

@@ -97,7 +97,7 @@ def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> C
 
 
 def _tree(cluster: Cluster, nbytes: float, span: GroupSpan) -> CollectiveCost:
-    n, k, g = span.size, span.nodes, span.per_node
+    k, g = span.nodes, span.per_node
     bus = _bus(cluster, span)
     latency = (cluster.collective_latency_s
                + 2 * ((g - 1) * cluster.intra_node.latency_s

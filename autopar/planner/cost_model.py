@@ -395,9 +395,9 @@ def _size_hint(expr: Any) -> float:
 
 
 def _is_weight(a: Any) -> bool:
-    from autopar.passes.analyze import _view_root
+    from autopar.passes.analyze import view_root
 
-    return isinstance(a, torch.fx.Node) and info(_view_root(a)).kind is NodeKind.PARAMETER \
+    return isinstance(a, torch.fx.Node) and info(view_root(a)).kind is NodeKind.PARAMETER \
         and info(a).requires_grad
 
 
@@ -469,7 +469,7 @@ class ModelCosts:
         when it saves an input), charged exactly as the analysis pass charges them (a tensor
         saved by several ops once; tables made before the blocks and read by all of them to
         their maker)."""
-        from autopar.passes.analyze import _identity_root, _saved
+        from autopar.passes.analyze import identity_root, saved_tensors
 
         captured = self.captured
         index = {layer.name: layer.index for layer in captured.layers}
@@ -481,8 +481,8 @@ class ModelCosts:
         for node in captured.gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            roots = [_identity_root(a).name for a in node.all_input_nodes]
-            for key, spec in _saved(node, op_name(node)):
+            roots = [identity_root(a).name for a in node.all_input_nodes]
+            for key, spec in saved_tensors(node, op_name(node)):
                 if key in charged:
                     continue
                 charged.add(key)
@@ -1100,14 +1100,11 @@ class CostModel:
         if c.pp * c.virtual_stages > self.model.num_layers:
             return (f"{c.pp * c.virtual_stages} stages but only {self.model.num_layers} "
                     f"layers to place")
-        if c.schedule is ScheduleKind.INTERLEAVED_1F1B:
-            if c.virtual_stages < 2 or c.pp < 2:
-                return "interleaved 1F1B needs pp >= 2 and virtual stages >= 2"
-            if m % c.pp:
-                return f"interleaved 1F1B needs micro-batches ({m}) divisible by pp ({c.pp})"
-        elif c.virtual_stages != 1:
-            return f"virtual stages need the interleaved-1f1b schedule"
-        return None
+        spec = c.schedule.spec
+        if spec.min_virtual_stages > 1 and c.pp < 2:
+            return f"{c.schedule.value} needs pp >= 2"
+        problem = spec.shape_problem(c.pp, c.virtual_stages, m)
+        return problem[0] if problem is not None else None
 
     def evaluate(self, c: Candidate) -> Evaluation:
         """The first pass: min-max stage split and closed-form pipeline time (fast)."""
@@ -1219,7 +1216,7 @@ class CostModel:
         """Stage cut (the first pass's unless ``cuts`` are given) and per-stage, per-rank sums
         of a candidate (cached: many candidates share them; only m, ZeRO and the schedule's
         shape differ)."""
-        zero_bubble = c.schedule is ScheduleKind.ZB_H1
+        zero_bubble = c.schedule.spec.splits_backward
         key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
                c.virtual_stages, zero_bubble, tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
@@ -1234,8 +1231,10 @@ class CostModel:
                                mesh_span(self.cluster, c.dp, p, c.tp, "tp")))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         p2ps = []
+        spec = c.schedule.spec
         for s, (first, last) in enumerate(cuts[:-1]):
-            inter = self._stage_node(s % p, c.tp) != self._stage_node((s + 1) % p, c.tp)
+            inter = self._stage_node(spec.stage_to_rank(s, p), c.tp) != \
+                self._stage_node(spec.stage_to_rank(s + 1, p), c.tp)
             p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
         # Local processes (a loopback link): a transfer is a copy through the kernel that both
         # ends' cores make, so each stage's forward and backward also spend the time of the
@@ -1257,7 +1256,10 @@ class CostModel:
             if host_copies:
                 copies = p2p + (p2ps[s - 1] if s > 0 else 0.0)
                 f, b = f + copies, b + copies
-            stages.append(StageCost(s, (first, last), s % p, s // p, f, b, w, r, tpc, p2p, act))
+            rank = spec.stage_to_rank(s, p)
+            stages.append(StageCost(s, (first, last), rank,
+                                    spec.stages_of_rank(rank, p, v).index(s), f, b, w, r, tpc,
+                                    p2p, act))
         ranks = []
         for rank in range(p):
             mine = [st for st in stages if st.pp_rank == rank]
