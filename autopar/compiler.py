@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from autopar.errors import PlanMismatchError
+from autopar.errors import InvalidPlanError, PlanMismatchError
 from autopar.plan import Plan, Prediction, RecomputeKind
 
 if TYPE_CHECKING:
@@ -195,14 +195,22 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
     plan = planned.plan
     captured = planned.captured
     schedule_spec(plan.schedule).check_zero(plan.zero)
+    schedule = add_communication(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
+                                                plan.virtual_stages))
+    mismatch = schedule.link_order_mismatch() if torch.device(device).type == "cuda" else None
+    if mismatch is not None:
+        raise InvalidPlanError(f"the {plan.schedule.value} schedule cannot run over NCCL yet",
+                               expected="every link's messages taken in the order they are sent "
+                                        "(NCCL matches point-to-point messages by order, not by "
+                                        "tag)",
+                               found=mismatch,
+                               fix="use zb-h1 or interleaved-1f1b on GPUs (gloo runs it)")
     stages = sorted(plan.stages, key=lambda s: s.index)
     split = split_into_stages(sharded.gm, captured.layers, [s.layers for s in stages],
                               constants={k: v.to(device) for k, v in captured.constants.items()})
     if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
         for stage in split.stages:
             recompute_attention_cores(stage.gm)
-    schedule = add_communication(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
-                                                plan.virtual_stages))
     for s in stages:
         if schedule.stage_to_rank[s.index] != s.pp_rank:
             raise PlanMismatchError(f"stage {s.index} is placed on pipeline rank {s.pp_rank}, but "

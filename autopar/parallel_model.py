@@ -273,7 +273,8 @@ class ParallelModel:
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """Each replica's last stage holds its mean loss: average over replicas, share with all."""
-        holder = self.mesh.pp_rank == self.plan.pp - 1 and self.mesh.tp_rank == 0
+        last_stage_rank = self.executor.stage_to_rank[-1]  # the last pp rank, or the first (V)
+        holder = self.mesh.pp_rank == last_stage_rank and self.mesh.tp_rank == 0
         value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if holder:
             if loss is None:

@@ -46,6 +46,8 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
+    "zb_v",
+    "StagePlacement",
     "add_communication",
     "comm_batches",
     "COMPUTE_KINDS",
@@ -61,6 +63,7 @@ class ScheduleKind(str, enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
 
     @property
     def spec(self) -> "ScheduleSpec":
@@ -214,6 +217,33 @@ class PipelineSchedule:
 
     def peak_in_flight(self, rank: int) -> int:
         return max((sum(c) for c in self.in_flight(rank)), default=0)
+
+    def link_order_mismatch(self) -> str | None:
+        """The first link (sending rank -> receiving rank) whose receiver takes its messages in
+        another order than the sender sends them, described; None when every link agrees.
+        NCCL matches point-to-point messages between two ranks by their order (it ignores
+        tags), so a schedule run over NCCL needs None; gloo matches the executor's tags."""
+        lowered = add_communication(self)
+        where = lowered.stage_to_rank
+        sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+        taken: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+        for rank, actions in enumerate(lowered.ranks):
+            for a in actions:
+                s, mb = a.stage, a.microbatch
+                if a.kind is ActionKind.SEND_F:
+                    sent.setdefault((rank, where[s + 1]), []).append((s, "F", mb))
+                elif a.kind is ActionKind.SEND_B:
+                    sent.setdefault((rank, where[s - 1]), []).append((s, "B", mb))
+                elif a.kind is ActionKind.RECV_F:
+                    taken.setdefault((where[s - 1], rank), []).append((s - 1, "F", mb))
+                elif a.kind is ActionKind.RECV_B:
+                    taken.setdefault((where[s + 1], rank), []).append((s + 1, "B", mb))
+        for link in sorted(sent):
+            for i, (out, got) in enumerate(zip(sent[link], taken.get(link, []))):
+                if out != got:
+                    return (f"rank {link[0]} sends {out[0]}{out[1]}{out[2]} as message {i} to "
+                            f"rank {link[1]}, which takes {got[0]}{got[1]}{got[2]} there")
+        return None
 
     def compute_only(self) -> "PipelineSchedule":
         return PipelineSchedule(tuple(tuple(a for a in actions if a.kind.is_compute)
@@ -411,6 +441,85 @@ def zb_h1(p: int, m: int) -> PipelineSchedule:
     return PipelineSchedule(tuple(ranks), m, ScheduleKind.ZB_H1)
 
 
+def zb_v(p: int, m: int) -> PipelineSchedule:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): two stages per rank
+    placed in a V (rank r runs stage r and stage 2p - 1 - r, so the first rank also runs the last
+    stage and the loss), the backward split into I and W. With F = I = W per stage the bubble is
+    (p - 1) F, half of ZB-H1's at the same peak memory: 2p stage-micro-batches in flight, 1F1B's
+    first rank's p micro-batches.
+
+    The lists come from list scheduling at unit times (F = I = W = 1, the case the paper's
+    hand-made schedule is built for): every rank, when free, runs the first ready action of
+    chunk 1's forward, chunk 0's input gradient, chunk 0's forward (at most 2p chunk-micro-batches
+    in flight), chunk 1's input gradient, the oldest weight gradient; while forwards remain, an
+    input gradient is followed by its weight gradient (the steady state F-I-W of the paper, which
+    keeps the lists robust when I and W differ). The resulting order is deadlock-free for any
+    durations (it is a topological order of the dependencies); the simulator checks it."""
+    _check(p, m)
+    stages = 2 * p
+    cap = 2 * p
+    forward_done: dict[tuple[int, int], int] = {}
+    input_done: dict[tuple[int, int], int] = {}
+    next_f = [0] * stages
+    next_i = [0] * stages
+    next_w = [0] * stages
+    in_flight = [0] * p
+    owed: list[Action | None] = [None] * p
+    busy_until = [0] * p
+    lists: list[list[Action]] = [[] for _ in range(p)]
+    never = 1 << 62
+
+    def ready(t: int, r: int) -> Action | None:
+        first, second = r, stages - 1 - r
+        for kind, s in ((ActionKind.FORWARD, second), (ActionKind.BACKWARD_INPUT, first),
+                        (ActionKind.FORWARD, first), (ActionKind.BACKWARD_INPUT, second)):
+            if kind is ActionKind.FORWARD:
+                k = next_f[s]
+                if k < m and in_flight[r] < cap and (
+                        s == 0 or forward_done.get((s - 1, k), never) <= t):
+                    return Action(s, kind, k)
+            else:
+                k = next_i[s]
+                if k < m and forward_done.get((s, k), never) <= t and (
+                        s == stages - 1 or input_done.get((s + 1, k), never) <= t):
+                    return Action(s, kind, k)
+        pending = [(input_done[(s, next_w[s])], s) for s in (second, first)
+                   if next_w[s] < next_i[s]]
+        if pending:
+            _, s = min(pending)
+            return Action(s, ActionKind.BACKWARD_WEIGHT, next_w[s])
+        return None
+
+    t, remaining = 0, 3 * m * stages
+    while remaining:
+        for r in range(p):
+            if busy_until[r] > t:
+                continue
+            a, owed[r] = owed[r] or ready(t, r), None
+            if a is None:
+                continue
+            lists[r].append(a)
+            busy_until[r] = t + 1
+            remaining -= 1
+            s, k = a.stage, a.microbatch
+            if a.kind is ActionKind.FORWARD:
+                forward_done[(s, k)] = t + 1
+                next_f[s] += 1
+                in_flight[r] += 1
+            elif a.kind is ActionKind.BACKWARD_INPUT:
+                input_done[(s, k)] = t + 1
+                next_i[s] += 1
+                forwards_left = next_f[r] < m or next_f[stages - 1 - r] < m
+                if forwards_left and next_w[s] == k:
+                    owed[r] = Action(s, ActionKind.BACKWARD_WEIGHT, k)
+            else:
+                next_w[s] += 1
+                in_flight[r] -= 1
+        t += 1
+        assert t <= 8 * m * stages + 4 * p, "ZB-V list scheduling made no progress"
+    return PipelineSchedule(tuple(tuple(actions) for actions in lists), m, ScheduleKind.ZB_V)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry: one spec per schedule
 # ---------------------------------------------------------------------------------------------
@@ -428,6 +537,20 @@ class StageILPForm(enum.Enum):
     LOOPED = "looped"
     #: Several chunks per rank run in rounds paced by the slowest chunk.
     INTERLEAVED = "interleaved"
+    #: Two chunks per rank in a V, split backward (ZB-V): the steady state is paced by the
+    #: busiest rank's total, and the fill and drain is (p - 1) / (2p) of every stage's
+    #: F + B - 2W (exact on equal stages with F = I = W).
+    V_SHAPE = "v-shape"
+
+
+class StagePlacement(enum.Enum):
+    """Which pipeline rank runs stage s of p ranks (v stages per rank)."""
+
+    #: Megatron-LM's loop: stage c p + r on rank r (one stage per rank, or interleaved chunks).
+    LOOP = "loop"
+    #: A V over two chunks: stage s on rank s for s < p, else on rank 2p - 1 - s (ZB-V), so the
+    #: first rank runs the first and the last stage.
+    V = "v"
 
 
 def _rank_sums(values: Sequence[float], p: int, stages_of: Callable[[int], Sequence[int]]
@@ -459,10 +582,12 @@ class ScheduleSpec:
     #: None: no upper bound.
     max_virtual_stages: int | None = 1
     micro_batches_divisible_by_pp: bool = False
+    placement: StagePlacement = StagePlacement.LOOP
 
     def stage_to_rank(self, stage: int, p: int) -> int:
-        """The pipeline rank that runs ``stage`` (Megatron-LM's loop placement: stage
-        ``c p + r`` on rank r)."""
+        """The pipeline rank that runs ``stage`` (:class:`StagePlacement`)."""
+        if self.placement is StagePlacement.V and stage >= p:
+            return 2 * p - 1 - stage
         return stage % p
 
     def stages_of_rank(self, rank: int, p: int, v: int) -> tuple[int, ...]:
@@ -520,10 +645,10 @@ class ScheduleSpec:
         stages_of = lambda r: self.stages_of_rank(r, p, v)  # noqa: E731
         work = _rank_sums([f + b + w for f, b, w in zip(forward, backward, weight)], p, stages_of)
         bottleneck = max(range(p), key=work.__getitem__)
-        if self.splits_backward:  # W runs in the bubble
+        if self.splits_backward:  # W runs in the bubble; two chunks halve the fill (ZB-V)
             idle = [max(x, 0.0) for x in _rank_sums(
                 [f + b - w for f, b, w in zip(forward, backward, weight)], p, stages_of)]
-            return sum(idle) - idle[bottleneck]
+            return (sum(idle) - idle[bottleneck]) / v
         if self.ilp_form is StageILPForm.INTERLEAVED:
             return (sum(work) - work[bottleneck]) / v
         return sum(work) - work[bottleneck]
@@ -550,6 +675,13 @@ def _interleaved_in_flight(p: int, v: int, m: int, rank: int) -> float:
     return min((v - 1) * p + 2 * (p - rank - 1) + 1, m * v) / v
 
 
+def _zb_v_in_flight(p: int, v: int, m: int, rank: int) -> float:
+    """min(2p, 2m, m + 1 + r) chunk-micro-batches, each half the rank's activations: 2p (1F1B's
+    first rank's p micro-batches) once m >= 2p - 1 - r; tests hold it equal to the lists'
+    peak for p <= 16, m <= 4p."""
+    return min(2 * p, 2 * m, m + 1 + rank) / 2
+
+
 def _zb_h1_in_flight(p: int, v: int, m: int, rank: int) -> float:
     """p on every rank: rank r defers its weight gradients by r micro-batches, and the executor
     holds a micro-batch's activations until its W (Qi et al. 2024: 1F1B's peak)."""
@@ -571,6 +703,10 @@ SCHEDULES: dict[ScheduleKind, ScheduleSpec] = {spec.kind: spec for spec in (
     ScheduleSpec(ScheduleKind.ZB_H1, lambda p, m, v: zb_h1(p, m),
                  "1F1B with the weight gradient deferred into the bubble (Qi et al. 2024)",
                  StageILPForm.LOOPED, _zb_h1_in_flight, splits_backward=True),
+    ScheduleSpec(ScheduleKind.ZB_V, lambda p, m, v: zb_v(p, m),
+                 "two chunks per rank in a V, the weight gradient in the bubble (Qi et al. 2024, "
+                 "section 6)", StageILPForm.V_SHAPE, _zb_v_in_flight, splits_backward=True,
+                 min_virtual_stages=2, max_virtual_stages=2, placement=StagePlacement.V),
 )}
 
 

@@ -2,7 +2,8 @@
 
 Every world-4 (dp, pp, tp) shape and world 8 as (2, 2, 2), on the project's own GPT, HF GPT-2
 and HF LLaMA (kv-heads < heads), and HF BERT (integer position-id buffers) at pp > 1 and tp > 1,
-with the four schedules and sequence parallelism mixed in: after 3 AdamW steps, losses and every
+with the five schedules (ZB-V with tied weights on one rank's two chunks) and sequence
+parallelism mixed in: after 3 AdamW steps, losses and every
 parameter equal the single-process run. Every model runs ZeRO 1, 2 and 3 with dp > 1 (ZeRO-3 with
 pp > 1), one of them as hybrid sharding (Plan.zero_shard_size); one run clips the global gradient
 norm, one feeds each data-parallel rank only its share of the batch, three evaluate (``pm(...)``,
@@ -10,7 +11,7 @@ norm, one feeds each data-parallel rank only its share of the batch, three evalu
 parallelism. Selective recompute runs on HF GPT-2 and LLaMA with eager attention, whose attention
 cores it recomputes in backward (pp=2 x tp=2 with SP under 1F1B and ZeRO-3, dp=2 x pp=2 under
 ZB-H1, LLaMA in bf16), and on the own GPT (fused attention: nothing to recompute). Per-rank
-memory is checked against MISSION.md's ZeRO accounting.
+memory is checked against the ZeRO accounting of Rajbhandari et al. 2020.
 
 Tolerance (fp32): parameters within 1e-5 absolute, losses within 1e-5 relative. The parallel
 program computes the same sums in another order (tensor-parallel all-reduces, micro-batch
@@ -76,7 +77,10 @@ EXTRA = [("bert", (1, 2, 2, "interleaved-1f1b", 2, 2, True), 0, {}),
           dict(mixed_precision=True, pins=SELECTIVE)),
          ("gpt", (2, 2, 1, "1f1b", 1, 2, False), 3, dict(mixed_precision=True)),
          ("gpt_eager", (1, 2, 2, "1f1b", 1, 2, True), 3, dict(pins=SELECTIVE, probe=True)),
-         ("gpt_eager", (2, 2, 1, "zb-h1", 1, 2, False), 1, dict(pins=SELECTIVE))]
+         ("gpt_eager", (2, 2, 1, "zb-h1", 1, 2, False), 1, dict(pins=SELECTIVE)),
+         # ZB-V: the tied embedding and LM head on one rank's two chunks; tp with SP
+         ("gpt", (2, 2, 1, "zb-v", 2, 2, False), 2, {}),
+         ("llama", (1, 2, 2, "zb-v", 2, 4, True), 1, {})]
 
 
 def _pins(dp, pp, tp, schedule, v, m, sp, zero, **extra):
@@ -146,7 +150,7 @@ def _compare_mixed(result, mixed, fp32, what):
 
 
 def _memory_formula(pins, local_params, mixed, shard_size):
-    """MISSION.md's ZeRO accounting for one rank holding P parameters (its stages' shards),
+    """ZeRO's accounting (Rajbhandari et al. 2020, section 3) for one rank holding P parameters (its stages' shards),
     sharded over N ranks: mixed precision bf16 weights (2), fp32 gradients (4: the default
     gradient dtype) and fp32 master + Adam (12); fp32 weights (4), gradients (4) and Adam m, v
     (8; the weights are the master) -- 16 bytes per parameter either way. ZeRO-1 shards the

@@ -7,8 +7,10 @@ forward time ``f_l``, backward time ``b_l`` (of which ``w_l`` is the weight grad
 parameters (each costing ``σ`` bytes of weights, gradients and optimizer state), ``a_l`` bytes of
 saved activations, and ``τ_l`` seconds to send what crosses a cut right after ``l``. They are cut
 into ``S = p v`` contiguous stages, stage ``s`` on pipeline rank ``s mod p`` (``v`` stages per rank
-when interleaved), and ``m`` micro-batches run through them under a schedule (GPipe, 1F1B,
-interleaved 1F1B, ZB-H1). Each rank has ``M`` bytes of device memory.
+when interleaved; ZB-V places its two chunks in a V, stage ``s`` and ``2p - 1 - s`` on rank ``s``:
+the schedule's ``ScheduleSpec.placement``), and ``m`` micro-batches run through them under a
+schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V; each schedule's ``StageILPForm`` says which
+constraint families below apply). Each rank has ``M`` bytes of device memory.
 
 Repeated layers keep the program small: consecutive layers with equal costs form a segment
 ``g = [α_g, α_g + K_g)`` (GPT-3 175B: embedding, 96 equal blocks, LM head), and a
@@ -42,12 +44,15 @@ Constraints:
                                   simulator's steady state, exact for equal chunks), and
                                   Y_F ≥ Σ_{s on r} t(s), the busiest rank, minimised in a
                                   second solve among the optima (ties are common);
-                                  GPipe: Y_F ≥ f(s), Y_B ≥ b(s); ZB-H1: Z ≥ w(s)
+                                  GPipe: Y_F ≥ f(s), Y_B ≥ b(s); ZB-H1: Z ≥ w(s);
+                                  ZB-V: Y ≥ Σ_{s on r} t(s) per rank (its two chunks
+                                  alternate in the steady state)
     (C5) pipeline loops           1F1B: (p − i) Y ≥ Σ_{s≥i} t(s) + 2 Σ_{s≥i} τ(c_s)   _add_loops
                                   for every i (stage i keeps p − i micro-batches in flight,
                                   so a micro-batch's round trip from stage i is shared by
                                   p − i of them); ZB-H1 the same with f + b − w (W is off the
-                                  loop); interleaved (2p − 1) Y ≥ Σ_s t(s) + 2 Σ_s τ(c_s)
+                                  loop); interleaved (2p − 1) Y ≥ Σ_s t(s) + 2 Σ_s τ(c_s);
+                                  none for GPipe and ZB-V
     (C6) memory                   σ π(r) + Σ_j n_j a(s_j) ≤ M                  _add_memory
                                   for every rank r and every vector n of in-flight micro-batches
                                   per local stage s_j that r's action list reaches (from the
@@ -59,12 +64,14 @@ Objective, the modelled step time (:func:`_objective`, :func:`modeled_step_time`
     1F1B         (m − 1) Y + Σ_l t_l + 2 Σ_s τ(c_s)
     interleaved  (m − 1/v) Y + Σ_l t_l / v + 2 Σ_s τ(c_s)
     ZB-H1        (m − 1) Y + Σ_l (f_l + b_l − 2 w_l) + 2 Z + 2 Σ_s τ(c_s)
+    ZB-V         m Y + (p − 1)/(2p) Σ_l (f_l + b_l − 2 w_l) + 2 Σ_s τ(c_s)
 
 The first term is the steady state, the rest the fill and drain: one micro-batch's trip through
 every stage and every cut (forward and back). Embedding and LM head costs are layers like any
 other, so first and last stages take fewer blocks when that is better. On equal stages without
 transfer costs these are the published closed forms: the bubble is (p − 1)/m of the ideal time
-for GPipe and 1F1B, (p − 1)/(v m) interleaved, and ZB-H1 saves (p − 1)(2w) against 1F1B; the
+for GPipe and 1F1B, (p − 1)/(v m) interleaved, ZB-H1 saves (p − 1)(2w) against 1F1B, and ZB-V's
+fill is (p − 1) stage-forwards when F = I = W (half of ZB-H1's, Qi et al. 2024 section 6); the
 simulator (:mod:`autopar.runtime.simulator`) gives the same numbers. With transfers the loop
 constraints reproduce the simulator's 1F1B steady state (F + B + 2(p − 1)τ/p on equal stages,
 within 2%). For interleaved 1F1B with unequal chunks the model is conservative (C4 is above the
@@ -320,6 +327,9 @@ def modeled_step_time(problem: PartitionProblem, ranges: Sequence[tuple[int, int
     form, split = problem.spec.ilp_form, problem.spec.splits_backward
     if form is StageILPForm.PHASED:
         return (m - 1) * (max(f) + max(b)) + sum(t) + comm
+    if form is StageILPForm.V_SHAPE:
+        y = max(sum(t[s] for s in problem.stages_of(r)) for r in range(p))
+        return m * y + (p - 1) / (2 * p) * sum(x - 2 * wi for x, wi in zip(t, w)) + comm
     if form is StageILPForm.INTERLEAVED:
         y = max(v * max(t), (sum(t) + comm) / (2 * p - 1))
         return (m - 1 / v) * y + sum(t) / v + comm
@@ -546,6 +556,11 @@ def _add_bottleneck(model: _Model, stage) -> None:
     problem = model.problem
     S, p = problem.num_stages, problem.num_ranks
     form = problem.spec.ilp_form
+    if form is StageILPForm.V_SHAPE:  # a rank's two chunks alternate: its total paces it
+        for r in range(p):
+            model.lp += model.Y >= pulp.lpSum(stage("forward", s) + stage("backward", s)
+                                              for s in problem.stages_of(r)), f"C4v_{r}"
+        return
     for s in range(S):
         if form is StageILPForm.PHASED:
             model.lp += model.Y_F >= stage("forward", s), f"C4f_{s}"
@@ -571,7 +586,7 @@ def _add_loops(model: _Model, stage, transfer, prefix_at) -> None:
     S, p = problem.num_stages, problem.num_ranks
     form = problem.spec.ilp_form
     total = model.prefix["forward"][-1] + model.prefix["backward"][-1]
-    if form is StageILPForm.PHASED:
+    if form in (StageILPForm.PHASED, StageILPForm.V_SHAPE):
         return
     if form is StageILPForm.INTERLEAVED:
         model.lp += (2 * p - 1) * model.Y >= total + 2 * pulp.lpSum(
@@ -617,6 +632,9 @@ def _objective(model: _Model, transfer):
     form = problem.spec.ilp_form
     if form is StageILPForm.PHASED:
         return (m - 1) * (model.Y_F + model.Y_B) + total_f + total_b + comm
+    if form is StageILPForm.V_SHAPE:
+        p = problem.num_ranks
+        return m * model.Y + (p - 1) / (2 * p) * (total_f + total_b - 2 * total_w) + comm
     if form is StageILPForm.INTERLEAVED:
         return (m - 1 / v) * model.Y + (total_f + total_b) / v + comm
     if problem.spec.splits_backward:
