@@ -279,13 +279,9 @@ def _resolve_cluster(cluster: Any, world: int, device: torch.device) -> Any:
 
 
 def _preset_for(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for key, preset in (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g")):
-        if key in name:
-            return preset
-    return "a100-80g"
+    from autopar.cluster import preset_for_device
+
+    return preset_for_device("cpu" if device.type != "cuda" else torch.cuda.get_device_name(device))
 
 
 def _optimizer_factory(optimizer: Any) -> Any:

@@ -32,7 +32,8 @@ from typing import Any, Mapping
 from autopar.errors import ClusterSpecError
 
 __all__ = ["Cluster", "DeviceSpec", "LinkSpec", "LinkKind", "GroupSpan", "CollectiveSpec",
-           "COLLECTIVE_NAMES", "PRESET_NAMES", "parse_quantity", "preset_names", "processor_share"]
+           "COLLECTIVE_NAMES", "PRESET_NAMES", "parse_quantity", "preset_names", "processor_share",
+           "preset_for_device"]
 
 PRESET_NAMES = ("a100-80g", "h100-80g", "h200", "cpu")
 
@@ -595,3 +596,19 @@ def processor_share(computing: float, cores: float, efficiency: float = 1.0) -> 
     sharing, less what oversubscription loses). The one law of the simulator and of
     :meth:`autopar.cluster.Cluster.compute_share` (the cost model's optimizer step)."""
     return 1.0 if computing <= cores else efficiency * cores / computing
+
+
+#: GPU name fragments (as ``torch.cuda.get_device_name`` spells them) -> their preset, first
+#: match wins (an "H100" name must not be read as an older part).
+_GPU_PRESETS = (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g"))
+#: The preset of a GPU none of the above names: the oldest, so predictions err on the slow side.
+FALLBACK_GPU_PRESET = "a100-80g"
+
+
+def preset_for_device(device_name: str) -> str:
+    """The cluster preset for a device by its name (``"cpu"`` for a CPU; a GPU by its
+    ``torch.cuda.get_device_name``), :data:`FALLBACK_GPU_PRESET` for a GPU without one."""
+    low = device_name.lower()
+    if low == "cpu":
+        return "cpu"
+    return next((preset for key, preset in _GPU_PRESETS if key in low), FALLBACK_GPU_PRESET)

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import autopar
     from autopar import models
-    from autopar.cluster import Cluster
+    from autopar.cluster import Cluster, preset_for_device
 
     device = torch.device("cuda", 0)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from autopar.passes.analyze import analyze
 
     fwd_flops = float(analyze(pm.captured).forward_flops(b=args.batch, s=args.seq))
-    preset = "h200" if "h200" in torch.cuda.get_device_name(0).lower() else "h100-80g"
+    preset = preset_for_device(torch.cuda.get_device_name(0))
     peak = Cluster.load(preset).peak_flops("bf16")
 
     predicted = _prediction(pm.captured, preset, args.batch, args.seq)

@@ -41,7 +41,8 @@ from autopar.ir import (
 )
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass
 
-__all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS"]
+__all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
+           "MATMUL_OPS", "gemm_dims", "view_root", "identity_root", "saved_tensors"]
 
 ZERO = sympy.Integer(0)
 
@@ -59,8 +60,10 @@ CREATION_OPS = frozenset({
     "new_empty", "zeros_like", "ones_like", "full_like", "empty_like", "rand", "randn",
     "randint", "rand_like", "randn_like", "scalar_tensor", "tensor",
 })
-GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
-                      "scaled_dot_product_attention", "convolution", "conv1d", "conv2d"})
+#: Matrix products: a (batch of) M x K times K x N (:func:`gemm_dims`).
+MATMUL_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
+#: Ops priced as GEMM work: the matrix products, fused attention and convolutions.
+GEMM_OPS = MATMUL_OPS | {"scaled_dot_product_attention", "convolution", "conv1d", "conv2d"}
 #: Ops whose backward needs their output (saved once, as the output).
 _SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh",
                            "sigmoid", "relu", "exp", "rsqrt", "sqrt", "reciprocal", "elu"})
@@ -90,23 +93,38 @@ def _prod(dims: Iterable[sympy.Expr]) -> sympy.Expr:
     return out
 
 
+def gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
+    """(batch, M, N, K) of a matrix product (:data:`MATMUL_OPS`), sympy in b and s; None for a
+    matmul of vectors. The one place GEMM shapes are read: the FLOPs here and the cost model's
+    per-shape GEMM efficiency use it."""
+    name, args = op_name(node), node.args
+    if name == "linear":
+        x, w = _spec(args[0]), _spec(args[1])
+        return 1, _prod(x.shape[:-1]), w.shape[0], x.shape[-1]
+    if name in ("mm", "addmm"):
+        a, b = (_spec(args[0]), _spec(args[1])) if name == "mm" else (_spec(args[1]),
+                                                                       _spec(args[2]))
+        return 1, a.shape[0], b.shape[1], a.shape[1]
+    if name in ("bmm", "baddbmm"):
+        a, b = (_spec(args[0]), _spec(args[1])) if name == "bmm" else (_spec(args[1]),
+                                                                       _spec(args[2]))
+        return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
+    if name == "matmul":
+        a, b, out = _spec(args[0]), _spec(args[1]), info(node).spec
+        if a.ndim >= 2 and b.ndim >= 2 and out is not None and out.ndim >= 2:
+            return _prod(out.shape[:-2]), out.shape[-2], out.shape[-1], a.shape[-1]
+    return None
+
+
 def _gemm_flops(node: torch.fx.Node) -> sympy.Expr:
     name = op_name(node)
     args = node.args
-    if name == "linear":
-        x, w = _spec(args[0]), _spec(args[1])
-        return 2 * _prod(x.shape[:-1]) * x.shape[-1] * w.shape[0]
-    if name in ("mm", "addmm"):
-        a, b = (_spec(args[0]), _spec(args[1])) if name == "mm" else (_spec(args[1]), _spec(args[2]))
-        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    if name in ("bmm", "baddbmm"):
-        a, b = (_spec(args[0]), _spec(args[1])) if name == "bmm" else (_spec(args[1]), _spec(args[2]))
-        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    if name == "matmul":
-        a, b = _spec(args[0]), _spec(args[1])
-        out = info(node).spec
-        k = a.shape[-1]
-        return 2 * out.numel * k
+    dims = gemm_dims(node) if name in MATMUL_OPS else None
+    if dims is not None:
+        batch, m, n, k = dims
+        return 2 * batch * m * n * k
+    if name == "matmul":  # with a vector operand
+        return 2 * info(node).spec.numel * _spec(args[0]).shape[-1]
     if name == "scaled_dot_product_attention":
         q, k, v = _spec(args[0]), _spec(args[1]), _spec(args[2])
         batch = _prod(q.shape[:-2])

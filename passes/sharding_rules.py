@@ -49,6 +49,7 @@ import torch
 import torch.fx
 
 from autopar.ir import SEQ, NodeKind, TensorSpec, info, op_name
+from autopar.passes.analyze import MATMUL_OPS
 from autopar.plan import GemmSharding
 from autopar.sharding import (
     PARTIAL,
@@ -199,7 +200,7 @@ def _replicated(node: torch.fx.Node, ctx: RuleContext) -> Strategy:
         if isinstance(value, tuple) else REPLICATE
     return _strategy(node, "replicate", out, {}, ctx, compute_scale=1.0,
                      gemm=GemmSharding.REPLICATE if info(node).is_gemm or
-                     op_name(node) in _GEMM else None)
+                     op_name(node) in MATMUL_OPS else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +495,6 @@ def _cat(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 # GEMMs
 # ---------------------------------------------------------------------------------------------
 
-_GEMM = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
 
 
 def _linear(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:

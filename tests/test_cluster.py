@@ -231,3 +231,14 @@ def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_
     assert gemm_time(cluster, "bf16", 1, m, n, k) == pytest.approx(2 * m * n * k / rate[(m, n, k)])
     assert gemm_time(preset, "bf16", 1, m, n, k) != pytest.approx(gemm_time(cluster, "bf16", 1,
                                                                             m, n, k))
+
+
+def test_one_map_from_device_names_to_presets():
+    """parallelize's default cluster and calibrate --device cuda's base read the same map."""
+    from autopar.cluster import FALLBACK_GPU_PRESET, preset_for_device
+
+    assert preset_for_device("NVIDIA H100 80GB HBM3") == "h100-80g"
+    assert preset_for_device("NVIDIA H200") == "h200"
+    assert preset_for_device("NVIDIA A100-SXM4-80GB") == "a100-80g"
+    assert preset_for_device("cpu") == "cpu"
+    assert preset_for_device("NVIDIA L4") == FALLBACK_GPU_PRESET == "a100-80g"

@@ -103,7 +103,7 @@ def test_the_sharding_search_finds_megatron_per_family(shallow):
 @pytest.mark.parametrize("name", ["gpt3-1.3b", "bert-large", "llama-7b"])
 @pytest.mark.parametrize("sp", [False, True])
 def test_four_collectives_of_bsh_per_block(shallow, name, sp):
-    """MISSION.md: TP needs 4 all-reduces of b s h per layer per micro-batch (forward and
+    """Narayanan et al. 2021 (Megatron-LM, section 3.1): TP needs 4 all-reduces of b s h per layer per micro-batch (forward and
     backward); with sequence parallelism each becomes an all-gather + reduce-scatter (and the
     norm weights' and row biases' gradients, used on sequence shards, get an all-reduce of h
     elements each). The cost model prices the program's own collectives."""

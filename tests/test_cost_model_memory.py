@@ -1,4 +1,4 @@
-"""Memory model: model states against the ZeRO formulas (MISSION.md) and torch's own parameter
+"""Memory model: model states against the ZeRO formulas (Rajbhandari et al. 2020) and torch's own parameter
 count; activations against Korthikanti et al. 2022 and against the analysis pass."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ZeRO memory against MISSION.md's formulas, mixed precision, FSDP2 as reference, failure modes.
+"""ZeRO memory against the formulas of Rajbhandari et al. 2020, mixed precision, FSDP2 as reference, failure modes.
 
 Memory: per-rank bytes of parameters, gradients and optimizer state, measured from the tensors
 the rank holds, equal the mixed-precision Adam accounting (16P; ZeRO-1 4P + 12P/N; ZeRO-2
@@ -63,7 +63,7 @@ def _measure_memory(zero: int, shard_size: int | None, grad_dtype: torch.dtype):
 
 
 def _formula(zero: int, n: int, num_params: int, grad_bytes: int) -> dict[str, float]:
-    """MISSION.md: bf16 weights (2), gradients (grad_bytes: 2 for bf16), fp32 master + Adam m, v
+    """ZeRO (Rajbhandari et al. 2020, section 3): bf16 weights (2), gradients (grad_bytes: 2 for bf16), fp32 master + Adam m, v
     (12); ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 also the weights."""
     p = num_params
     return {"params": 2 * p / (n if zero >= 3 else 1),
@@ -86,7 +86,7 @@ def test_memory_matches_mission_formulas(pool4, zero, shard_size, grad_dtype):
         for kind in want:
             assert got[kind] == pytest.approx(want[kind], rel=0.05), (kind, got, want)
         assert report.total == pytest.approx(sum(want.values()), rel=0.05)
-        if grad_dtype == torch.bfloat16:  # the closed forms of MISSION.md themselves
+        if grad_dtype == torch.bfloat16:  # the closed forms of the ZeRO paper themselves
             total = {0: 16 * num_params, 1: 4 * num_params + 12 * num_params / n,
                      2: 2 * num_params + 14 * num_params / n, 3: 16 * num_params / n}[zero]
             assert report.total == pytest.approx(total, rel=0.05)

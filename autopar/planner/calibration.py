@@ -77,10 +77,8 @@ def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
 def _mean_time(fn: Callable[[], Any], calls: int) -> float:
     """Mean seconds per call of ``calls`` calls, after two warm-up calls: what a step that makes
     many such calls pays for each. For collectives, not the median: their times are bimodal on a
-    VM. A blocked gloo wait sometimes sleeps through a scheduler tick: back-to-back 1 MiB
-    all-reduces of two processes took 0.3-0.8 ms for 55-60% of calls and 2-6 ms for the rest
-    (median 0.8-2.7 ms between runs, mean 2.7-2.8 ms); the median priced tensor parallelism's
-    36 all-reduces of a step at a third of the 108-131 ms they took."""
+    shared host (a blocked gloo wait sometimes sleeps through a scheduler tick), and a step pays
+    the mean (docs/cost-model.md, "Measurements behind the model's choices")."""
     fn()
     fn()
     start = time.perf_counter()
@@ -296,9 +294,8 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
     ...), and as a training step pays it (``all_reduce_after_compute``, ...): every call follows
     a layer's worth of GEMMs on cold operands on each rank (``PACE_*``), less that compute timed
     alone. After compute the ranks arrive at slightly different times, the first blocks and
-    sleeps, and the data comes from beyond the caches; on the 2-core VM that cost 1-4 ms more
-    per call than back to back, more for larger tensors, where back-to-back ranks stay in
-    lockstep. Plus a rank 0 <-> 1 send/recv (``p2p``, half a round trip)."""
+    sleeps, and the data comes from beyond the caches, which back-to-back ranks in lockstep never
+    see (docs/cost-model.md). Plus a rank 0 <-> 1 send/recv (``p2p``, half a round trip)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -380,8 +377,7 @@ def measure_oversubscription(cores: int, iters: int = 8, rounds: int = 3) -> dic
     ``cores`` processes run the same MLP block at once (one per core), then ``2 x cores``
     processes; with fair sharing and nothing lost the second takes exactly twice as long, so the
     efficiency is ``2 t(cores) / t(2 cores)`` (capped at 1), the median over ``rounds``
-    alternations (a shared VM drifts between runs). For scale, on the 2-core VM eager training
-    of the small GPT by 4 processes used 12% more CPU time than by 2 for the same samples."""
+    alternations (a shared host drifts between runs)."""
     from autopar.runtime.local_pool import LocalPool
 
     ratios, alone, shared = [], [], []
@@ -718,9 +714,9 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
 
     device_name = m["device_name"]
     if base is None:
-        low = device_name.lower()
-        base = next((p for key, p in (("h200", "h200"), ("h100", "h100-80g"),
-                                      ("a100", "a100-80g")) if key in low), "h100-80g")
+        from autopar.cluster import preset_for_device
+
+        base = preset_for_device(device_name)
     doc = Cluster.load(base).to_json()
     stamp = datetime.date.today().isoformat()
     where = (f"measured by autopar calibrate --device cuda on {device_name} (torch "

@@ -340,27 +340,6 @@ def _prod(dims: Iterable[Any]) -> sympy.Expr:
     return out
 
 
-def _gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
-    """(batch, M, N, K) of a GEMM node, or None for shapes the model does not handle."""
-    name, args = op_name(node), node.args
-    if name == "linear":
-        x, w = _spec(args[0]), _spec(args[1])
-        return 1, _prod(x.shape[:-1]), w.shape[0], x.shape[-1]
-    if name in ("mm", "addmm"):
-        a, b = (_spec(args[0]), _spec(args[1])) if name == "mm" else (_spec(args[1]),
-                                                                       _spec(args[2]))
-        return 1, a.shape[0], b.shape[1], a.shape[1]
-    if name in ("bmm", "baddbmm"):
-        a, b = (_spec(args[0]), _spec(args[1])) if name == "bmm" else (_spec(args[1]),
-                                                                       _spec(args[2]))
-        return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
-    if name == "matmul":
-        a, b, out = _spec(args[0]), _spec(args[1]), info(node).spec
-        if a.ndim >= 2 and b.ndim >= 2 and out is not None and out.ndim >= 2:
-            return _prod(out.shape[:-2]), out.shape[-2], out.shape[-1], a.shape[-1]
-    return None
-
-
 #: A device's ``op_table`` entry for a GEMM's bias vector: the broadcast copy of the bias into
 #: the GEMM's output that a CPU GEMM makes before accumulating into it (``addmm``'s
 #: ``out.copy_(bias.expand(m, n))``), and the bias gradient (a sum over rows), per output
@@ -504,7 +483,7 @@ class ModelCosts:
     def _template(self, layer: Any,
                   saved: Mapping[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]
                   ) -> _Template:
-        from autopar.passes.analyze import GEMM_OPS, VIEW_OPS
+        from autopar.passes.analyze import GEMM_OPS, VIEW_OPS, gemm_dims
 
         captured = self.captured
         exprs: list[sympy.Expr] = []
@@ -546,7 +525,7 @@ class ModelCosts:
                 add(q.shape[-2])  # sequence
                 add(q.shape[-1])  # head dim
                 continue
-            dims = _gemm_dims(node) if op in GEMM_OPS else None
+            dims = gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
                 weighted = op == "linear" and _is_weight(node.args[1])
                 idx = add(dims[0])
@@ -1009,9 +988,7 @@ class CostModel:
         """The sizes the sharding search solves a candidate's layout at: its micro-batch and the
         training sequence. The micro-batch matters: a collective's latency is fixed while a
         GEMM's time grows with the tokens, so a layout that replicates small GEMMs to save
-        collectives at one sequence can lose at sixteen (on the 2-core host, replicating the
-        attention GEMMs of dp2 x tp2 was right at micro-batch 1 and measured 501 ms against
-        397 ms for Megatron's layout at 8)."""
+        collectives at one micro-batch can lose at sixteen (docs/cost-model.md)."""
         return {"b": micro_batch_size, "s": self.setup.seq}
 
     def layout(self, tp: int, sequence_parallel: bool, micro_batch_size: int
@@ -1218,7 +1195,8 @@ class CostModel:
         shape differ)."""
         zero_bubble = c.schedule.spec.splits_backward
         key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
-               c.virtual_stages, zero_bubble, tuple(cuts) if cuts else None)
+               c.virtual_stages, zero_bubble, c.schedule.spec.placement,
+               tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
         if hit is not None:
             return hit
@@ -1238,8 +1216,7 @@ class CostModel:
             p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
         # Local processes (a loopback link): a transfer is a copy through the kernel that both
         # ends' cores make, so each stage's forward and backward also spend the time of the
-        # transfers it receives and sends. On the 2-core VM, rank 1 of an interleaved pp=2
-        # (v=3, 8 micro-batches of 2) spent ~70 ms per step of CPU outside its stages' compute.
+        # transfers it receives and sends (measured: docs/cost-model.md).
         host_copies = self.cluster.intra_node.kind is LinkKind.LOOPBACK
         stages: list[StageCost] = []
         for s, (first, last) in enumerate(cuts):

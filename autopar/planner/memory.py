@@ -1,6 +1,6 @@
 """Memory per rank: model states by precision and ZeRO stage, activations by schedule position.
 
-Model states (Rajbhandari et al. 2020, ZeRO, section 3; MISSION.md). With ``P`` the parameters a
+Model states (Rajbhandari et al. 2020, ZeRO, section 3). With ``P`` the parameters a
 rank holds after tensor and pipeline splitting, ``d`` the data-parallel degree, and per-parameter
 bytes ``(w, g, o)`` = (2, 2, 12) for mixed-precision Adam (bf16/fp16 weights and gradients; fp32
 master weights, momentum and variance) or (4, 4, 8) for fp32 Adam:
