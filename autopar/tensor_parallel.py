@@ -189,13 +189,15 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
     _check_divisible(captured, tp, sizes, sequence_parallel, strict)
     analyze(captured)
     gm = _copy_graph_module(captured.gm)
-    ctx = PassContext(captured=captured, properties={"normalized", "analyzed"},
+    ctx = PassContext(captured=captured,
                       options={"tp": tp, "sequence_parallel": sequence_parallel,
                                "cost": cost or TPCostSpec(), "sizes": sizes,
                                "pins": {k: GemmSharding(v) for k, v in (pins or {}).items()},
                                "depth": depth})
-    sharded = PassManager([split_gemm_bias, shard_graph]).run(gm, ctx)
-    local = PassManager([insert_collectives]).run(sharded, ctx)
+    # split_gemm_bias and shard_graph annotate the copy in place; insert_collectives returns a
+    # new per-rank graph, so the copy stays the global sharded graph
+    local = PassManager([split_gemm_bias, shard_graph, insert_collectives]).run(gm, ctx)
+    sharded = gm
     return TPProgram(captured=captured, tp=tp, sequence_parallel=sequence_parallel,
                      sharded=sharded, gm=local, solution=ctx.options["sharding_solution"],
                      cost=ctx.options["cost"], sizes=sizes, timings=dict(ctx.timings))

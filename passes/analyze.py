@@ -29,6 +29,7 @@ import torch
 import torch.fx
 
 from autopar.ir import (
+    META_KEY,
     Layer,
     LayerKind,
     NodeKind,
@@ -39,7 +40,7 @@ from autopar.ir import (
     iter_tensor_specs,
     op_name,
 )
-from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass
+from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
            "MATMUL_OPS", "gemm_dims", "view_root", "identity_root", "saved_tensors"]
@@ -315,6 +316,16 @@ def _analyze_node(node: torch.fx.Node) -> None:
     meta.bytes_read, meta.bytes_written = _bytes(node, name)
 
 
+@graph_property("analyzed")
+def analyzed(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """Every GEMM carries its analysis (is_gemm and its FLOPs)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and op_name(node) in GEMM_OPS and META_KEY in node.meta \
+                and not info(node).is_gemm:
+            return f"{node.name} ({op_name(node)}) has no analysis"
+    return None
+
+
 @graph_pass(requires=("gemms_are_linear",), ensures=("analyzed",))
 def analyze_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Annotate every node's costs; repeated layers reuse their representative's numbers."""
@@ -512,7 +523,7 @@ def analyze(captured: Any) -> ModelProfile:
     profile = getattr(captured, "profile", None)
     if profile is not None:
         return profile
-    ctx = PassContext(captured=captured, properties={"gemms_are_linear"})
+    ctx = PassContext(captured=captured)
     PassManager([analyze_graph]).run(captured.gm, ctx)
     profile = profile_layers(captured)
     captured.profile = profile

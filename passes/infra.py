@@ -4,6 +4,12 @@ A pass is a callable ``(gm, ctx) -> PassResult(gm, modified)``. It declares the 
 ``requires`` of the graph and the ones it ``ensures``; the :class:`PassManager` checks them, times
 each pass, can disable passes by name, lints and recompiles the graph after every pass that
 changed it, and reports which pass failed after which.
+
+A property is an executable predicate on the graph (:func:`graph_property`, registered by the
+module of the pass that establishes it): before a pass its ``requires`` are evaluated on the graph
+it gets, so a pass run out of order fails by name with the reason; after it, its ``ensures`` are
+evaluated, so a pass that does not do what it promises fails too. A name without a registered
+predicate is a label, held once a pass that ensures it has run (for ad-hoc passes and tests).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import torch.fx
 
 from autopar.errors import AutoparError, PassError
 
-__all__ = ["PassResult", "PassContext", "GraphPass", "graph_pass", "PassManager"]
+__all__ = ["PassResult", "PassContext", "GraphPass", "graph_pass", "PassManager",
+           "GraphProperty", "graph_property", "PROPERTIES", "check_property"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,38 @@ class PassContext:
     options: dict[str, Any] = field(default_factory=dict)
     properties: set[str] = field(default_factory=set)
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphProperty:
+    """A named guarantee about a graph: ``check(gm, ctx)`` returns None when it holds, else the
+    first reason it does not (a node and what is wrong with it)."""
+
+    name: str
+    check: Callable[[torch.fx.GraphModule, "PassContext"], str | None]
+
+
+#: Every registered property by name (the modules in passes/ register theirs on import).
+PROPERTIES: dict[str, GraphProperty] = {}
+
+
+def graph_property(name: str):
+    """Decorator: register ``fn(gm, ctx) -> str | None`` as the predicate of property ``name``."""
+
+    def wrap(fn: Callable[[torch.fx.GraphModule, "PassContext"], str | None]) -> GraphProperty:
+        prop = GraphProperty(name, fn)
+        PROPERTIES[name] = prop
+        return prop
+
+    return wrap
+
+
+def check_property(name: str, gm: torch.fx.GraphModule, ctx: "PassContext") -> str | None:
+    """None when property ``name`` holds of ``gm``, else why not."""
+    prop = PROPERTIES.get(name)
+    if prop is None:  # a label: established by a pass that ensures it
+        return None if name in ctx.properties else "no earlier pass established it"
+    return prop.check(gm, ctx)
 
 
 class GraphPass(Protocol):
@@ -87,12 +126,14 @@ class PassManager:
         for p in self.passes:
             if p.name in self.disabled:
                 continue
-            missing = [r for r in p.requires if r not in ctx.properties]
+            missing = {r: why for r in p.requires
+                       if (why := check_property(r, gm, ctx)) is not None}
             if missing:
                 raise PassError(f"pass {p.name!r} cannot run after {previous!r}",
                                 expected=f"graph properties {list(p.requires)}",
-                                found=f"{sorted(ctx.properties)} (missing {missing})",
-                                fix=f"run the passes that establish {missing} before {p.name!r}")
+                                found="; ".join(f"{r}: {why}" for r, why in missing.items()),
+                                fix=f"run the passes that establish {list(missing)} before "
+                                    f"{p.name!r}")
             start = time.perf_counter()
             try:
                 result = p(gm, ctx)
@@ -111,5 +152,11 @@ class PassManager:
                 gm.recompile()
             ctx.timings[p.name] = ctx.timings.get(p.name, 0.0) + time.perf_counter() - start
             ctx.properties.update(p.ensures)
+            broken = {e: why for e in p.ensures if e in PROPERTIES
+                      and (why := PROPERTIES[e].check(gm, ctx)) is not None}
+            if broken:
+                raise PassError(f"pass {p.name!r} did not establish what it ensures",
+                                expected=f"graph properties {list(p.ensures)}",
+                                found="; ".join(f"{e}: {why}" for e, why in broken.items()))
             previous = p.name
         return gm

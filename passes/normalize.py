@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name, spec_from_value
-from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass
+from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["normalize_graph", "NORMALIZE_PASSES"]
 
@@ -35,6 +35,14 @@ aten = torch.ops.aten
 
 _ASSERT_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size",
                "sym_constrain_range", "_assert_async"}
+
+
+@graph_property("no_asserts")
+def no_asserts(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and op_name(node) in _ASSERT_OPS and not node.users:
+            return f"{node.name} is a runtime assert ({op_name(node)})"
+    return None
 
 
 @graph_pass(ensures=("no_asserts",))
@@ -45,6 +53,16 @@ def drop_runtime_asserts(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResu
             gm.graph.erase_node(node)
             modified = True
     return PassResult(gm, modified)
+
+
+@graph_property("no_hops")
+def no_hops(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """No ``torch.no_grad()`` region is left as a higher-order op."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and op_name(node) == "wrap_with_set_grad_enabled" \
+                and not node.args[0]:
+            return f"{node.name} is a no-grad region (wrap_with_set_grad_enabled)"
+    return None
 
 
 @graph_pass(ensures=("no_hops",))
@@ -104,26 +122,47 @@ def _is_param(node: Any) -> bool:
         info(node).kind is NodeKind.PARAMETER
 
 
+def _conv1d_gemm(mm: torch.fx.Node) -> tuple[Any, ...] | None:
+    """(bias, flattened input, weight, output view, input) when ``mm`` is GPT-2's Conv1D:
+    ``view(addmm(b, view(x), W))`` with a parameter W and the leading dims kept."""
+    if mm.op != "call_function" or mm.target is not aten.addmm.default:
+        return None
+    bias, flat_in, weight = mm.args[:3]
+    if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
+        return None
+    if not (_is_param(weight) and isinstance(flat_in, torch.fx.Node)
+            and flat_in.target in (aten.view.default, aten.reshape.default)
+            and len(mm.users) == 1):
+        return None
+    (out_view,) = mm.users
+    if out_view.target not in (aten.view.default, aten.reshape.default):
+        return None
+    x = flat_in.args[0]
+    x_spec, out_spec = info(x).spec, info(out_view).spec
+    if x_spec is None or out_spec is None or x_spec.shape[:-1] != out_spec.shape[:-1]:
+        return None
+    return bias, flat_in, weight, out_view, x
+
+
+@graph_property("gemms_are_linear")
+def gemms_are_linear(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """Every GEMM with a weight parameter is an ``aten.linear`` (what the analysis and the
+    sharding rules read): no Conv1D-shaped ``addmm`` is left."""
+    for node in gm.graph.nodes:
+        if _conv1d_gemm(node) is not None:
+            return f"{node.name} is a Conv1D addmm, not a linear"
+    return None
+
+
 @graph_pass(ensures=("gemms_are_linear",))
 def fold_conv1d_into_linear(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
     for mm in list(gm.graph.nodes):
-        if mm.op != "call_function" or mm.target is not aten.addmm.default:
+        match = _conv1d_gemm(mm)
+        if match is None:
             continue
-        bias, flat_in, weight = mm.args[:3]
-        if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
-            continue
-        if not (_is_param(weight) and isinstance(flat_in, torch.fx.Node)
-                and flat_in.target in (aten.view.default, aten.reshape.default)
-                and len(mm.users) == 1):
-            continue
-        (out_view,) = mm.users
-        if out_view.target not in (aten.view.default, aten.reshape.default):
-            continue
-        x = flat_in.args[0]
-        x_spec, out_spec = info(x).spec, info(out_view).spec
-        if x_spec is None or out_spec is None or x_spec.shape[:-1] != out_spec.shape[:-1]:
-            continue
+        bias, flat_in, weight, out_view, x = match
+        out_spec = info(out_view).spec
         w_spec = info(weight).spec
         with gm.graph.inserting_before(mm):
             w_t = gm.graph.call_function(aten.t.default, (weight,))

@@ -69,9 +69,10 @@ import torch
 import torch.fx
 
 from autopar.errors import InfeasiblePlanError, UnsupportedOpWarning
-from autopar.ir import BATCH, SEQ, NodeInfo, NodeKind, dtype_bytes, info
+from autopar.ir import (BATCH, META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, dtype_bytes, info,
+                        op_name)
 from autopar.plan import GemmSharding
-from autopar.passes.infra import PassContext, PassResult, graph_pass
+from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.passes.sharding_rules import (
     Item,
     RuleContext,
@@ -190,6 +191,32 @@ def collective_time(kind: Collective, nbytes: float, tp: int, cost: TPCostSpec) 
 # ---------------------------------------------------------------------------------------------
 # Pre-pass: GEMM biases become adds
 # ---------------------------------------------------------------------------------------------
+
+@graph_property("gemm_bias_split")
+def gemm_bias_split(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """No ``aten.linear`` adds its own bias (the search sees every bias as its own add)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.linear.default \
+                and len(node.args) > 2 and isinstance(node.args[2], torch.fx.Node):
+            return f"{node.name} adds its bias {node.args[2].name} itself"
+    return None
+
+
+@graph_property("placements")
+def placements(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """Every parameter and every floating op output has a placement."""
+    for node in gm.graph.nodes:
+        meta = info(node) if META_KEY in node.meta else None
+        if meta is None or meta.placement is not None:
+            continue
+        spec = meta.value
+        floating = isinstance(spec, TensorSpec) and spec.is_float
+        if (node.op == "placeholder" and meta.kind is NodeKind.PARAMETER) or (
+                node.op == "call_function" and floating):
+            what = op_name(node) if node.op == "call_function" else "parameter"
+            return f"{node.name} ({what}) has no placement"
+    return None
+
 
 @graph_pass(ensures=("gemm_bias_split",))
 def split_gemm_bias(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -40,7 +40,7 @@ import torch.fx
 
 from autopar.errors import PassError, PlanMismatchError
 from autopar.ir import META_KEY, Layer, NodeKind, TensorSpec, has_info, info, op_name
-from autopar.passes.infra import PassContext, PassResult, graph_pass
+from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 
 __all__ = [
     "StageInputKind",
@@ -375,6 +375,15 @@ def _cut_tensor(node: torch.fx.Node, producer: int) -> CutTensor:
                         fix="move the cut, or make the value recomputable from the inputs")
     return CutTensor(node.name, spec, bool(info(node).requires_grad and spec.is_float), producer,
                      info(node).placement)
+
+
+@graph_property("stages_split")
+def stages_split(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """Every op belongs to a stage."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and has_info(node) and info(node).stage is None:
+            return f"{node.name} is in no stage"
+    return None
 
 
 @graph_pass(ensures=("stages_split",))

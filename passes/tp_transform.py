@@ -41,7 +41,7 @@ from torch.fx.node import map_arg
 
 from autopar.errors import ShardingError
 from autopar.ir import BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name
-from autopar.passes.infra import PassContext, PassResult, graph_pass
+from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
 from autopar.runtime.tp import FUNCTIONS
 from autopar.sharding import (
@@ -385,6 +385,17 @@ def build_local_program(gm: torch.fx.GraphModule, tp: int) -> torch.fx.GraphModu
     graph = _Builder(gm, tp).run()
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(gm, graph)
+
+
+@graph_property("local_shapes")
+def local_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """Every parameter, buffer and constant of the per-rank program has its local shape."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and META_KEY in node.meta and info(node).kind in (
+                NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT) \
+                and info(node).local_value is None:
+            return f"{node.name} ({info(node).fqn}) has no local shape"
+    return None
 
 
 @graph_pass(requires=("placements",), ensures=("collectives", "local_shapes"))

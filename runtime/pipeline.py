@@ -350,10 +350,29 @@ class PipelineExecutor:
 
         Returns the batch's mean loss on the rank that holds the last stage, None elsewhere.
         """
+        loss = self._run(self.actions, inputs, targets, inference=False)
+        if self.sync_tied:
+            self._sync_tied_gradients()
+        return loss
+
+    def evaluate(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
+        """Forward only, without gradients: the batch's mean loss on the rank holding the last
+        stage, None elsewhere. Runs this rank's forward actions (and their transfers) in the
+        schedule's order, which is deadlock-free because forwards depend only on forwards."""
+        keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
+        with torch.no_grad():
+            return self._run([a for a in self.actions if a.kind in keep], inputs, targets,
+                             inference=True)
+
+    def _run(self, actions: Sequence[Action], inputs: Sequence[Any], targets: Sequence[Any], *,
+             inference: bool) -> torch.Tensor | None:
+        """Walk ``actions`` on one batch: computes alone, runs of transfers as one batch; every
+        send waited at the end. A failure shuts the executor down (:meth:`_shut_down`)."""
         self._check_usable()
         self._begin(inputs, targets)
+        self._inference = inference
         try:
-            for batch in comm_batches(self.actions):
+            for batch in comm_batches(actions):
                 if batch[0].kind.is_comm:
                     self._communicate(batch)
                 else:
@@ -363,40 +382,13 @@ class PipelineExecutor:
         except BaseException as exc:
             self._shut_down(exc)
             raise
+        finally:
+            self._inference = False
         leftovers = [d for d in (self._received, self._forward, self._grad_out, self._to_send,
                                  self._weight_todo) if d]
         if leftovers:
             raise ScheduleError(f"rank {self.pp_rank} finished its actions with state left over",
                                 found=str([list(d)[:4] for d in leftovers]))
-        if self.sync_tied:
-            self._sync_tied_gradients()
-        loss = self._loss_sum
-        self._reset()
-        return loss
-
-    def evaluate(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
-        """Forward only, without gradients: the batch's mean loss on the rank holding the last
-        stage, None elsewhere. Runs this rank's forward actions (and their transfers) in the
-        schedule's order, which is deadlock-free because forwards depend only on forwards."""
-        keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
-        actions = [a for a in self.actions if a.kind in keep]
-        self._check_usable()
-        self._begin(inputs, targets)
-        self._inference = True
-        try:
-            with torch.no_grad():
-                for batch in comm_batches(actions):
-                    if batch[0].kind.is_comm:
-                        self._communicate(batch)
-                    else:
-                        self._compute(batch[0])
-                for work, what, _ in self._pending_sends:
-                    self._wait(work, what)
-        except BaseException as exc:
-            self._shut_down(exc)
-            raise
-        finally:
-            self._inference = False
         loss = self._loss_sum
         self._reset()
         return loss

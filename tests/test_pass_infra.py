@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.fx
 
 from autopar.errors import PassError
-from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass
+from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 
 def _gm():
@@ -52,3 +54,56 @@ def test_disable_by_name():
     assert "explodes" not in ctx.timings
     with pytest.raises(PassError, match="unknown pass"):
         PassManager([make_a], disabled=["nope"])
+
+
+@graph_property("has_relu")
+def has_relu(gm, ctx):
+    """A test property: the graph computes a relu."""
+    if any(n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.nn.ReLU)
+           for n in gm.graph.nodes):
+        return None
+    return "no relu in the graph"
+
+
+@graph_pass(requires=("has_relu",))
+def needs_relu(gm, ctx):
+    return PassResult(gm, False)
+
+
+@graph_pass(ensures=("has_relu",))
+def claims_relu(gm, ctx):
+    return PassResult(gm, False)
+
+
+def test_properties_are_predicates_on_the_graph():
+    """A required property is evaluated on the graph the pass gets, not looked up as a label:
+    it holds of a graph with a relu whatever ran before, and fails by name and reason on one
+    without, even after a pass that claims it; a pass that claims a property it does not
+    establish fails too."""
+    relu = _gm()
+    PassManager([needs_relu]).run(relu, PassContext())
+    plain = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(PassError, match="'needs_relu' cannot run after '<start>'") as err:
+        PassManager([needs_relu]).run(plain, PassContext(properties={"has_relu"}))
+    assert "has_relu: no relu in the graph" in str(err.value)
+    with pytest.raises(PassError, match="'claims_relu' did not establish") as err:
+        PassManager([claims_relu]).run(plain, PassContext())
+    assert "no relu" in str(err.value)
+
+
+def test_the_sharding_search_run_before_the_bias_split_fails_by_name(tiny_models):
+    """shard_graph requires gemm_bias_split: on the captured GPT (linears with biases) it fails
+    naming the first linear that still adds its bias; after split_gemm_bias it runs."""
+    from autopar.passes.shard import shard_graph, split_gemm_bias
+    from autopar.passes.analyze import analyze
+    from autopar.tensor_parallel import TPCostSpec
+
+    captured = tiny_models["gpt"][4]
+    analyze(captured)
+    options = {"tp": 2, "cost": TPCostSpec(), "sizes": {"b": 2, "s": 16}}
+    gm = copy.deepcopy(captured.gm)
+    with pytest.raises(PassError, match="gemm_bias_split: .* adds its bias"):
+        PassManager([shard_graph]).run(gm, PassContext(captured=captured, options=dict(options)))
+    ctx = PassContext(captured=captured, options=dict(options))
+    PassManager([split_gemm_bias, shard_graph]).run(gm, ctx)
+    assert {"gemm_bias_split", "placements"} <= ctx.properties

@@ -190,6 +190,7 @@ def test_the_search_prices_zb_v_and_prefers_it_where_the_bubble_dominates():
     assert times[ZB_V] < times[ScheduleKind.ZB_H1] < times[ScheduleKind.ONE_F_ONE_B], times
     plan = found[ZB_V].plan
     assert plan.schedule is ZB_V and plan.virtual_stages == 2
+    assert Plan.from_json(plan.to_json()) == plan  # the V placement survives the plan's JSON
     assert [s.pp_rank for s in sorted(plan.stages, key=lambda s: s.index)] == \
         list(range(8)) + list(range(7, -1, -1))
     free = search(cm, SearchSpace(dp=1, tp=1, pp=8, micro_batch_size=1, recompute="none",
