@@ -8,11 +8,14 @@ Called on every rank of a job (``torchrun`` / ``autopar run``; a single process 
     loss = pm.train_step(tokens, targets)             # the global batch; the same loss everywhere
 
 Steps: start the process group if needed (NCCL with CUDA, gloo otherwise; a timeout on every
-group); check the pins; give every rank rank 0's weights; capture the model with its loss; rank 0
+group); check the pins; give every rank rank 0's weights (or, with ``checkpoint=``, check the
+checkpoint against the model); capture the model with its loss; rank 0
 decides the plan (the search over the cost model, or the pins, or the given Plan or plan file,
 whose model fingerprint must match) and sends it to the others as JSON, or its error, which every
-rank then raises with the same class and message; every rank builds its part
-(:class:`autopar.parallel_model.ParallelModel`); the ranks check they built the same program; with
+rank then raises with the same class and message; every rank compiles its program
+(:mod:`autopar.compiler`) and instantiates it with its shards, sliced from the model's weights or
+read from the checkpoint (:class:`autopar.parallel_model.ParallelModel`); the ranks check they
+built the same program; with
 ``verify=True`` one micro-batch is checked against the original model, layer by layer.
 
 Every collective here and in the runtime waits through :mod:`autopar.runtime.comm` with the
@@ -60,12 +63,14 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                 max_grad_norm: float | None = None, mixed_precision: bool = False,
                 bucket_mb: float = 25.0, timeout_s: float | None = None, tp_cost: Any = None,
                 seq: int | None = None, seed: int | None = None, verify: bool = False,
-                verify_tolerance: float | None = None) -> ParallelModel:
+                verify_tolerance: float | None = None,
+                checkpoint: str | os.PathLike | None = None) -> ParallelModel:
     """Parallelize ``model`` for this job; call on every rank. See the module docstring.
 
     Args:
         model: an ordinary single-device module with real weights (every rank builds it; rank
-            0's weights are used).
+            0's weights are used), or one on the meta device with ``checkpoint=`` (built under
+            ``with torch.device("meta"):``; no rank ever holds its full weights).
         cluster: a :class:`autopar.Cluster`, a preset name or file, or None for this job's world
             (the ``cpu`` preset for gloo processes).
         example_inputs / example_targets: one batch of the model's inputs and the loss targets;
@@ -94,6 +99,12 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
             layer (:meth:`ParallelModel.verify`): VerificationError beyond the tolerance.
         verify_tolerance: the largest relative difference per layer accepted by ``verify``
             (default 1e-4, or 5e-2 with mixed precision).
+        checkpoint: a Hugging Face safetensors directory (``save_pretrained``'s
+            ``model.safetensors``, or shards and ``model.safetensors.index.json``) to take the
+            weights from: each rank reads only the slices it holds. Checked against the model
+            (names, tied names, shapes, dtypes) on every rank before anything else runs.
+            Buffers the checkpoint does not hold come from the model, computed by its
+            ``_init_weights`` when they are on the meta device (transformers models).
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InvalidInputError("timeout_s must be a positive number of seconds",
@@ -103,16 +114,32 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     world = dist.get_world_size()
     plan = _plan_argument(plan, world)  # bad pins fail here, on every rank, before any work
     device = _device()
-    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        raise InvalidInputError("parallelize trains a model, and this one lives on the meta device",
-                                fix="build the model with real weights (autopar plan works on meta "
-                                    "models)")
+    on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    if verify and on_meta:
+        raise InvalidInputError("verify=True compares with the original model, which lives on "
+                                "the meta device", fix="verify with a model that fits one process")
+    source = None
+    if checkpoint is not None:  # every rank reads the same headers: the same error everywhere
+        from autopar.runtime.hf_checkpoint import SafetensorsCheckpoint
+
+        source = SafetensorsCheckpoint(checkpoint)
+        entries, other_names = _checkpoint_entries(model)
+        source.check(entries, other_names=other_names)
+    elif on_meta:
+        raise InvalidInputError("parallelize needs the weights of a model on the meta device",
+                                expected="real weights, or checkpoint=",
+                                found="parameters or buffers on the meta device",
+                                fix="pass checkpoint=<a Hugging Face safetensors directory> (each "
+                                    "rank reads only its shards), or build the model with real "
+                                    "weights")
+
     if loss_fn is None:
         raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
     training = TrainingOptions(_optimizer_factory(optimizer), max_grad_norm=max_grad_norm,
                                mixed_precision=mixed_precision, bucket_mb=bucket_mb)
-    _broadcast_model(model)
+    if source is None:  # with a checkpoint every rank reads the same weights
+        _broadcast_model(model)
     captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
     global_batch = global_batch or _batch_size(example_inputs)
     seq = seq or _seq_len(example_inputs)
@@ -127,7 +154,11 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
-    pm = program.instantiate(mesh, training, tensors=program.staged.sharded.full_tensors(model))
+    if source is not None:
+        shards = program.read_shards(source, functools.partial(_buffer_value, model))
+    else:
+        shards = program.shards(program.staged.sharded.full_tensors(model))
+    pm = program.instantiate(mesh, training, shards=shards)
     _check_agreement(pm)
     if verify:
         pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
@@ -178,6 +209,52 @@ def _broadcast_model(model: nn.Module) -> None:
                 t.copy_(moved.to(t.device))
             else:
                 collective(dist.broadcast, t.data, src=0, what=what)
+
+
+def _checkpoint_entries(model: nn.Module) -> tuple[list[Any], list[str]]:
+    """What a checkpoint of ``model`` holds: every parameter (under each of its tied names) and
+    every persistent buffer (required only when it is on the meta device); and the names of the
+    non-persistent buffers (no checkpoint holds them)."""
+    from autopar.runtime.hf_checkpoint import TensorEntry
+
+    persistent = set(model.state_dict().keys())
+    groups: dict[int, tuple[torch.Tensor, list[str], bool]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), (p, [], True))[1].append(name)
+    other = []
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if name in persistent:
+            groups.setdefault(id(b), (b, [], b.is_meta))[1].append(name)
+        else:
+            other.append(name)
+    entries = [TensorEntry(names[0], tuple(names), tuple(t.shape), t.dtype, required)
+               for t, names, required in groups.values()]
+    return entries, other
+
+
+def _buffer_value(model: nn.Module, fqn: str) -> torch.Tensor:
+    """The value of buffer ``fqn``: the model's, or, on the meta device, what the model's own
+    ``_init_weights`` (transformers) computes for a materialized copy of its module."""
+    import copy
+
+    buf = model.get_buffer(fqn)
+    if not buf.is_meta:
+        return buf.detach()
+    owner_name, _, attr = fqn.rpartition(".")
+    init_weights = getattr(model, "_init_weights", None)
+    if init_weights is not None:
+        owner = copy.deepcopy(model.get_submodule(owner_name))
+        owner.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            init_weights(owner)
+        value = getattr(owner, attr)
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            return value.detach()
+    raise InvalidInputError(f"buffer {fqn} lives on the meta device and the checkpoint does not "
+                            f"hold it", expected="a buffer with a value",
+                            found="a meta tensor and no _init_weights that computes it",
+                            fix="register the buffer on a real device when the model is built, "
+                                "or save it in the checkpoint")
 
 
 def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_targets: Any,

@@ -24,7 +24,7 @@ model (:meth:`RankProgram.shards`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from autopar.passes.split_stages import StageSplit
     from autopar.passes.tp_codegen import ParamLayout
     from autopar.planner.search import SearchResult
+    from autopar.runtime.hf_checkpoint import SafetensorsCheckpoint
     from autopar.runtime.mesh import ParallelMesh
     from autopar.runtime.schedules import PipelineSchedule
     from autopar.tensor_parallel import TPCostSpec, TPProgram
@@ -144,15 +145,38 @@ class RankProgram:
         by_attribute = self.staged.sharded.shard_state_dict(full, self.tp_rank)
         return {p.fqn: by_attribute[p.attribute].to(self.device) for p in self.held}
 
+    def read_shards(self, checkpoint: "SafetensorsCheckpoint",
+                    buffer: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors read from a safetensors checkpoint, each only the slice it holds;
+        a buffer the checkpoint does not hold comes whole from ``buffer(fqn)`` and is sliced."""
+        from autopar.runtime.hf_checkpoint import TensorEntry
+        from autopar.sharding import shard_tensor
+
+        captured = self.planned.captured
+        names = {p.fqn: (p.fqn, *p.aliases) for p in (*captured.params.values(),
+                                                      *captured.buffers.values())}
+        tp = self.plan.tp
+        out = {}
+        for layout in self.held:
+            entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
+                                layout.full_shape, layout.dtype)
+            if checkpoint.key_of(entry) is not None:
+                piece = checkpoint.read(entry, layout.placement, tp, self.tp_rank)
+            else:
+                piece = shard_tensor(buffer(layout.fqn).to(layout.dtype), layout.placement, tp,
+                                     self.tp_rank, layout.fqn)
+            out[layout.fqn] = piece.to(self.device)
+        return out
+
     def source(self) -> str:
         """The Python source this rank runs."""
         return self.staged.source(self.rank)
 
     def instantiate(self, mesh: "ParallelMesh", training: "TrainingOptions", *,
-                    tensors: Mapping[str, torch.Tensor]) -> "ParallelModel":
+                    shards: Mapping[str, torch.Tensor]) -> "ParallelModel":
         """This rank's executor and data-parallel engine on ``mesh`` (collective: every rank
-        creates the same process groups), with its shards taken from ``tensors`` (FQN -> full
-        tensor, e.g. the model's parameters and buffers)."""
+        creates the same process groups), holding ``shards`` (FQN -> this rank's piece of every
+        tensor in :attr:`held`: :meth:`shards` or :meth:`read_shards`)."""
         from autopar.parallel_model import ParallelModel
 
         if (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank) != (self.dp_rank, self.pp_rank, self.tp_rank):
@@ -162,7 +186,16 @@ class RankProgram:
                                              f"{self.tp_rank})",
                                     found=f"({mesh.dp_rank}, {mesh.pp_rank}, {mesh.tp_rank})",
                                     fix="compile the program for this process's rank")
-        return ParallelModel(self, mesh, training, self.shards(tensors))
+        wrong = [f"{p.fqn}: expected {tuple(p.local_shape)}, found "
+                 f"{tuple(shards[p.fqn].shape) if p.fqn in shards else 'nothing'}"
+                 for p in self.held
+                 if p.fqn not in shards or tuple(shards[p.fqn].shape) != tuple(p.local_shape)]
+        if wrong:
+            raise PlanMismatchError("the shards do not match what this rank holds",
+                                    expected=f"{len(self.held)} tensors at their local shapes",
+                                    found="; ".join(wrong[:5]),
+                                    fix="slice them with RankProgram.shards or read_shards")
+        return ParallelModel(self, mesh, training, shards)
 
 
 # ---------------------------------------------------------------------------------------------

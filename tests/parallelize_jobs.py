@@ -20,14 +20,16 @@ LR = 1e-3
 EPS = 1e-5
 
 
-def make_model(name: str):
+def make_model(name: str, device: str = "cpu"):
     """``own_gpt``, a zoo family (``gpt``, ``llama``, ``bert``: fused attention), or a family
-    with ``_eager`` appended (explicit softmax attention: what selective recompute recomputes)."""
+    with ``_eager`` appended (explicit softmax attention: what selective recompute recomputes);
+    on ``device`` ("meta": no weights allocated)."""
     if name == "own_gpt":
-        model, loss_fn = build_own_gpt()
+        with torch.device(device):
+            model, loss_fn = build_own_gpt()
         return model, loss_fn
     family, _, attention = name.partition("_")
-    zm = build_tiny(family, attention=attention or "sdpa")
+    zm = build_tiny(family, attention=attention or "sdpa", device=device)
     return zm.model, zm.loss_fn
 
 
@@ -92,7 +94,8 @@ def train(configs, steps: int = 3):
     ``steps`` steps and return losses, the full state dict (rank 0 only, to keep the results
     small), the per-rank memory and local parameter count.
 
-    Options: ``mixed_precision``, ``max_grad_norm`` (passed to parallelize); ``local`` (feed each
+    Options: ``mixed_precision``, ``max_grad_norm``, ``checkpoint`` (passed to parallelize; with
+    ``checkpoint`` the model is built on the meta device); ``local`` (feed each
     data-parallel rank only its share, ``pm.local_batch``); ``probe`` (after training: the
     first batch's loss through ``pm(...)`` and ``eval_step``, and every rank's
     ``generated_code`` compiled)."""
@@ -101,13 +104,20 @@ def train(configs, steps: int = 3):
         name, pins = config[0], config[1]
         options: Mapping[str, Any] = config[2] if len(config) > 2 else {}
         start = time.perf_counter()
-        model, loss_fn = make_model(name)
+        checkpoint = options.get("checkpoint")
+        # with a checkpoint, built on meta: every weight comes from the checkpoint
+        model, loss_fn = make_model(name, "meta" if checkpoint is not None else "cpu")
         data = batches(name, steps)
         pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                                  loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
                                  optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
                                  mixed_precision=options.get("mixed_precision", False),
-                                 max_grad_norm=options.get("max_grad_norm"))
+                                 max_grad_norm=options.get("max_grad_norm"),
+                                 checkpoint=checkpoint)
+        # what this rank allocated for its stages' tensors, against what its program says it holds
+        held_bytes = (pm.program.held_bytes(),
+                      sum(t.numel() * t.element_size() for t in
+                          (*pm.executor.params.values(), *pm.executor.buffers.values())))
         if options.get("local"):
             losses = [pm.train_step([pm.local_batch(t) for t in inputs],
                                     [pm.local_batch(t) for t in targets], local=True)
@@ -131,7 +141,7 @@ def train(configs, steps: int = 3):
                              for slot in b.slots),
             coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
             regions=recomputed_regions(pm),
-            shard_size=pm.data_parallel.groups.shard_size,
+            shard_size=pm.data_parallel.groups.shard_size, held_bytes=held_bytes,
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))
         pm.close()
         result["seconds"] = time.perf_counter() - start

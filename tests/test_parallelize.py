@@ -230,6 +230,34 @@ def test_world8_dp2_pp2_tp2(references):
         _check_memory(per_rank, k, pins, False, what)
 
 
+def test_a_meta_model_trains_from_a_hugging_face_checkpoint(references, tmp_path):
+    """Built on the meta device, loaded from the safetensors checkpoint of the single-process
+    model's initial weights (one file for LLaMA, an index and shard files for GPT-2), each rank
+    reading only its slices: tp 2 x pp 2, dp 2 x pp 2 with ZeRO-3 and pp 4 train to the
+    single-process numbers (the tolerances above). The tied embedding and LM head load once;
+    LLaMA's rotary buffers, in no checkpoint, come from the model's _init_weights. Every rank
+    allocates exactly what its RankProgram says it holds."""
+    dirs = {}
+    for name, shard_size in (("gpt", "20KB"), ("llama", "5GB")):
+        torch.manual_seed(0)  # jobs.reference's initial weights
+        model, _ = jobs.make_model(name)
+        dirs[name] = str(tmp_path / name)
+        model.save_pretrained(dirs[name], max_shard_size=shard_size)
+    assert (tmp_path / "gpt" / "model.safetensors.index.json").exists()
+    configs = [("gpt", _pins(1, 2, 2, "1f1b", 1, 2, True, 0), dict(checkpoint=dirs["gpt"])),
+               ("llama", _pins(2, 2, 1, "1f1b", 1, 2, False, 3), dict(checkpoint=dirs["llama"])),
+               ("gpt", _pins(1, 4, 1, "1f1b", 1, 4, False, 1), dict(checkpoint=dirs["gpt"]))]
+    with LocalPool(4, timeout_s=600) as pool:
+        per_rank = pool.run(jobs.train, configs, timeout_s=900)
+    for k, (name, pins, _) in enumerate(configs):
+        what = f"meta {name} {pins}"
+        _compare(per_rank[0][k], references[(name, None)], what)
+        if pins["zero"] < 3:  # ZeRO-3 then reshards what the executor holds
+            for r in per_rank:
+                program_says, allocated = r[k]["held_bytes"]
+                assert program_says == allocated > 0, (what, r[k]["coordinates"])
+
+
 def test_single_process_state_dict_loads_into_the_original_model():
     """parallelize in one process: the trained state dict loads into the user's model class and
     gives the same outputs; load_state_dict puts it back."""

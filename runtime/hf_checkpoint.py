@@ -1,0 +1,186 @@
+"""Hugging Face safetensors checkpoints, read by shard.
+
+A checkpoint directory as ``save_pretrained`` writes it: ``model.safetensors``, or several shard
+files and ``model.safetensors.index.json`` (its ``weight_map``: tensor name -> file). Opening it
+(:class:`SafetensorsCheckpoint`) reads only the files' headers: names, shapes, dtypes. Every
+rank then reads only the slices it holds (:meth:`SafetensorsCheckpoint.read`): safetensors maps
+the file and ``get_slice`` copies just the requested ranges, so no rank holds a whole file, and
+no more than one full tensor, in memory.
+
+Checked before any training step, on every rank alike (every rank reads the same headers, so
+every rank raises the same named error, and none waits on another): an index naming a missing
+file, a file that is not a complete safetensors file, tensors the model has and the checkpoint
+lacks (a tied weight is found under any of its names), tensors the checkpoint has and the model
+lacks, shapes that differ, and non-floating dtypes that differ (floating ones are converted to
+the dtype the plan stores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from autopar.errors import InvalidInputError
+from autopar.sharding import Replicate, shard_slices
+
+__all__ = ["SafetensorsCheckpoint", "TensorEntry", "INDEX_FILE", "SINGLE_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+#: How many offending names an error lists.
+_SHOWN = 5
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """What the model expects of one checkpoint tensor: its names (a tied weight has several),
+    full shape, the dtype it is stored at, and whether the checkpoint must hold it."""
+
+    fqn: str
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    required: bool = True
+
+
+def _listing(items: Sequence[str]) -> str:
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return "; ".join(items[:_SHOWN]) + more
+
+
+class SafetensorsCheckpoint:
+    """The headers of a safetensors checkpoint directory (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise InvalidInputError(f"checkpoint {self.path} is not a directory",
+                                    expected=f"a directory holding {SINGLE_FILE} or {INDEX_FILE}",
+                                    fix="pass the directory save_pretrained wrote")
+        index = self.path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InvalidInputError(f"{index} is not a safetensors index",
+                                        expected='JSON with a "weight_map" of tensor -> file',
+                                        found=f"{type(exc).__name__}: {exc}") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE_FILE).exists():
+            files, weight_map = [SINGLE_FILE], None
+        else:
+            raise InvalidInputError(f"no safetensors checkpoint in {self.path}",
+                                    expected=f"{SINGLE_FILE}, or {INDEX_FILE} and its shard files",
+                                    found=", ".join(sorted(p.name for p in self.path.iterdir()))
+                                    or "an empty directory",
+                                    fix="save the model with save_pretrained (safe_serialization)")
+        missing = [f for f in files if not (self.path / f).exists()]
+        if missing:
+            raise InvalidInputError(f"the index of {self.path} names shard files that are not there",
+                                    expected=f"every file of {INDEX_FILE}'s weight_map",
+                                    found=f"missing: {_listing(missing)}",
+                                    fix="copy the whole checkpoint directory")
+        #: tensor name -> (file, shape, dtype as safetensors spells it)
+        self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for name in files:
+            try:
+                with safe_open(self.path / name, framework="pt") as f:
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        self.tensors[key] = (name, tuple(int(d) for d in sl.get_shape()),
+                                             sl.get_dtype())
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise InvalidInputError(f"{self.path / name} is not a complete safetensors file",
+                                        found=f"{type(exc).__name__}: {exc}",
+                                        fix="write the checkpoint again (a copy may have been cut "
+                                            "short)") from None
+        if weight_map is not None:
+            astray = sorted(k for k, f in weight_map.items()
+                            if k not in self.tensors or self.tensors[k][0] != f)
+            if astray:
+                raise InvalidInputError(f"the index of {self.path} does not match its files",
+                                        expected="every tensor of the weight_map in its file",
+                                        found=f"not found there: {_listing(astray)}")
+
+    def check(self, entries: Iterable[TensorEntry], *, other_names: Iterable[str] = ()) -> None:
+        """Raise :class:`InvalidInputError` unless the checkpoint fits ``entries``: every
+        required tensor present under one of its names, shapes equal, dtypes convertible, and no
+        checkpoint tensor that is none of ``entries``' names or ``other_names`` (the model's
+        other tensors, e.g. its non-persistent buffers)."""
+        entries = list(entries)
+        known = set(other_names)
+        missing, reshaped, retyped = [], [], []
+        for e in entries:
+            known.update(e.names)
+            key = self.key_of(e)
+            if key is None:
+                if e.required:
+                    missing.append(f"{e.fqn} {tuple(e.shape)}")
+                continue
+            _, shape, dtype = self.tensors[key]
+            if shape != tuple(e.shape):
+                reshaped.append(f"{key}: expected {tuple(e.shape)}, found {shape}")
+            found = _DTYPES.get(dtype)
+            if found is None or found.is_floating_point != e.dtype.is_floating_point or (
+                    not found.is_floating_point and found != e.dtype):
+                retyped.append(f"{key}: expected {str(e.dtype).removeprefix('torch.')}, found "
+                               f"{dtype}")
+        unexpected = sorted(k for k in self.tensors if k not in known)
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {_listing(missing)}")
+        if unexpected:
+            problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+        if reshaped:
+            problems.append(f"shapes differ: {_listing(reshaped)}")
+        if retyped:
+            problems.append(f"dtypes differ: {_listing(retyped)}")
+        if problems:
+            raise InvalidInputError(f"the checkpoint at {self.path} does not fit the model",
+                                    expected=f"the model's {len(entries)} tensors by name, shape "
+                                             f"and dtype",
+                                    found=" | ".join(problems),
+                                    fix="load a checkpoint saved from this model's "
+                                        "configuration")
+
+    def key_of(self, entry: TensorEntry) -> str | None:
+        """The name the checkpoint holds ``entry`` under (None: it does not)."""
+        return next((n for n in entry.names if n in self.tensors), None)
+
+    def read(self, entry: TensorEntry, placement: Any = None, tp: int = 1,
+             tp_rank: int = 0) -> torch.Tensor:
+        """Rank ``tp_rank``'s piece of ``entry`` under ``placement`` (whole when replicated),
+        reading only that piece from its file, at ``entry.dtype``."""
+        from safetensors import safe_open
+
+        key = self.key_of(entry)
+        if key is None:
+            raise InvalidInputError(f"the checkpoint at {self.path} has no {entry.fqn}",
+                                    expected=f"one of {list(entry.names)}")
+        file, shape, _ = self.tensors[key]
+        with safe_open(self.path / file, framework="pt") as f:
+            sl = f.get_slice(key)
+            if placement is None or isinstance(placement, Replicate) or tp == 1:
+                pieces = [sl[tuple(slice(None) for _ in shape)] if shape else f.get_tensor(key)]
+                dim = 0
+            else:
+                dim = placement.dim
+                pieces = []
+                for a, b in shard_slices(shape[dim], placement, tp, tp_rank):
+                    index = tuple(slice(a, b) if d == dim else slice(None)
+                                  for d in range(len(shape)))
+                    pieces.append(sl[index])
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        return out.to(entry.dtype).contiguous()
+

@@ -1,0 +1,118 @@
+"""Hugging Face safetensors checkpoints read by shard, and every bad checkpoint named.
+
+The reference for the slices is ``shard_tensor`` of the full tensor (the same slicing the
+tensor-parallel program uses); for the errors, the message must name the offending tensors with
+expected and found. The multi-rank runs against one process are in tests/test_parallelize.py
+(``test_a_meta_model_trains_from_a_hugging_face_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import autopar
+from autopar.errors import InvalidInputError
+from autopar.runtime.hf_checkpoint import SafetensorsCheckpoint, TensorEntry
+from autopar.sharding import Replicate, Shard, StridedShard, make_shard, shard_tensor
+
+import parallelize_jobs as jobs
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model, _ = jobs.make_model("gpt")
+    path = tmp_path_factory.mktemp("gpt")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _entry(name, t, required=True):
+    return TensorEntry(name, (name,), tuple(t.shape), t.dtype, required)
+
+
+def test_slices_equal_the_programs_own_slicing(tmp_path):
+    full = {"w": torch.randn(8, 6), "v": torch.randn(12, 4), "b": torch.randn(6)}
+    save_file(full, tmp_path / "model.safetensors")
+    ck = SafetensorsCheckpoint(tmp_path)
+    for placement in (Replicate(), Shard(0), Shard(1), make_shard(0, 3)):
+        name = "v" if isinstance(placement, StridedShard) else "w"
+        for rank in range(2):
+            got = ck.read(_entry(name, full[name]), placement, 2, rank)
+            assert torch.equal(got, shard_tensor(full[name], placement, 2, rank)), placement
+    as_bf16 = TensorEntry("b", ("b",), (6,), torch.bfloat16)
+    assert ck.read(as_bf16).dtype == torch.bfloat16  # converted as the plan stores it
+
+
+def test_an_index_and_its_shard_files_are_read(tmp_path, gpt_checkpoint):
+    _, model = gpt_checkpoint
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    ck = SafetensorsCheckpoint(tmp_path)
+    files = {f for f, _, _ in ck.tensors.values()}
+    assert len(files) > 1
+    wte = model.transformer.wte.weight
+    entry = TensorEntry("transformer.wte.weight", ("transformer.wte.weight", "lm_head.weight"),
+                        tuple(wte.shape), wte.dtype)
+    assert torch.equal(ck.read(entry, Shard(0), 2, 1), wte.detach().chunk(2)[1])
+
+
+def test_each_bad_checkpoint_is_named(tmp_path, gpt_checkpoint):
+    path, model = gpt_checkpoint
+    entries = [TensorEntry(n, (n,), tuple(p.shape), p.dtype)
+               for n, p in model.named_parameters()]
+    SafetensorsCheckpoint(path).check(entries)  # the good one passes
+
+    with pytest.raises(InvalidInputError, match="missing from the checkpoint: extra.weight"):
+        SafetensorsCheckpoint(path).check(entries + [_entry("extra.weight", torch.zeros(3))])
+    with pytest.raises(InvalidInputError,
+                       match="in the checkpoint but not in the model: transformer.h.0"):
+        SafetensorsCheckpoint(path).check([e for e in entries if not e.fqn.startswith(
+            "transformer.h.0.")])
+    wrong = [TensorEntry(e.fqn, e.names, (e.shape[0] + 1, *e.shape[1:]), e.dtype)
+             if e.fqn == "transformer.wpe.weight" else e for e in entries]
+    with pytest.raises(InvalidInputError, match=r"shapes differ: transformer.wpe.weight: "
+                                                r"expected \(\d+, 64\), found"):
+        SafetensorsCheckpoint(path).check(wrong)
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = (path / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InvalidInputError, match="not a complete safetensors file"):
+        SafetensorsCheckpoint(cut)
+
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (sharded / victim).unlink()
+    with pytest.raises(InvalidInputError, match="(?s)shard files that are not there.*" + victim):
+        SafetensorsCheckpoint(sharded)
+
+    with pytest.raises(InvalidInputError, match="no safetensors checkpoint"):
+        SafetensorsCheckpoint(tmp_path)  # a directory without one
+
+
+def test_parallelize_refuses_a_meta_model_without_weights_and_another_models_checkpoint(
+        gpt_checkpoint, tmp_path):
+    path, _ = gpt_checkpoint
+    llama, loss_fn = jobs.make_model("llama", "meta")
+    data = jobs.batches("llama", 1)
+    kwargs = dict(example_inputs=data[0][0], example_targets=data[0][1], loss_fn=loss_fn,
+                  plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 1},
+                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    with pytest.raises(InvalidInputError, match="needs the weights of a model on the meta "
+                                                "device") as err:
+        autopar.parallelize(llama, **kwargs)
+    assert "checkpoint=" in str(err.value)
+    with pytest.raises(InvalidInputError, match="does not fit the model") as err:
+        autopar.parallelize(llama, checkpoint=path, **kwargs)  # GPT-2's weights
+    assert "missing from the checkpoint: model." in str(err.value)
+    assert "in the checkpoint but not in the model: transformer." in str(err.value)
+    with pytest.raises(InvalidInputError, match="verify=True"):
+        autopar.parallelize(llama, checkpoint=path, verify=True, **kwargs)
