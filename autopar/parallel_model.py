@@ -293,9 +293,22 @@ class ParallelModel:
         ZeRO-3), are gathered over the tensor-parallel group and broadcast from the pipeline rank
         that holds them.
         """
+        out: dict[str, torch.Tensor] = {}
+        aliases = {p.fqn: p.aliases for p in self.captured.params.values()}
+        for fqn, full in self._full_parameters():
+            out[fqn] = full
+            for alias in aliases[fqn]:
+                out[alias] = full
+        for key, buf in self.captured.buffers.items():
+            if buf.fqn in self.executor.buffers:
+                out[buf.fqn] = self.executor.buffers[buf.fqn].detach().cpu()
+        return out
+
+    def _full_parameters(self):
+        """(FQN, full tensor on the CPU) of every parameter, one at a time, in FQN order
+        (collective: every rank iterates alike)."""
         local = self.data_parallel.full_parameters()
         params = self.executor.params
-        out: dict[str, torch.Tensor] = {}
         layouts = {p.fqn: p for p in self.tp_program.layouts}
         for fqn, pinfo in sorted((p.fqn, p) for p in self.captured.params.values()):
             owner = self._owner_pp_rank(fqn)
@@ -317,13 +330,56 @@ class ParallelModel:
             if self.plan.pp > 1:
                 collective(dist.broadcast, full, src=self.mesh.stage_rank(owner),
                            group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
-            out[fqn] = full.cpu()
-            for alias in pinfo.aliases:
-                out[alias] = out[fqn]
-        for key, buf in self.captured.buffers.items():
-            if buf.fqn in self.executor.buffers:
-                out[buf.fqn] = self.executor.buffers[buf.fqn].detach().cpu()
-        return out
+            yield fqn, full.cpu()
+
+    def save_pretrained(self, path: str, *, max_shard_size: int | str = "5GB") -> None:
+        """Write a Hugging Face safetensors checkpoint of the current weights to the directory
+        ``path`` (collective; rank 0 writes): the original names (a tied weight once, under its
+        first name, as ``save_pretrained`` does) and full shapes at the stored dtype, persistent
+        buffers included, ``model.safetensors`` or shard files of at most ``max_shard_size``
+        plus ``model.safetensors.index.json``, and the model's ``config.json`` for transformers
+        models, so ``from_pretrained(path)`` loads it. Each tensor is gathered and written on
+        its own; the files go to a hidden directory renamed onto ``path`` at the end, so a
+        crash leaves nothing at ``path``. ``path`` must not exist or be empty."""
+        from autopar.runtime.hf_checkpoint import SafetensorsWriter, parse_size
+
+        model = self.captured.model
+        persistent = set(model.state_dict().keys()) if model is not None else set()
+        params = sorted((p.fqn, p.spec) for p in self.captured.params.values())
+        read = {fqn for stage in self.split.stages for fqn in stage.buffers}
+        buffers = sorted((b.fqn, b.spec) for b in self.captured.buffers.values()
+                         if b.fqn in persistent and b.fqn in read)
+        order = [(fqn, tuple(int(d) for d in spec.shape), spec.dtype)
+                 for fqn, spec in params + buffers]
+        writer = None
+        if dist.get_rank() == 0:
+            writer = SafetensorsWriter(path, order, parse_size(max_shard_size))
+        try:
+            for fqn, full in self._full_parameters():
+                if writer is not None:
+                    writer.write(fqn, full)
+            for fqn, spec in buffers:  # the same on every rank holding them; rank 0 may not
+                owner = self.executor.stage_to_rank[next(
+                    k for k, stage in enumerate(self.split.stages) if fqn in stage.buffers)]
+                if self.mesh.pp_rank == owner:
+                    value = self.executor.buffers[fqn].detach().contiguous()
+                else:
+                    value = torch.empty(tuple(int(d) for d in spec.shape), dtype=spec.dtype,
+                                        device=self.device)
+                if self.plan.pp > 1:
+                    collective(dist.broadcast, value, src=self.mesh.stage_rank(owner),
+                               group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
+                if writer is not None:
+                    writer.write(fqn, value.cpu())
+            if writer is not None:
+                config = getattr(model, "config", None)
+                writer.commit(config.save_pretrained if hasattr(config, "save_pretrained")
+                              else None)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        collective(dist.barrier, what="the end of save_pretrained")
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor] | nn.Module) -> None:
         """Replace the parameters with ``state`` (full tensors, original keys, or a model).

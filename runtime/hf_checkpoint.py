@@ -28,7 +28,8 @@ import torch
 from autopar.errors import InvalidInputError
 from autopar.sharding import Replicate, shard_slices
 
-__all__ = ["SafetensorsCheckpoint", "TensorEntry", "INDEX_FILE", "SINGLE_FILE"]
+__all__ = ["SafetensorsCheckpoint", "SafetensorsWriter", "TensorEntry", "parse_size", "INDEX_FILE",
+           "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -184,3 +185,118 @@ class SafetensorsCheckpoint:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
         return out.to(entry.dtype).contiguous()
 
+
+
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
+          "GIB": 2 ** 30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB``, ``200MB``, ``20KB`` (save_pretrained's spelling) or an integer."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    text = str(size).strip().upper()
+    for unit, scale in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
+        if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[:-len(unit)]) * scale)
+    raise InvalidInputError(f"max_shard_size={size!r} is not a size",
+                            expected="a positive number of bytes, or e.g. '5GB', '200MB'")
+
+
+class SafetensorsWriter:
+    """Writes a Hugging Face safetensors checkpoint one tensor at a time, so the writer never
+    holds more than the tensor it is given: each file's header (names, dtypes, shapes, offsets:
+    the safetensors format) is laid out from the tensors' shapes before any data is written.
+    Files are filled in order up to ``max_shard_bytes`` (one ``model.safetensors`` when all fit,
+    else ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, as
+    ``save_pretrained`` names them). Everything is written to a hidden directory beside ``path``
+    and renamed onto it at :meth:`commit`, so a crash leaves no half checkpoint at ``path``."""
+
+    def __init__(self, path: str | os.PathLike,
+                 tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int) -> None:
+        self.path = Path(path)
+        if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
+            raise InvalidInputError(f"{self.path} exists and is not an empty directory",
+                                    fix="save to a new directory")
+        files: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        size = 0
+        for name, shape, dtype in tensors:
+            nbytes = torch.empty((), dtype=dtype).element_size()
+            for d in shape:
+                nbytes *= int(d)
+            if files[-1] and size + nbytes > max_shard_bytes:
+                files.append([])
+                size = 0
+            files[-1].append((name, tuple(int(d) for d in shape), dtype, nbytes))
+            size += nbytes
+        n = len(files)
+        self.names = ["model.safetensors"] if n == 1 else [
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.files = files
+        self.order = [(name, shape, dtype) for f in files for name, shape, dtype, _ in f]
+        self.tmp = self.path.parent / f".{self.path.name}.partial-{os.getpid()}"
+        self.tmp.mkdir(parents=True)
+        self._next = 0
+        self._file_index = -1
+        self._handle: Any = None
+        self._left_in_file = 0
+
+    def _open_next_file(self) -> None:
+        self._file_index += 1
+        header: dict[str, Any] = {}
+        offset = 0
+        for name, shape, dtype, nbytes in self.files[self._file_index]:
+            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self._handle = open(self.tmp / self.names[self._file_index], "wb")
+        self._handle.write(len(text).to_bytes(8, "little") + text)
+        self._left_in_file = len(self.files[self._file_index])
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next tensor, in the order given at construction, at its shape and dtype."""
+        want_name, shape, dtype = self.order[self._next]
+        if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise InvalidInputError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} out of "
+                                    f"order", expected=f"{want_name} {shape} {dtype}")
+        if self._left_in_file == 0:
+            if self._handle is not None:
+                self._handle.close()
+            self._open_next_file()
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._handle.write(data.numpy().tobytes())
+        self._left_in_file -= 1
+        self._next += 1
+
+    def commit(self, extra: Any = None) -> None:
+        """Close the last file, write the index when there are several, let ``extra(directory)``
+        add files (a model's config.json), then move the checkpoint to ``path``."""
+        if self._next != len(self.order):
+            raise InvalidInputError("the checkpoint is incomplete",
+                                    expected=f"{len(self.order)} tensors", found=str(self._next))
+        if self._handle is not None:
+            self._handle.close()
+        if len(self.names) > 1:
+            total = sum(nbytes for f in self.files for *_, nbytes in f)
+            weight_map = {name: self.names[i] for i, f in enumerate(self.files)
+                          for name, *_ in f}
+            (self.tmp / INDEX_FILE).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if extra is not None:
+            extra(self.tmp)
+        if self.path.exists():
+            self.path.rmdir()  # empty (checked at construction)
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        """Remove what was written (nothing is left at ``path``)."""
+        import shutil
+
+        if self._handle is not None:
+            self._handle.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -95,7 +95,8 @@ def train(configs, steps: int = 3):
     small), the per-rank memory and local parameter count.
 
     Options: ``mixed_precision``, ``max_grad_norm``, ``checkpoint`` (passed to parallelize; with
-    ``checkpoint`` the model is built on the meta device); ``local`` (feed each
+    ``checkpoint`` the model is built on the meta device); ``save_pretrained`` (a directory: after
+    training, the first batch's eval loss and ``pm.save_pretrained`` there); ``local`` (feed each
     data-parallel rank only its share, ``pm.local_batch``); ``probe`` (after training: the
     first batch's loss through ``pm(...)`` and ``eval_step``, and every rank's
     ``generated_code`` compiled)."""
@@ -133,6 +134,9 @@ def train(configs, steps: int = 3):
             for r, source in enumerate(sources):
                 compile(source, f"<autopar rank {r}>", "exec")
             result["code_lines"] = [len(s.splitlines()) for s in sources]
+        if options.get("save_pretrained"):  # collective; rank 0 writes
+            result["eval_loss"] = pm.eval_step(*data[0])
+            pm.save_pretrained(options["save_pretrained"], max_shard_size="30KB")
         state = pm.state_dict()
         result.update(
             state=state if dist.get_rank() == 0 else None, memory=pm.memory_bytes(),

@@ -116,3 +116,55 @@ def test_parallelize_refuses_a_meta_model_without_weights_and_another_models_che
     assert "in the checkpoint but not in the model: transformer." in str(err.value)
     with pytest.raises(InvalidInputError, match="verify=True"):
         autopar.parallelize(llama, checkpoint=path, verify=True, **kwargs)
+
+
+def test_the_streaming_writer_is_read_back_by_safetensors_itself(tmp_path):
+    """The writer lays the safetensors headers out itself (to hold one tensor at a time);
+    safetensors' own loader and this module's reader must read back every byte, in one file
+    and across shard files with an index."""
+    from safetensors.torch import load_file
+
+    from autopar.runtime.hf_checkpoint import SafetensorsWriter, parse_size
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a.weight": torch.randn(5, 3, generator=gen),
+               "b.bias": torch.randn(7, generator=gen).to(torch.bfloat16),
+               "c.ids": torch.arange(6).reshape(1, 6), "d.scalar": torch.tensor(2.5),
+               "e.mask": torch.tensor([True, False, True])}
+    order = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    for limit, files in ((10 ** 6, 1), (40, 4)):
+        path = tmp_path / f"out{limit}"
+        writer = SafetensorsWriter(path, order, limit)
+        for k, v in tensors.items():
+            writer.write(k, v)
+        writer.commit()
+        written = sorted(p.name for p in path.glob("*.safetensors"))
+        assert len(written) == files and not list(tmp_path.glob(".*partial*"))
+        back = {}
+        for name in written:
+            back.update(load_file(path / name))
+        assert back.keys() == tensors.keys()
+        for k, v in tensors.items():
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        ck = SafetensorsCheckpoint(path)
+        assert torch.equal(ck.read(_entry("a.weight", tensors["a.weight"]), Shard(1), 3, 2),
+                           tensors["a.weight"][:, 2:3])
+    assert parse_size("5GB") == 5 * 10 ** 9 and parse_size("20KB") == 20_000
+    with pytest.raises(InvalidInputError, match="not a size"):
+        parse_size("lots")
+
+
+def test_an_aborted_or_misordered_write_leaves_nothing_behind(tmp_path):
+    from autopar.runtime.hf_checkpoint import SafetensorsWriter
+
+    order = [("x", (2,), torch.float32), ("y", (3,), torch.float32)]
+    writer = SafetensorsWriter(tmp_path / "ck", order, 10 ** 6)
+    writer.write("x", torch.zeros(2))
+    with pytest.raises(InvalidInputError, match="out of order"):
+        writer.write("x", torch.zeros(2))
+    writer.abort()
+    assert not (tmp_path / "ck").exists() and not list(tmp_path.iterdir())
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(InvalidInputError, match="not an empty directory"):
+        SafetensorsWriter(tmp_path / "full", order, 10 ** 6)

@@ -236,7 +236,9 @@ def test_a_meta_model_trains_from_a_hugging_face_checkpoint(references, tmp_path
     reading only its slices: tp 2 x pp 2, dp 2 x pp 2 with ZeRO-3 and pp 4 train to the
     single-process numbers (the tolerances above). The tied embedding and LM head load once;
     LLaMA's rotary buffers, in no checkpoint, come from the model's _init_weights. Every rank
-    allocates exactly what its RankProgram says it holds."""
+    allocates exactly what its RankProgram says it holds. Saved back with save_pretrained (shard
+    files and an index), transformers' from_pretrained gives exactly the trained weights, and
+    its loss on a batch is the parallel model's (fp32, another summation order: 1e-5)."""
     dirs = {}
     for name, shard_size in (("gpt", "20KB"), ("llama", "5GB")):
         torch.manual_seed(0)  # jobs.reference's initial weights
@@ -244,8 +246,11 @@ def test_a_meta_model_trains_from_a_hugging_face_checkpoint(references, tmp_path
         dirs[name] = str(tmp_path / name)
         model.save_pretrained(dirs[name], max_shard_size=shard_size)
     assert (tmp_path / "gpt" / "model.safetensors.index.json").exists()
-    configs = [("gpt", _pins(1, 2, 2, "1f1b", 1, 2, True, 0), dict(checkpoint=dirs["gpt"])),
-               ("llama", _pins(2, 2, 1, "1f1b", 1, 2, False, 3), dict(checkpoint=dirs["llama"])),
+    saved = {k: str(tmp_path / f"saved{k}") for k in range(2)}
+    configs = [("gpt", _pins(1, 2, 2, "1f1b", 1, 2, True, 0),
+                dict(checkpoint=dirs["gpt"], save_pretrained=saved[0])),
+               ("llama", _pins(2, 2, 1, "1f1b", 1, 2, False, 3),
+                dict(checkpoint=dirs["llama"], save_pretrained=saved[1])),
                ("gpt", _pins(1, 4, 1, "1f1b", 1, 4, False, 1), dict(checkpoint=dirs["gpt"]))]
     with LocalPool(4, timeout_s=600) as pool:
         per_rank = pool.run(jobs.train, configs, timeout_s=900)
@@ -256,6 +261,17 @@ def test_a_meta_model_trains_from_a_hugging_face_checkpoint(references, tmp_path
             for r in per_rank:
                 program_says, allocated = r[k]["held_bytes"]
                 assert program_says == allocated > 0, (what, r[k]["coordinates"])
+        if k in saved:  # saved back: from_pretrained gives the trained weights and their loss
+            loaded = type(jobs.make_model(name, "meta")[0]).from_pretrained(saved[k])
+            state = per_rank[0][k]["state"]
+            for key, value in loaded.state_dict().items():
+                assert torch.equal(value, state[key]), (what, key)
+            assert len(list((tmp_path / f"saved{k}").glob("model-*.safetensors"))) > 1
+            _, loss_fn = jobs.make_model(name, "meta")
+            inputs, targets = jobs.batches(name, 1)[0]
+            with torch.no_grad():
+                loss = float(loss_fn(loaded(*inputs), *targets))
+            assert loss == pytest.approx(per_rank[0][k]["eval_loss"], rel=1e-5), what
 
 
 def test_single_process_state_dict_loads_into_the_original_model():
