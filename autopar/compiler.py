@@ -176,7 +176,9 @@ class RankProgram:
                     shards: Mapping[str, torch.Tensor]) -> "ParallelModel":
         """This rank's executor and data-parallel engine on ``mesh`` (collective: every rank
         creates the same process groups), holding ``shards`` (FQN -> this rank's piece of every
-        tensor in :attr:`held`: :meth:`shards` or :meth:`read_shards`)."""
+        tensor in :attr:`held`: :meth:`shards` or :meth:`read_shards`). The shards are taken
+        over, not copied: a dict passed is emptied, so that once the data-parallel engine has
+        moved the parameters into its buffers no second copy stays alive."""
         from autopar.parallel_model import ParallelModel
 
         if (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank) != (self.dp_rank, self.pp_rank, self.tp_rank):
@@ -195,7 +197,10 @@ class RankProgram:
                                     expected=f"{len(self.held)} tensors at their local shapes",
                                     found="; ".join(wrong[:5]),
                                     fix="slice them with RankProgram.shards or read_shards")
-        return ParallelModel(self, mesh, training, shards)
+        owned = dict(shards)
+        if isinstance(shards, dict):
+            shards.clear()
+        return ParallelModel(self, mesh, training, owned)
 
 
 # ---------------------------------------------------------------------------------------------

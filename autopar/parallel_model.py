@@ -70,7 +70,8 @@ class ParallelModel:
     """One rank's part of a parallelized model (see the module docstring).
 
     Built by :meth:`autopar.compiler.RankProgram.instantiate` from the rank's program, the mesh,
-    the training options and this rank's tensors (FQN -> its shard)."""
+    the training options and this rank's tensors (FQN -> its shard; taken over: a dict is
+    emptied once the executor holds them)."""
 
     def __init__(self, program: "RankProgram", mesh: Any, training: TrainingOptions,
                  tensors: Mapping[str, torch.Tensor]) -> None:
@@ -99,7 +100,10 @@ class ParallelModel:
                                          tensors=tensors, bindings={"tp": self.tp_group},
                                          sync_tied=False, on_backward=self._on_backward,
                                          on_forward=self._on_forward,
-                                         recompute=self.plan.recompute is RecomputeKind.FULL)
+                                         recompute=self.plan.recompute is RecomputeKind.FULL,
+                                         copy_tensors=False)  # the rank's own fresh shards
+        if isinstance(tensors, dict):  # taken over: the parameters are the executor's now
+            tensors.clear()
         local = list(self.executor.stage_modules)
         #: Stage -> its chunk index in the data-parallel engine (None: one stage per rank).
         self._chunk = {s: (i if len(local) > 1 else None) for i, s in enumerate(local)}

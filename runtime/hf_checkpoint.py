@@ -182,8 +182,9 @@ class SafetensorsCheckpoint:
                     index = tuple(slice(a, b) if d == dim else slice(None)
                                   for d in range(len(shape)))
                     pieces.append(sl[index])
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-        return out.to(entry.dtype).contiguous()
+            # a copy of our own before the file is closed: the mapped pages are let go now
+            out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+            return out.to(entry.dtype).contiguous().clone()
 
 
 

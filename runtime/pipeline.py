@@ -170,7 +170,8 @@ class PipelineExecutor:
                  timeout: timedelta | None = None, sync_tied: bool = True,
                  on_backward: Callable[[int, int], None] | None = None,
                  recompute: bool = False,
-                 on_forward: Callable[[int, int], None] | None = None) -> None:
+                 on_forward: Callable[[int, int], None] | None = None,
+                 copy_tensors: bool = True) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
@@ -178,7 +179,9 @@ class PipelineExecutor:
         buckets); ``on_backward(stage, microbatch)`` runs before each backward action (the
         data-parallel layer enables gradient sync for a stage's last one); ``on_forward(stage,
         microbatch)`` runs right before each stage forward, inside the recomputed region, so a
-        recompute in backward sees it again (the program's dropout masks depend on it)."""
+        recompute in backward sees it again (the program's dropout masks depend on it).
+        ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
+        rank then never keeps two copies of its parameters)."""
         self.split = split
         #: Full activation recompute: each stage call keeps only its inputs and runs again in
         #: backward (torch.utils.checkpoint), so in-flight micro-batches hold one tensor set each.
@@ -218,7 +221,8 @@ class PipelineExecutor:
                                                 fix="pass tensors=dict(model.named_parameters("
                                                     "remove_duplicate=False))")
                     rg = bool(split.param_requires_grad.get(ph.key, True))
-                    self.params[ph.key] = nn.Parameter(tensors[ph.key].detach().clone(),
+                    value = tensors[ph.key].detach()
+                    self.params[ph.key] = nn.Parameter(value.clone() if copy_tensors else value,
                                                        requires_grad=rg)
                 elif kind == "other" and ph.key not in self.bindings:
                     raise InvalidInputError(f"stage {stage.index} needs a value for its input "
@@ -228,7 +232,8 @@ class PipelineExecutor:
                     if ph.key not in tensors:
                         raise InvalidInputError(f"no value for buffer {ph.key}",
                                                 fix="include model.named_buffers() in tensors")
-                    self.buffers[ph.key] = tensors[ph.key].detach().clone()
+                    value = tensors[ph.key].detach()
+                    self.buffers[ph.key] = value.clone() if copy_tensors else value
         self.device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)),
                            torch.device("cpu"))
         self._tied = self._make_tied_groups() if sync_tied else []

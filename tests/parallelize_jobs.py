@@ -151,3 +151,54 @@ def train(configs, steps: int = 3):
         result["seconds"] = time.perf_counter() - start
         out.append(result)
     return out
+
+
+#: A model whose fp32 weights (~170 MB) are several times what one of 4 ranks holds under
+#: tp 2 x pp 2 or pp 4 (~40-50 MB).
+LARGE = dict(layers=12, hidden=512, heads=8, vocab=8192, seq=64)
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def load_large(checkpoint: str, pins: Mapping[str, Any]):
+    """Build LARGE on meta and parallelize it from ``checkpoint``: this rank's held parameter
+    bytes (its RankProgram's statement and what the executor allocated) and the growth of its
+    peak resident memory across parallelize (the kernel's high-water mark, reset first)."""
+    from autopar import models
+
+    # the same path once on a tiny model first, so the modules it imports and their caches
+    # are not counted as the large model's
+    tiny = models.build("gpt", device="meta", dropout=0.0, layers=2, hidden=64, heads=4,
+                        vocab=128, seq=LARGE["seq"])
+    tokens = torch.randint(0, 128, (4, LARGE["seq"] + 1))
+    autopar.parallelize(tiny.model, example_inputs=(tokens[:, :-1],),
+                        example_targets=(tokens[:, 1:],), loss_fn=tiny.loss_fn, plan=dict(pins),
+                        tp_cost=TINY_COST, optimizer=functools.partial(torch.optim.AdamW, lr=LR),
+                        checkpoint=checkpoint + "-tiny").close()
+    zm = models.build("gpt", device="meta", dropout=0.0, **LARGE)
+    tokens = torch.randint(0, LARGE["vocab"], (4, LARGE["seq"] + 1))
+    inputs, targets = (tokens[:, :-1],), (tokens[:, 1:],)
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to now
+        f.write("5")
+    before = _rss_bytes()
+    pm = autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
+                             loss_fn=zm.loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                             optimizer=functools.partial(torch.optim.AdamW, lr=LR),
+                             checkpoint=checkpoint)
+    growth = _peak_rss_bytes() - before
+    params = sum(t.numel() * t.element_size() for t in pm.executor.params.values())
+    largest = max(int(torch.tensor(p.full_shape).prod()) * 4 for p in pm.program.held)
+    held = sum(int(torch.tensor(p.local_shape).prod()) * 4 for p in pm.program.held
+               if p.fqn in pm.executor.params)
+    memory = pm.memory_bytes()
+    pm.close()
+    return dict(growth=growth, params=params, held=held, memory=memory, largest=largest,
+                coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank))

@@ -18,6 +18,7 @@ from autopar.passes.split_stages import split_into_stages
 from autopar.plan import Plan, ScheduleKind
 from autopar.planner.stage_partition import (
     LayerCosts,
+    brute_force_partition,
     PartitionProblem,
     cut_points,
     even_partition,
@@ -251,3 +252,14 @@ def test_stages_for_a_plan_without_stages(tiny_models):
     assert [(s.pp_rank, s.chunk) for s in stages] == [(0, 0), (1, 0)]
     (one,) = stages_for_plan(captured, Plan())
     assert one.layers == (0, len(captured.layers) - 1)
+
+
+def test_one_micro_batch_has_no_steady_state_and_still_solves():
+    """m = 1: the objective's (m - 1) Y term vanishes and CBC leaves Y unset; the partition is
+    still the brute-force optimum (this was a TypeError)."""
+    layers = (LayerCosts("pre", 1.0, 2.0), *[LayerCosts("block", 2.0, 4.0)] * 4,
+              LayerCosts("post", 3.0, 6.0))
+    for kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1, ScheduleKind.GPIPE):
+        problem = PartitionProblem(layers, 2, 1, kind)
+        result = partition_stages(problem)
+        assert result.step_time == pytest.approx(brute_force_partition(problem).step_time)

@@ -664,6 +664,18 @@ def optimal_status(model: _Model) -> bool:
 TIE_BREAK_S = 1.0
 
 
+def _objective_value(expr: Any) -> float:
+    """The solved value of an objective. pulp gives None when a variable is in no constraint
+    and CBC leaves it unset, which happens to a variable whose coefficient is zero (one
+    micro-batch: the steady-state term (m - 1) Y vanishes); such a term adds nothing."""
+    total = float(expr.constant)
+    for var, coef in expr.items():
+        if coef:
+            assert var.varValue is not None, f"the solver left {var.name} unset"
+            total += coef * var.varValue
+    return total
+
+
 def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
                      lp_bound: bool = True) -> StagePartition:
     """Solve the ILP (CBC); also the LP relaxation for a lower bound on the optimum."""
@@ -682,7 +694,7 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
     if lp_bound:  # the LP relaxation of the same program (CBC without integrality)
         model.lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False))
         if model.lp.status == pulp.LpStatusOptimal:
-            bound = float(pulp.value(model.lp.objective))
+            bound = _objective_value(model.lp.objective)
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
     model.lp.solve(solver)
     status = pulp.LpStatus[model.lp.status]
@@ -694,7 +706,7 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
                                   fix="raise time_limit_s or use fewer stages")
     cuts = [int(round(pulp.value(model.position(s)))) for s in range(S - 1)]
     optimal = optimal_status(model)
-    objective = float(pulp.value(model.lp.objective))
+    objective = _objective_value(model.lp.objective)
     tie_break = None
     if problem.spec.ilp_form is StageILPForm.INTERLEAVED and optimal:
         # among the optima, the one whose busiest rank is least busy (the objective has ties);
