@@ -109,7 +109,7 @@ class CapturedGraph:
         if model is None:
             raise InvalidInputError("the captured graph holds no model to read weights from",
                                     fix="pass the model explicitly")
-        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         values = [tensors[p.fqn] for p in self.params.values()]
         values += [tensors[b.fqn] for b in self.buffers.values()]

@@ -216,9 +216,9 @@ class DeviceSpec:
             _fraction(owner, name, getattr(self, name))
         _check(isinstance(self.sm_count, int) and self.sm_count >= 0,
                f"{owner}.sm_count must be a non-negative integer", expected=">= 0",
-               found=self.sm_count, fix="give the SM count (108 on A100, 132 on H100) or 0")
+               found=repr(self.sm_count), fix="give the SM count (108 on A100, 132 on H100) or 0")
         _check(isinstance(self.collective_sms, int) and 0 <= self.collective_sms
-               <= max(self.sm_count, 0) and (self.sm_count or not self.collective_sms),
+               <= max(self.sm_count, 0) and (self.sm_count > 0 or not self.collective_sms),
                f"{owner}.collective_sms must be between 0 and sm_count ({self.sm_count})",
                expected=f"0 <= collective_sms <= {self.sm_count}", found=self.collective_sms,
                fix="give the NCCL channels a collective uses (0 when there are no SMs)")
@@ -440,7 +440,7 @@ class Cluster:
                                    expected=">= 1", found=repr(devices), fix="pass --gpus N")
         if per_node < 1:
             raise ClusterSpecError("devices per node must be positive", expected=">= 1",
-                                   found=per_node, fix="pass --gpus-per-node G")
+                                   found=repr(per_node), fix="pass --gpus-per-node G")
         if devices % per_node:
             raise ClusterSpecError(
                 f"{devices} devices do not fill whole nodes of {per_node}",
@@ -451,7 +451,7 @@ class Cluster:
         if per_node > self.devices_per_node and not local:
             raise ClusterSpecError(
                 f"cluster {self.name!r} has nodes of {self.devices_per_node} devices",
-                expected=f"--gpus-per-node <= {self.devices_per_node}", found=per_node,
+                expected=f"--gpus-per-node <= {self.devices_per_node}", found=str(per_node),
                 fix="describe a bigger node in a cluster file, or use fewer devices per node")
         return dataclasses.replace(self, nodes=devices // per_node, devices_per_node=per_node)
 

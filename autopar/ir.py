@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TypeAlias
 
 import sympy
 import torch
@@ -45,7 +45,7 @@ BATCH = sympy.Symbol("b", integer=True, positive=True)
 #: Symbolic sequence length.
 SEQ = sympy.Symbol("s", integer=True, positive=True)
 
-Expr = sympy.Expr
+Expr: TypeAlias = sympy.Expr
 
 
 class NodeKind(enum.Enum):

@@ -80,7 +80,7 @@ def _positive(name: str, value: int) -> None:
                                fix=f"set {name} to a positive integer, or leave it to the search")
 
 
-def _enum(kind: type, value: Any, name: str) -> Any:
+def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:
     try:
         return kind(value)
     except ValueError:

@@ -276,11 +276,11 @@ class PipelineSchedule:
             rows[int(rank_text)] = tuple(Action.parse(tok) for tok in body.split())
         if sorted(rows) != list(range(len(rows))):
             raise ScheduleError("schedule ranks are not numbered 0..p-1", found=str(sorted(rows)))
-        mbs = header.get("microbatches")
-        if mbs is None:
-            mbs = 1 + max((a.microbatch for r in rows.values() for a in r), default=0)
+        written = header.get("microbatches")
+        mbs = int(written) if written is not None else 1 + max(
+            (a.microbatch for r in rows.values() for a in r), default=0)
         kind = header.get("kind", "custom")
-        return cls(tuple(rows[r] for r in range(len(rows))), int(mbs),
+        return cls(tuple(rows[r] for r in range(len(rows))), mbs,
                    None if kind == "custom" else ScheduleKind(kind))
 
     def __str__(self) -> str:

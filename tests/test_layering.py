@@ -177,3 +177,17 @@ def test_ruff_finds_nothing():
     done = subprocess.run([ruff, "check", "--output-format", "concise", str(ROOT)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_passes_on_the_vocabulary_and_the_artifacts():
+    """mypy over the leaf vocabulary and the compiler's artifacts (pyproject.toml's
+    [tool.mypy] files): the types at the phase boundaries are checked, not only written."""
+    import shutil
+    import subprocess
+    import sys
+
+    mypy = shutil.which("mypy", path=str(Path(sys.executable).parent)) or shutil.which("mypy")
+    assert mypy, "mypy is a test dependency (pip install -e '.[test]')"
+    done = subprocess.run([mypy, "--no-error-summary"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
