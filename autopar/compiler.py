@@ -207,17 +207,19 @@ class RankProgram:
 # Phases
 # ---------------------------------------------------------------------------------------------
 
-def shard_program(planned: Planned, *, cost: "TPCostSpec | None", device: torch.device,
-                  sizes: Mapping[str, int] | None = None) -> "TPProgram":
-    """The tensor-parallel program of the plan (the plan's GEMM shardings, or the search's at
-    ``sizes``), its device arguments retargeted to ``device``."""
+def shard_program(captured: "CapturedGraph", plan: Plan, *, cost: "TPCostSpec | None",
+                  device: torch.device | str = "cpu", sizes: Mapping[str, int] | None = None,
+                  strict: bool = True) -> "TPProgram":
+    """The tensor-parallel program of ``plan`` (its tp, sequence parallelism and GEMM
+    shardings, or the search's at ``sizes``), its device arguments retargeted to ``device``.
+    ``strict=False`` runs heads or a vocabulary tp does not divide replicated (what
+    ``autopar codegen --no-strict`` asks)."""
     from autopar.passes.device import retarget_device
     from autopar.tensor_parallel import tensor_parallelize
 
-    plan = planned.plan
-    program = tensor_parallelize(planned.captured, plan.tp,
-                                 sequence_parallel=plan.sequence_parallel, cost=cost,
-                                 sizes=sizes, pins=plan.gemm_sharding or None)
+    program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
+                                 cost=cost, sizes=sizes, pins=plan.gemm_sharding or None,
+                                 strict=strict)
     retarget_device(program.gm, device)  # device= arguments recorded at capture (cpu)
     return program
 
@@ -278,7 +280,8 @@ def compile_program(planned: Planned, rank: int, *, cost: "TPCostSpec | None",
                     device: torch.device, sizes: Mapping[str, int] | None = None
                     ) -> RankProgram:
     """shard -> stage -> lower: the program global rank ``rank`` runs under ``planned``."""
-    sharded = shard_program(planned, cost=cost, device=device, sizes=sizes)
+    sharded = shard_program(planned.captured, planned.plan, cost=cost, device=device,
+                            sizes=sizes)
     staged = stage_program(planned, sharded, device=device)
     return lower_to_rank(staged, rank, device=device)
 

@@ -190,6 +190,67 @@ def _message_key(action: Action) -> tuple[int, str, int]:
     return (s + 1, "B", mb)  # RECV_B
 
 
+class _Dependencies:
+    """The executor's dependency rules, shared by both event loops: when an action's inputs
+    are there, given what has finished (``done``: computes and receives by (stage, kind,
+    micro-batch)) and what has been sent (``posted``: message -> (arrival, order))."""
+
+    def __init__(self, schedule: PipelineSchedule) -> None:
+        self.where = schedule.stage_to_rank
+        self.last = schedule.num_stages - 1
+        self.done: dict[tuple[int, ActionKind, int], float] = {}
+        self.posted: dict[tuple[int, str, int], tuple[float, int]] = {}
+
+    def backward_done(self, stage: int, mb: int) -> float | None:
+        t = self.done.get((stage, ActionKind.BACKWARD, mb))
+        return t if t is not None else self.done.get((stage, ActionKind.BACKWARD_INPUT, mb))
+
+    def ready_time(self, rank: int, a: Action) -> float | None:
+        """When ``a``'s inputs are there (None: not yet)."""
+        s, mb, kind = a.stage, a.microbatch, a.kind
+        done, where = self.done, self.where
+        if kind is ActionKind.FORWARD:
+            if s == 0:
+                return 0.0
+            if where[s - 1] == rank:
+                return done.get((s - 1, ActionKind.FORWARD, mb))
+            return done.get((s, ActionKind.RECV_F, mb))
+        if kind is ActionKind.BACKWARD or kind is ActionKind.BACKWARD_INPUT:
+            fwd = done.get((s, ActionKind.FORWARD, mb))
+            if fwd is None or s == self.last:
+                return fwd
+            t = self.backward_done(s + 1, mb) if where[s + 1] == rank else done.get(
+                (s, ActionKind.RECV_B, mb))
+            return None if t is None else max(t, fwd)
+        if kind is ActionKind.BACKWARD_WEIGHT:
+            return done.get((s, ActionKind.BACKWARD_INPUT, mb))
+        if kind is ActionKind.SEND_F:
+            return done.get((s, ActionKind.FORWARD, mb))
+        if kind is ActionKind.SEND_B:
+            return self.backward_done(s, mb)
+        arrival = self.posted.get(_message_key(a))  # a receive
+        return None if arrival is None else arrival[0]
+
+    def waits_for(self, rank: int, a: Action) -> str:
+        """What a blocked action waits for (for the deadlock report)."""
+        s, mb, where = a.stage, a.microbatch, self.where
+        if a.kind is ActionKind.FORWARD:
+            return f"{s - 1}F{mb}" if where[s - 1] == rank else f"{s}RECV_F{mb}"
+        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            if (s, ActionKind.FORWARD, mb) not in self.done:
+                return f"{s}F{mb}"
+            return f"{s + 1}B{mb} or {s + 1}I{mb}" if where[s + 1] == rank else f"{s}RECV_B{mb}"
+        if a.kind is ActionKind.BACKWARD_WEIGHT:
+            return f"{s}I{mb}"
+        if a.kind is ActionKind.SEND_F:
+            return f"{s}F{mb}"
+        if a.kind is ActionKind.SEND_B:
+            return f"{s}B{mb} or {s}I{mb}"
+        key = _message_key(a)
+        return f"the send of {key[0]}{'SEND_F' if key[1] == 'F' else 'SEND_B'}{mb} on rank " \
+               f"{where[key[0]]}"
+
+
 def simulate(schedule: PipelineSchedule, durations: Durations, *,
              strict_order: bool = False, cores: float | None = None,
              replicas: int = 1, efficiency: float = 1.0) -> SimulationResult:
@@ -213,69 +274,20 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
                                 efficiency)
     schedule = add_communication(schedule)
     where = schedule.stage_to_rank
-    last = schedule.num_stages - 1
     p = schedule.num_ranks
     clock = [0.0] * p
     pos = [0] * p
     busy = [0.0] * p
     comm = [0.0] * p
-    done: dict[tuple[int, ActionKind, int], float] = {}  # compute + receives, by rank-local key
-    posted: dict[tuple[int, str, int], tuple[float, int]] = {}  # message -> (arrival, order)
+    deps = _Dependencies(schedule)
+    done, posted, ready_time, waits_for = deps.done, deps.posted, deps.ready_time, deps.waits_for
     channel_sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
     channel_taken: dict[tuple[int, int], int] = {}
     events: list[TimelineEvent] = []
 
     F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                   ActionKind.BACKWARD_WEIGHT)
-    RECV_F, RECV_B, SEND_F, SEND_B = (ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.SEND_F,
-                                      ActionKind.SEND_B)
-
-    def backward_done(stage: int, mb: int) -> float | None:
-        t = done.get((stage, B, mb))
-        return t if t is not None else done.get((stage, I, mb))
-
-    def ready_time(rank: int, a: Action) -> float | None:
-        """When ``a``'s inputs are there (None: not yet)."""
-        s, mb, kind = a.stage, a.microbatch, a.kind
-        if kind is F:
-            if s == 0:
-                return 0.0
-            if where[s - 1] == rank:
-                return done.get((s - 1, F, mb))
-            return done.get((s, RECV_F, mb))
-        if kind is B or kind is I:
-            fwd = done.get((s, F, mb))
-            if fwd is None or s == last:
-                return fwd
-            t = backward_done(s + 1, mb) if where[s + 1] == rank else done.get((s, RECV_B, mb))
-            return None if t is None else max(t, fwd)
-        if kind is W:
-            return done.get((s, I, mb))
-        if kind is SEND_F:
-            return done.get((s, F, mb))
-        if kind is SEND_B:
-            return backward_done(s, mb)
-        arrival = posted.get(_message_key(a))  # a receive
-        return None if arrival is None else arrival[0]
-
-    def waits_for(rank: int, a: Action) -> str:
-        """What a blocked action waits for (for the deadlock report)."""
-        s, mb = a.stage, a.microbatch
-        if a.kind is F:
-            return f"{s - 1}F{mb}" if where[s - 1] == rank else f"{s}RECV_F{mb}"
-        if a.kind in (B, I):
-            if (s, F, mb) not in done:
-                return f"{s}F{mb}"
-            return f"{s + 1}B{mb} or {s + 1}I{mb}" if where[s + 1] == rank else f"{s}RECV_B{mb}"
-        if a.kind is W:
-            return f"{s}I{mb}"
-        if a.kind is SEND_F:
-            return f"{s}F{mb}"
-        if a.kind is SEND_B:
-            return f"{s}B{mb} or {s}I{mb}"
-        key = _message_key(a)
-        return f"the send of {key[0]}{'SEND_F' if key[1] == 'F' else 'SEND_B'}{mb} on rank " \
-               f"{where[key[0]]}"
+    SEND_F, SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
 
     compute_time = {F: durations.forward, B: durations.backward, I: durations.backward_input,
                     W: durations.backward_weight}
@@ -369,8 +381,6 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
     the next event."""
     import heapq
 
-    where = schedule.stage_to_rank
-    last = schedule.num_stages - 1
     p = schedule.num_ranks
     F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                   ActionKind.BACKWARD_WEIGHT)
@@ -382,39 +392,13 @@ def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: fl
     comm = [0.0] * p
     in_flight = [0] * p
     peaks = [0] * p
-    done: dict[tuple[int, ActionKind, int], float] = {}
-    posted: dict[tuple[int, str, int], tuple[float, int]] = {}
+    deps = _Dependencies(schedule)
+    done, posted, ready_time = deps.done, deps.posted, deps.ready_time
     running: dict[int, list] = {}  # rank -> [action, work left, start, work] (own-processor s)
     waiting: dict[int, tuple[Action, float, float]] = {}  # rank -> (action, start, end)
     future: list[float] = []  # event times ahead (arrivals, ends of postings)
     events: list[TimelineEvent] = []
     now = 0.0
-
-    def backward_done(stage: int, mb: int) -> float | None:
-        t = done.get((stage, B, mb))
-        return t if t is not None else done.get((stage, I, mb))
-
-    def ready_time(rank: int, a: Action) -> float | None:  # as in simulate()
-        s, mb, kind = a.stage, a.microbatch, a.kind
-        if kind is F:
-            if s == 0:
-                return 0.0
-            return done.get((s - 1, F, mb)) if where[s - 1] == rank else done.get((s, ActionKind.RECV_F, mb))
-        if kind is B or kind is I:
-            fwd = done.get((s, F, mb))
-            if fwd is None or s == last:
-                return fwd
-            t = backward_done(s + 1, mb) if where[s + 1] == rank else done.get(
-                (s, ActionKind.RECV_B, mb))
-            return None if t is None else max(t, fwd)
-        if kind is W:
-            return done.get((s, I, mb))
-        if kind is ActionKind.SEND_F:
-            return done.get((s, F, mb))
-        if kind is ActionKind.SEND_B:
-            return backward_done(s, mb)
-        arrival = posted.get(_message_key(a))
-        return None if arrival is None else arrival[0]
 
     def advance(rank: int) -> bool:
         """Take the rank's actions that can happen at ``now``; True if it moved."""

@@ -29,16 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autopar.compiler import shard_program
     from autopar.frontend import capture
     from autopar.models import build
-    from autopar.tensor_parallel import tensor_parallelize
+    from autopar.plan import Plan
 
     zm = build(args.model, device="meta", **model_overrides(args))
     seq = args.seq or zm.spec.seq
     inputs, targets = zm.example_inputs(batch=2, seq=min(16, zm.spec.seq))
     captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
-    program = tensor_parallelize(captured, args.tp, sequence_parallel=args.sequence_parallel,
-                                 sizes={"b": args.batch, "s": seq}, strict=args.strict)
+    plan = Plan(tp=args.tp, sequence_parallel=args.sequence_parallel)  # the compiler's phase
+    program = shard_program(captured, plan, cost=None, sizes={"b": args.batch, "s": seq},
+                            strict=args.strict)
     ranks = None if args.rank is None else [args.rank]
     if args.rank is not None and not 0 <= args.rank < args.tp:
         from autopar.errors import InvalidInputError
