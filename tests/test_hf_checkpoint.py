@@ -168,3 +168,25 @@ def test_an_aborted_or_misordered_write_leaves_nothing_behind(tmp_path):
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(InvalidInputError, match="not an empty directory"):
         SafetensorsWriter(tmp_path / "full", order, 10 ** 6)
+
+
+def test_a_meta_model_from_a_checkpoint_trains_like_the_real_model(gpt_checkpoint, tmp_path):
+    """In one process, fp32 and mixed precision: the meta model loaded from the checkpoint of
+    a real model's weights takes the same steps as parallelize on that real model (the same
+    weights through the same program: equal to the bit); the tied LM head stays tied."""
+    for mixed in (False, True):
+        losses = {}
+        for source in ("real", "meta"):
+            torch.manual_seed(0)
+            model, loss_fn = jobs.make_model("gpt", "cpu" if source == "real" else "meta")
+            data = jobs.batches("gpt", 2)
+            pm = autopar.parallelize(
+                model, example_inputs=data[0][0], example_targets=data[0][1], loss_fn=loss_fn,
+                plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2},
+                optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), mixed_precision=mixed,
+                checkpoint=gpt_checkpoint[0] if source == "meta" else None)
+            losses[source] = [pm.train_step(i, t) for i, t in data]
+            state = pm.state_dict()
+            assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+            pm.close()
+        assert losses["meta"] == losses["real"], (mixed, losses)
