@@ -591,8 +591,12 @@ class ScheduleSpec:
         return stage % p
 
     def stages_of_rank(self, rank: int, p: int, v: int) -> tuple[int, ...]:
-        """The stages rank ``rank`` runs, in chunk order."""
-        return tuple(s for s in range(p * v) if self.stage_to_rank(s, p) == rank)
+        """The stages rank ``rank`` runs, in chunk order (the inverse of :meth:`stage_to_rank`;
+        called for every rank of every candidate the planner prices, so in closed form)."""
+        if self.placement is StagePlacement.V:
+            return (rank, 2 * p - 1 - rank) if v == 2 else tuple(
+                s for s in range(p * v) if self.stage_to_rank(s, p) == rank)
+        return tuple(range(rank, p * v, p))
 
     def virtual_stage_choices(self, top: int) -> range:
         """The stages per rank the planner tries when at most ``top`` fit (a schedule of a fixed
