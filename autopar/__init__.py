@@ -9,7 +9,7 @@ from autopar.api import parallelize
 from autopar.cluster import Cluster
 from autopar.frontend import CapturedGraph, capture, plan_fingerprint
 from autopar.parallel_model import ParallelModel
-from autopar.plan import Plan, Prediction
+from autopar.plan_types import Plan, Prediction
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,

@@ -44,7 +44,7 @@ from autopar.errors import (
     PlanMismatchError,
     error_from_parts,
 )
-from autopar.plan import Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.plan_types import Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import collective, set_default_timeout
 from autopar.runtime.mesh import ParallelMesh
@@ -76,8 +76,12 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         example_inputs / example_targets: one batch of the model's inputs and the loss targets;
             their batch size is the global batch unless ``global_batch`` is given.
         loss_fn: ``loss_fn(model(*inputs), *targets) -> scalar``, traced with the model.
-        optimizer: an :class:`autopar.runtime.optim.OptimizerFactory`, a torch optimizer class,
-            or ``functools.partial(torch.optim.AdamW, lr=...)``.
+        optimizer: how each rank builds its optimizer over the tensors it updates: a torch
+            optimizer class, ``functools.partial(torch.optim.AdamW, lr=...)``, any callable
+            taking the parameters and returning a ``torch.optim.Optimizer`` (``lambda params:
+            AdamW(params, lr=...)``, or a function splitting them into groups, e.g. no weight
+            decay where ``p.ndim < 2``: the groups are read by parameter name and kept under
+            every plan), or an :class:`autopar.runtime.optim.OptimizerFactory`.
         plan: ``"auto"`` (search), a dict of pins (see :data:`PINNABLE`), a :class:`Plan`, or
             the path of a plan file (``Plan.save``'s JSON/YAML or ``autopar plan --out``'s
             document). A plan made for another model (its ``model_fingerprint``) or another
@@ -136,7 +140,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     if loss_fn is None:
         raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
-    training = TrainingOptions(_optimizer_factory(optimizer), max_grad_norm=max_grad_norm,
+    training = TrainingOptions(_optimizer_factory(optimizer, model), max_grad_norm=max_grad_norm,
                                mixed_precision=mixed_precision, bucket_mb=bucket_mb)
     if source is None:  # with a checkpoint every rank reads the same weights
         _broadcast_model(model)
@@ -144,6 +148,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     global_batch = global_batch or _batch_size(example_inputs)
     seq = seq or _seq_len(example_inputs)
     planned = _agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed)
+    planned = _at_micro_batch(planned, model, example_inputs, example_targets, loss_fn,
+                              mixed_precision)
     chosen = planned.plan
     if tp_cost is None:  # the numbers the planner priced the plan with: the same layout
         from autopar.planner.tp_layout import tp_cost_spec
@@ -321,6 +327,48 @@ def _fp32_loss(loss_fn: Callable) -> Callable:
     return fp32_loss
 
 
+def _at_micro_batch(planned: Planned, model: nn.Module, example_inputs: Any,
+                    example_targets: Any, loss_fn: Callable, mixed_precision: bool) -> Planned:
+    """A graph captured with a static batch (the symbolic attempt failed) computes only at that
+    batch, and stages run micro-batches: capture it again at the plan's micro-batch size, from
+    the example batch's first rows. Nothing to do when the batch is symbolic."""
+    import dataclasses
+
+    from autopar.ir import BATCH
+
+    captured, mbs = planned.captured, planned.plan.micro_batch_size
+    if BATCH in captured.example_sizes:
+        return planned
+    batch = _batch_size(example_inputs)
+    if batch == mbs:
+        return planned
+    if batch < mbs:
+        raise InvalidInputError(
+            f"{type(model).__name__} was captured with a static batch of {batch}, smaller than "
+            f"the plan's micro-batch", expected=f"example inputs of at least {mbs} rows",
+            found=f"{batch} rows", fix="pass the whole global batch as example inputs")
+
+    def rows(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[:mbs] if value.dim() and value.shape[0] == batch else value
+        if isinstance(value, Mapping):
+            return {k: rows(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(rows(v) for v in value)
+        return value
+
+    again = _capture(model, rows(example_inputs), loss_fn, rows(example_targets),
+                     mixed_precision)
+    if len(again.layers) != len(captured.layers):
+        raise PlanMismatchError(
+            f"{type(model).__name__} captured at the micro-batch has other layers than at the "
+            f"example batch", expected=f"{len(captured.layers)} layers",
+            found=f"{len(again.layers)} layers at batch {mbs}",
+            fix="make the model's layers independent of the batch size, or pin "
+                "num_micro_batches=1")
+    return dataclasses.replace(planned, captured=again)
+
+
 def _batch_size(inputs: Any) -> int:
     tensors = [inputs] if isinstance(inputs, torch.Tensor) else [t for t in (
         inputs.values() if isinstance(inputs, Mapping) else inputs) if isinstance(t, torch.Tensor)]
@@ -361,7 +409,10 @@ def _preset_for(device: torch.device) -> str:
     return preset_for_device("cpu" if device.type != "cuda" else torch.cuda.get_device_name(device))
 
 
-def _optimizer_factory(optimizer: Any) -> Any:
+def _optimizer_factory(optimizer: Any, model: nn.Module) -> Any:
+    """``optimizer=`` as an OptimizerFactory: a factory as it is; a torch optimizer class or a
+    ``functools.partial`` of one by class and options; any other callable (a lambda, a function,
+    a partial of a function) read once on stand-ins of the model's parameters."""
     from autopar.runtime.optim import OptimizerFactory
 
     if isinstance(optimizer, OptimizerFactory):
@@ -371,10 +422,22 @@ def _optimizer_factory(optimizer: Any) -> Any:
         return OptimizerFactory(optimizer.func, dict(optimizer.keywords))
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return OptimizerFactory(optimizer, {})
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError("optimizer is an optimizer already built over the original "
+                                "model's parameters",
+                                expected="how to build one: a class, functools.partial(cls, "
+                                         "lr=...), or a callable taking the parameters",
+                                found=f"a {type(optimizer).__name__} instance",
+                                fix="pass lambda params: torch.optim.AdamW(params, lr=...): each "
+                                    "rank builds it over the shards it updates")
+    if callable(optimizer):
+        return OptimizerFactory.from_callable(optimizer, list(model.named_parameters()))
     raise InvalidInputError("optimizer has an unexpected form",
-                            expected="OptimizerFactory(cls, options), a torch optimizer class, or "
-                                     "functools.partial(torch.optim.AdamW, lr=...)",
-                            found=repr(optimizer)[:80])
+                            expected="a torch optimizer class, functools.partial(torch.optim."
+                                     "AdamW, lr=...), or a callable taking the parameters and "
+                                     "returning a torch.optim.Optimizer",
+                            found=repr(optimizer)[:80],
+                            fix="optimizer=functools.partial(torch.optim.AdamW, lr=3e-4)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 
 from autopar.errors import InvalidPlanError, PlanMismatchError
-from autopar.plan import Plan, Prediction, RecomputeKind
+from autopar.plan_types import Plan, Prediction, RecomputeKind
 
 if TYPE_CHECKING:
     from autopar.frontend import CapturedGraph

@@ -100,7 +100,9 @@ def capture(
         example_targets: the targets passed to ``loss_fn``.
         batch_dims / seq_dims: which dim of input i is the batch / sequence dim. By default
             dim 0 of every tensor is the batch and dim 1 of every rank >= 2 integer tensor (token
-            ids, labels, masks) or rank >= 3 float tensor is the sequence.
+            ids, labels, masks) or rank-3 float tensor (embeddings) is the sequence; images
+            (rank 4) have no sequence dim. A marked dim the graph fixes to its size (export
+            reports the constraint violated) is traced at that size instead.
         dynamic: mark batch and sequence symbolic (the default); False traces static shapes.
     """
     if not isinstance(model, nn.Module):
@@ -128,16 +130,30 @@ def capture(
     captured = None
     with _quiet_export(), _no_kv_cache(model):
         attempts = _dynamic_attempts(args, dims) if dynamic else []
+        fixed: list[str] = []  # dims we marked that the graph specializes to their size
         for traced, marked, single in attempts:
-            try:
-                ep, sizes = _export_dynamic(step, traced, marked)
-                captured = _from_export(ep, CaptureMethod.EXPORT, sizes, marked)
-                if single:
-                    captured.example_sizes[BATCH] = 1
+            while marked:
+                try:
+                    ep, sizes = _export_dynamic(step, traced, marked)
+                    captured = _from_export(ep, CaptureMethod.EXPORT, sizes, marked)
+                    if single:
+                        captured.example_sizes[BATCH] = 1
+                    break
+                except Exception as exc:  # noqa: BLE001 - every export failure leads to a retry
+                    what = "batch of one traced as two" if single else "dynamic batch/seq"
+                    violated = _violated_dims(exc, marked)
+                    if not violated:
+                        errors.append(f"torch.export with {what}: {_short(exc)}")
+                        break
+                    # the graph shows the dim is not a batch or sequence dim (an image's
+                    # channels, a fixed number of positions): trace it at its size
+                    fixed.extend(f"{kind} (input {i}, dim {d}, size {traced[i].shape[d]})"
+                                 for i, d, kind in violated)
+                    marked = {i: {d: k for d, k in ds.items() if (i, d, k) not in violated}
+                              for i, ds in marked.items()}
+                    marked = {i: ds for i, ds in marked.items() if ds}
+            if captured is not None:
                 break
-            except Exception as exc:  # noqa: BLE001 - every export failure leads to a retry
-                what = "batch of one traced as two" if single else "dynamic batch/seq"
-                errors.append(f"torch.export with {what}: {_short(exc)}")
         if captured is None:
             try:
                 ep = torch.export.export(step, args, strict=False)
@@ -162,12 +178,22 @@ def capture(
             fix="make control flow independent of tensor values (torch.cond, torch.where), "
                 "register fake kernels for custom ops, or pass example inputs of the right form")
     if captured.method is not CaptureMethod.EXPORT:
+        causes = errors + [f"the graph fixes the size of {f}" for f in fixed]
         msg = (f"{type(model).__name__} was captured with {captured.method.value}: batch and "
-               f"sequence sizes are fixed to the example inputs'. Causes: " + "; ".join(errors)
+               f"sequence sizes are fixed to the example inputs'. Causes: " + "; ".join(causes)
                + "".join(f". {w}" for w in captured.warnings))
         warnings.warn(msg, stacklevel=2)
         captured.warnings.append(msg)
-    elif errors:  # a batch of one that export would not double: only the sequence is symbolic
+    elif any(f.startswith("batch") for f in fixed) or (
+            any(f.startswith("seq") for f in fixed)
+            and any(t.dim() == 2 and not t.is_floating_point() for t in args
+                    if isinstance(t, torch.Tensor))):  # text whose length the graph fixes
+        msg = (f"{type(model).__name__} fixes the size of {', '.join(fixed)}: it was captured "
+               f"at that size, and runs only at it")
+        warnings.warn(msg, stacklevel=2)
+        captured.warnings.append(msg)
+    if captured.method is CaptureMethod.EXPORT and errors:
+        # a batch of one that export would not double: only the sequence is symbolic
         msg = (f"{type(model).__name__} was captured with the batch size fixed to 1 (only the "
                f"sequence length is symbolic). Cause: {errors[0]}")
         warnings.warn(msg, stacklevel=2)
@@ -221,9 +247,9 @@ def _default_dims(args: Sequence[Any], batch_dims: Mapping[int, int] | None,
     dims: dict[int, dict[int, str]] = {i: {} for i in tensors}
     if batch_dims is None:
         batch_dims = {i: 0 for i, t in tensors.items() if t.dim() >= 1}
-    if seq_dims is None:
+    if seq_dims is None:  # token ids, masks, labels (B, S, ...); embeddings (B, S, H)
         seq_dims = {i: 1 for i, t in tensors.items()
-                    if (t.dim() >= 2 and not t.is_floating_point()) or t.dim() >= 3}
+                    if (t.dim() >= 2 and not t.is_floating_point()) or t.dim() == 3}
     batch_sizes = {tensors[i].shape[d] for i, d in batch_dims.items()}
     seq_sizes = {tensors[i].shape[d] for i, d in seq_dims.items()}
     if len(batch_sizes) > 1 or len(seq_sizes) > 1:
@@ -291,6 +317,20 @@ def _export_dynamic(step: nn.Module, args: tuple, dims: dict[int, dict[int, str]
                     raise
                 bounds[kind] = bound
     raise UntraceableModelError("export kept asking for new shape bounds", found=str(bounds))
+
+
+_VIOLATED = re.compile(r"Constraints violated \(([\w, ]+)\)")
+
+
+def _violated_dims(exc: BaseException, marked: dict[int, dict[int, str]]
+                   ) -> list[tuple[int, int, str]]:
+    """The marked (input, dim, kind) whose symbol export reports as specialized ("Constraints
+    violated (seq)!"): every dim of that kind."""
+    match = _VIOLATED.search(str(exc))
+    if not match:
+        return []
+    kinds = {k.strip() for k in match.group(1).split(",")}
+    return [(i, d, k) for i, ds in marked.items() for d, k in ds.items() if k in kinds]
 
 
 _DIM_FIX = re.compile(r"(\w+) = Dim\('(\w+)'((?:, (?:min|max)=\d+)*)\)")

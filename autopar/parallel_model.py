@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import InvalidInputError, PlanMismatchError
-from autopar.plan import RecomputeKind
+from autopar.plan_types import RecomputeKind
 from autopar.runtime.comm import activity, collective, set_activity
 from autopar.runtime.optim import OptimizerFactory
 from autopar.sharding import unshard_tensors
@@ -133,8 +133,18 @@ class ParallelModel:
             zero=plan.zero, bucket_mb=training.bucket_mb, shard_size=shard_size,
             mixed_precision=MixedPrecision() if training.mixed_precision else None,
             max_grad_norm=training.max_grad_norm)
-        return DataParallel(list(executor.stage_modules.values()), mesh, training.optimizer,
+        # the optimizer's group rules speak of the model's parameter names
+        optimizer = training.optimizer.renamed({name: fqn for fqn, name in self._dp_name.items()})
+        return DataParallel(list(executor.stage_modules.values()), mesh, optimizer,
                             config, param_specs=specs)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This rank's torch optimizer, over the tensors it updates (its shards; fp32 master
+        weights under mixed precision): what an LR scheduler takes
+        (``torch.optim.lr_scheduler.LambdaLR(pm.optimizer, ...)``). ``load_state_dict`` builds
+        a new one (fresh state, as a new optimizer would have): make schedulers after it."""
+        return self.data_parallel.optimizer
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, inputs: Sequence[Any] | torch.Tensor, targets: Sequence[Any] | torch.Tensor = (),
@@ -235,7 +245,7 @@ class ParallelModel:
             if not isinstance(t, torch.Tensor):
                 out.append(t)
                 continue
-            self._check_input(names[i], i, t)
+            self._check_input(names[i], i, t, local)
             if not local:
                 t = self.local_batch(t)
             if t.shape[0] % m:
@@ -250,9 +260,10 @@ class ParallelModel:
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
 
-    def _check_input(self, name: str, index: int, t: torch.Tensor) -> None:
-        """dtype, number of dims and fixed sizes as captured (b and s may vary)."""
-        from autopar.ir import info
+    def _check_input(self, name: str, index: int, t: torch.Tensor, local: bool = False) -> None:
+        """dtype, number of dims and fixed sizes as captured (b and s may vary). A batch
+        captured static is the micro-batch's: the batch passed holds m (x dp) of them."""
+        from autopar.ir import BATCH, info
 
         spec = info(self.captured.node(name)).spec
         if spec is None:
@@ -265,7 +276,11 @@ class ParallelModel:
         elif t.dim() != spec.ndim:
             problem = f"{t.dim()} dims, shape {tuple(t.shape)}"
         else:
+            rows = self.plan.num_micro_batches * (1 if local else self.plan.dp)
+            static_batch = BATCH not in self.captured.example_sizes
             for d, (want, got) in enumerate(zip(spec.shape, t.shape)):
+                if getattr(want, "is_Integer", False) and d == 0 and static_batch:
+                    want = want * rows
                 if getattr(want, "is_Integer", False) and int(want) != int(got):
                     problem = f"shape {tuple(t.shape)} (dim {d} is {got})"
                     break

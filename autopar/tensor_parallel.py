@@ -28,7 +28,7 @@ import torch.nn as nn
 from autopar.errors import InvalidInputError, ShardingError
 from autopar.frontend import CapturedGraph
 from autopar.ir import META_KEY, NodeKind, info, op_name
-from autopar.plan import GemmSharding, Plan
+from autopar.plan_types import GemmSharding, Plan
 from autopar.sharding import (
     Collective,
     placement_str,

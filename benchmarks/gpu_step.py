@@ -90,7 +90,7 @@ def _prediction(captured, preset: str, batch: int, seq: int):
     """The cost model's prediction for the plan run here (one device, one micro-batch of the
     whole batch, bf16, no recompute, ZeRO-0) on the ``preset`` cluster (a name or file)."""
     from autopar.cluster import Cluster
-    from autopar.plan import RecomputeKind, ScheduleKind
+    from autopar.plan_types import RecomputeKind, ScheduleKind
     from autopar.planner.cost_model import Candidate, CostModel, ModelCosts, TrainingSetup
 
     cm = CostModel(ModelCosts(captured), Cluster.load(preset).with_devices(1),

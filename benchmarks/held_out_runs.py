@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from autopar import Cluster
-from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 from autopar.planner.search import search

@@ -71,7 +71,7 @@ import torch.fx
 from autopar.errors import InfeasiblePlanError, UnsupportedOpWarning
 from autopar.ir import (BATCH, META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, dtype_bytes, info,
                         op_name)
-from autopar.plan import GemmSharding
+from autopar.plan_types import GemmSharding
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.passes.sharding_rules import (
     Item,

@@ -50,7 +50,7 @@ import torch.fx
 
 from autopar.ir import SEQ, NodeKind, TensorSpec, info, op_name
 from autopar.passes.analyze import MATMUL_OPS
-from autopar.plan import GemmSharding
+from autopar.plan_types import GemmSharding
 from autopar.sharding import (
     PARTIAL,
     REPLICATE,

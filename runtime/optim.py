@@ -3,9 +3,12 @@
 Three pieces the ZeRO engine (``runtime/data_parallel.py``) is built from:
 
 - :class:`OptimizerFactory`: any ``torch.optim`` class plus its keyword arguments, and an optional
-  per-parameter override of the group options (no weight decay on biases and norms). The engine
-  calls it with the tensors this rank updates: whole parameters under ZeRO-0, flat 1-D pieces of
-  parameters under ZeRO-1/2/3. A flat piece is only correct for an *element-wise* update rule
+  per-parameter override of the group options (no weight decay on biases and norms); or, with
+  :meth:`OptimizerFactory.from_callable`, any callable that builds an optimizer from parameters
+  (a lambda, a function, a ``functools.partial``), whose parameter groups are read once on
+  stand-ins of the model's parameters and kept by name. The engine calls it with the tensors
+  this rank updates: whole parameters under ZeRO-0, flat 1-D pieces of parameters under
+  ZeRO-1/2/3. A flat piece is only correct for an *element-wise* update rule
   (Adam, SGD, ...), so the factory says whether its optimizer is one; Adafactor, Muon or LBFGS
   look at a whole matrix and are refused under sharding instead of silently computing something
   else.
@@ -23,6 +26,7 @@ This module imports only torch and the leaf vocabulary (``autopar.errors``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -32,7 +36,7 @@ import torch.distributed as dist
 
 from autopar.errors import InvalidInputError
 
-__all__ = ["OptimizerFactory", "MixedPrecision", "ELEMENTWISE_OPTIMIZERS", "global_grad_norm",
+__all__ = ["OptimizerFactory", "OptimizerCallableError", "MixedPrecision", "ELEMENTWISE_OPTIMIZERS", "global_grad_norm",
            "clip_coefficient"]
 
 #: torch optimizers whose update of an element depends only on that element's gradient and state
@@ -45,6 +49,10 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class OptimizerCallableError(InvalidInputError):
+    """An optimizer callable that does not build an optimizer over the parameters it is given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,9 @@ class OptimizerFactory:
     options: Mapping[str, Any] = field(default_factory=dict)
     group_options: Callable[[str], Mapping[str, Any]] | None = None
     elementwise: bool | None = None
+    #: The user's callable (``params -> Optimizer``) when built by :meth:`from_callable`: it
+    #: builds the optimizer, whose groups are then re-made from ``group_options``.
+    make: Callable[[Any], torch.optim.Optimizer] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.optimizer_class, type)
@@ -74,6 +85,84 @@ class OptimizerFactory:
             raise ValueError("LBFGS needs a closure that re-evaluates the model; it cannot be "
                              "driven by a training step. Pick a first-order optimizer")
         object.__setattr__(self, "options", dict(self.options))
+
+    @classmethod
+    def from_callable(cls, make: Callable[[Any], torch.optim.Optimizer],
+                      named_parameters: Sequence[tuple[str, torch.Tensor]]) -> "OptimizerFactory":
+        """A factory from any callable taking the parameters (a list of tensors) and returning a
+        ``torch.optim.Optimizer``: ``lambda params: torch.optim.AdamW(params, lr=3e-4)``, a
+        function that splits them into groups (``p.ndim < 2``: no weight decay), a
+        ``functools.partial``.
+
+        The callable is called once here on meta stand-ins of ``named_parameters`` (the
+        model's own, same names, shapes and order; no memory): that gives the optimizer's class
+        (whether it may run on ZeRO shards) and, per parameter name, the options of its group
+        that differ from the optimizer's defaults. On a rank, :meth:`build` calls it on the
+        rank's tensors and re-makes the groups by name, so a split made on whole parameters
+        survives tensor-parallel shards and ZeRO's flat pieces. Raises
+        :class:`OptimizerCallableError` when it does not return an optimizer over exactly the
+        parameters it was given."""
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        stand_ins = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                     for _, p in named]
+        what = getattr(make, "__name__", None) or type(make).__name__
+        try:
+            probe = make(stand_ins)
+        except Exception as exc:  # noqa: BLE001 - the user's code: say what failed and where
+            # some options refuse meta tensors (fused kernels): try the parameters themselves
+            if any(p.is_meta for _, p in named):
+                raise OptimizerCallableError(
+                    f"the optimizer callable {what} failed on the model's parameters",
+                    expected="a callable taking a list of parameters and returning a "
+                             "torch.optim.Optimizer", found=f"{type(exc).__name__}: {exc}",
+                    fix="call it yourself on list(model.parameters()) to see the error") from exc
+            stand_ins = [p for _, p in named]
+            try:
+                probe = make(stand_ins)
+            except Exception as exc2:  # noqa: BLE001
+                raise OptimizerCallableError(
+                    f"the optimizer callable {what} failed on the model's parameters",
+                    expected="a callable taking a list of parameters and returning a "
+                             "torch.optim.Optimizer", found=f"{type(exc2).__name__}: {exc2}",
+                    fix="call it yourself on list(model.parameters()) to see the error") from exc2
+        if not isinstance(probe, torch.optim.Optimizer):
+            raise OptimizerCallableError(
+                f"the optimizer callable {what} did not return an optimizer",
+                expected="a torch.optim.Optimizer", found=type(probe).__name__,
+                fix="return the optimizer, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
+        name_of = {id(t): n for (n, _), t in zip(named, stand_ins)}
+        overrides: dict[str, dict[str, Any]] = {}
+        foreign = 0
+        for group in probe.param_groups:
+            options = {k: v for k, v in group.items()
+                       if k != "params" and not _same(v, probe.defaults.get(k, _MISSING))}
+            for t in group["params"]:
+                if id(t) in name_of:
+                    overrides[name_of[id(t)]] = options
+                else:
+                    foreign += 1
+        left_out = [n for n, _ in named if n not in overrides]
+        if foreign or left_out:
+            raise OptimizerCallableError(
+                f"the optimizer callable {what} does not build its optimizer over the parameters "
+                f"it is given",
+                expected="every parameter it is passed, and no other tensor",
+                found=(f"{foreign} tensors it was not given" if foreign else
+                       f"{len(left_out)} parameters left out, e.g. {left_out[:3]}"),
+                fix="build the optimizer from the callable's argument (not from the model you "
+                    "closed over); freeze a parameter with requires_grad_(False) instead of "
+                    "leaving it out")
+        table = dict(overrides)
+        return cls(type(probe), {}, group_options=lambda name: table.get(name, {}), make=make)
+
+    def renamed(self, fqn_of: Mapping[str, str]) -> "OptimizerFactory":
+        """This factory with ``group_options`` asked by the names in ``fqn_of``'s values for
+        the engine's local names (its keys): the engine names a stage's parameters by graph
+        attribute, the user's rules speak of the model's parameter names."""
+        if self.group_options is None:
+            return self
+        inner = self.group_options
+        return dataclasses.replace(self, group_options=lambda name: inner(fqn_of.get(name, name)))
 
     @property
     def is_elementwise(self) -> bool:
@@ -92,6 +181,8 @@ class OptimizerFactory:
         if not groups:  # a rank that updates nothing (all its shards are padding) still steps
             groups[()] = {"params": []}
         param_groups = list(groups.values())
+        if self.make is not None:
+            return self._build_with_callable(param_groups)
         try:
             return self.optimizer_class(param_groups, **self.options)
         except (TypeError, ValueError) as exc:
@@ -100,6 +191,37 @@ class OptimizerFactory:
                 expected="keyword arguments the optimizer accepts",
                 found=f"{self.options} ({exc})",
                 fix="check the option names against the optimizer's signature") from exc
+
+
+    def _build_with_callable(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        assert self.make is not None
+        tensors = [t for g in param_groups for t in g["params"]]
+        optimizer = self.make(tensors if tensors else [{"params": []}])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise OptimizerCallableError("the optimizer callable did not return an optimizer",
+                                         expected="a torch.optim.Optimizer",
+                                         found=type(optimizer).__name__)
+        # the callable's own split saw shards (flat pieces under ZeRO): make the groups again
+        # from the options it gave each parameter by name (add_param_group fills the rest from
+        # the optimizer's defaults)
+        optimizer.param_groups.clear()
+        for group in param_groups:
+            optimizer.add_param_group(group)
+        return optimizer
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values differ
+        return False
 
 
 @dataclass(frozen=True, slots=True)

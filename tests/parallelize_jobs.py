@@ -50,13 +50,35 @@ def batches(name: str, steps: int, batch: int = 8, seq: int = 16):
     return out
 
 
-def reference(name: str, steps: int = 3, max_grad_norm: float | None = None):
+def recipe(params):
+    """The LLM recipe's optimizer as users write it: a function of the parameters that puts
+    biases and norms (``ndim < 2``) in a group without weight decay. The default decay is 0.1,
+    so a parameter that lost its group would move by ~lr x 0.1 x |w| per step (1e-4 on a norm's
+    weights of 1): ten times the comparison tolerance."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=LR, eps=EPS, weight_decay=0.1)
+
+
+def warmup(step: int) -> float:
+    """An LR schedule (torch.optim.lr_scheduler.LambdaLR): a linear warm-up over 3 steps."""
+    return (step + 1) / 3
+
+
+def reference(name: str, steps: int = 3, max_grad_norm: float | None = None,
+              use_recipe: bool = False):
     """Single-process fp32 run: losses, final parameters, the loss of the first batch after
     training (what eval_step must give) and, when clipping, the gradient norms before clipping
-    (torch.nn.utils.clip_grad_norm_)."""
+    (torch.nn.utils.clip_grad_norm_). ``use_recipe``: :func:`recipe`'s optimizer under the
+    :func:`warmup` LR schedule."""
     torch.manual_seed(0)
     model, loss_fn = make_model(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    if use_recipe:
+        opt = recipe(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, norms = [], []
     data = batches(name, steps)
     for inputs, targets in data:
@@ -66,6 +88,8 @@ def reference(name: str, steps: int = 3, max_grad_norm: float | None = None):
         if max_grad_norm is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
         opt.step()
+        if use_recipe:
+            scheduler.step()
         losses.append(loss.item())
     with torch.no_grad():
         eval_loss = loss_fn(model(*data[0][0]), *data[0][1]).item()
@@ -94,7 +118,9 @@ def train(configs, steps: int = 3):
     ``steps`` steps and return losses, the full state dict (rank 0 only, to keep the results
     small), the per-rank memory and local parameter count.
 
-    Options: ``mixed_precision``, ``max_grad_norm``, ``checkpoint`` (passed to parallelize; with
+    Options: ``recipe`` (the optimizer is :func:`recipe`, a plain function, stepped with the
+    :func:`warmup` LR schedule on ``pm.optimizer``), ``mixed_precision``, ``max_grad_norm``,
+    ``checkpoint`` (passed to parallelize; with
     ``checkpoint`` the model is built on the meta device); ``save_pretrained`` (a directory: after
     training, the first batch's eval loss and ``pm.save_pretrained`` there); ``local`` (feed each
     data-parallel rank only its share, ``pm.local_batch``); ``probe`` (after training: the
@@ -111,7 +137,8 @@ def train(configs, steps: int = 3):
         data = batches(name, steps)
         pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                                  loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
+                                 optimizer=recipe if options.get("recipe") else
+                                 functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
                                  mixed_precision=options.get("mixed_precision", False),
                                  max_grad_norm=options.get("max_grad_norm"),
                                  checkpoint=checkpoint)
@@ -119,12 +146,17 @@ def train(configs, steps: int = 3):
         held_bytes = (pm.program.held_bytes(),
                       sum(t.numel() * t.element_size() for t in
                           (*pm.executor.params.values(), *pm.executor.buffers.values())))
-        if options.get("local"):
-            losses = [pm.train_step([pm.local_batch(t) for t in inputs],
-                                    [pm.local_batch(t) for t in targets], local=True)
-                      for inputs, targets in data]
-        else:
-            losses = [pm.train_step(inputs, targets) for inputs, targets in data]
+        scheduler = (torch.optim.lr_scheduler.LambdaLR(pm.optimizer, warmup)
+                     if options.get("recipe") else None)
+        losses = []
+        for inputs, targets in data:
+            if options.get("local"):
+                losses.append(pm.train_step([pm.local_batch(t) for t in inputs],
+                                            [pm.local_batch(t) for t in targets], local=True))
+            else:
+                losses.append(pm.train_step(inputs, targets))
+            if scheduler is not None:
+                scheduler.step()
         result: dict[str, Any] = dict(losses=losses)
         if options.get("probe"):
             inputs, targets = data[0]

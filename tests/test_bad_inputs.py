@@ -88,6 +88,27 @@ def test_bad_pins_are_named_before_any_work(pins, error, match):
         assert isinstance(err.value, (InvalidInputError, ValueError))
 
 
+_LINEAR = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    (lambda params: None, "did not return an optimizer"),
+    (lambda params: torch.optim.SGD(_LINEAR.parameters(), lr=0.1),  # closed over another model
+     "tensors it was not given"),
+    (lambda params: torch.optim.SGD(list(params)[:1], lr=0.1), "parameters left out"),
+    (lambda params: torch.optim.AdamW(params, lr=-1.0), "failed on the model's parameters"),
+    (torch.optim.SGD(_LINEAR.parameters(), lr=0.1), "already built"),
+    (3, "unexpected form"),
+])
+def test_bad_optimizer_callables_are_named_before_any_work(optimizer, match):
+    """An optimizer callable is tried once on stand-ins of the parameters, before the capture."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(InvalidInputError, match=match) as err:
+        autopar.parallelize(model, example_inputs=(torch.zeros(2, 2),), loss_fn=torch.sum,
+                            optimizer=optimizer, plan={"dp": 1})
+    _explains(err.value)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(zero=7), "zero must be 0, 1, 2 or 3"),
     (dict(schedule="bogus"), "'bogus' is not a valid ScheduleKind"),
@@ -241,6 +262,48 @@ def test_global_batch_not_divisible_through_parallelize():
     plan = autopar.Plan(micro_batch_size=2, num_micro_batches=2)  # global batch 4, not 8
     with pytest.raises(InvalidInputError, match="another global batch"):
         _parallelize(zm, inputs, targets, plan)
+
+
+class _PythonIntBatch(nn.Module):
+    """Reads its batch size as a Python int: export fixes the batch to the example's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        n = int(x.shape[0])
+        return self.out(torch.relu(self.lin(x)) + torch.ones(n, 1))
+
+
+def test_a_static_batch_is_captured_again_at_the_micro_batch():
+    """A graph the symbolic batch does not survive is traced at the example batch (8 rows), with
+    a warning; the plan's micro-batches are 2 rows, so parallelize captures it again at 2: the
+    training step equals one process (SGD; fp32, the same sums in micro-batch order: 1e-6)."""
+    torch.manual_seed(0)
+    model, ref = _PythonIntBatch(), _PythonIntBatch()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    loss_fn = nn.functional.cross_entropy
+    with pytest.warns(UserWarning, match=r"fixes the size of batch"), warnings.catch_warnings():
+        pm = autopar.parallelize(model, example_inputs=(x,), example_targets=(y,), loss_fn=loss_fn,
+                                 optimizer=SGD, plan={"dp": 1, "tp": 1, "pp": 1,
+                                                      "num_micro_batches": 4})
+    losses = [pm.train_step((x,), (y,)) for _ in range(2)]
+    opt = SGD(ref.parameters())
+    want = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert losses == pytest.approx(want, rel=1e-6)
+    state = pm.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-6)
+    pm.close()
 
 
 def test_step_inputs_of_the_wrong_form(world1):

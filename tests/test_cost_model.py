@@ -8,7 +8,7 @@ import math
 import pytest
 
 from autopar import Cluster, capture, models
-from autopar.plan import GemmSharding, RecomputeKind, ScheduleKind
+from autopar.plan_types import GemmSharding, RecomputeKind, ScheduleKind
 from autopar.planner.comm import Collective, collective_time, mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         gemm_time, wave_efficiency)

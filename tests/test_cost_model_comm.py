@@ -131,7 +131,7 @@ def test_weights_tied_across_pipeline_stages_sum_their_gradients_once():
     pipeline parallelism, or with the tied layers on one rank, there is nothing to sum."""
     import dataclasses
 
-    from autopar.plan import RecomputeKind, ScheduleKind
+    from autopar.plan_types import RecomputeKind, ScheduleKind
     from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
     from autopar.planner.memory import STATE_BYTES
     from autopar.planner.planning import capture_model_costs

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from autopar import Cluster
-from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 from autopar.planner.schedule_model import (PipelineWork, closed_form_pipeline_time,
@@ -222,7 +222,7 @@ def test_tp_layout_is_solved_at_the_candidates_micro_batch(wide_costs):
     collective, the sharding search replicates the small GEMMs of a one-sequence micro-batch
     but keeps Megatron's column/row pairs at sixteen, and the cost model prices (and the plan
     carries) the layout of the candidate's own micro-batch."""
-    from autopar.plan import GemmSharding
+    from autopar.plan_types import GemmSharding
 
     host = dataclasses.replace(_host(devices=2), collective_latency_s=2e-3)
     cm = CostModel(wide_costs, host, TrainingSetup(16, 128, "fp32"))

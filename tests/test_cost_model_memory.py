@@ -7,7 +7,7 @@ import pytest
 
 from autopar import Cluster, capture, models
 from autopar.ir import evaluate
-from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.comm import mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         price_layer)

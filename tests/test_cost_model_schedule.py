@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from autopar.plan import ScheduleKind
+from autopar.plan_types import ScheduleKind
 from autopar.planner.schedule_model import (PipelineWork, closed_form_pipeline_time,
                                             in_flight_micro_batches, simulate_pipeline,
                                             simulated_pipeline_time)

@@ -61,10 +61,13 @@ ZERO_DP = {"own_gpt": {(4, 1, 1): 1, (2, 1, 2): 2, (2, 2, 1): 3},
 #: max_grad_norm, whose reference clips with torch.nn.utils.clip_grad_norm_).
 OPTIONS = {("llama", (4, 1, 1)): dict(pins=dict(zero_shard_size=2)),  # hybrid: 2 x 2
            ("gpt", (2, 1, 2)): dict(local=True),
+           # the optimizer as a function with its own parameter groups, under an LR schedule:
+           # on tensor-parallel shards (ZeRO-1) and on ZeRO-3's flat pieces with a tied weight
+           ("llama", (2, 1, 2)): dict(recipe=True),
            ("own_gpt", (2, 1, 2)): dict(max_grad_norm=0.5),
            # fused attention without dropout: selective recompute has nothing to recompute
            ("own_gpt", (1, 2, 2)): dict(probe=True, pins=dict(recompute="selective")),
-           ("gpt", (2, 2, 1)): dict(probe=True)}
+           ("gpt", (2, 2, 1)): dict(probe=True, recipe=True)}
 CLIP = 0.5
 SELECTIVE = dict(recompute="selective")
 #: Runs of their own: BERT at pp > 1 and tp > 1; mixed precision with pipeline parallelism;
@@ -111,6 +114,8 @@ def references():
     refs = {(name, None): jobs.reference(name)
             for name in MODELS + ("bert", "gpt_eager", "llama_eager")}
     refs[("own_gpt", CLIP)] = jobs.reference("own_gpt", max_grad_norm=CLIP)
+    for name in ("gpt", "llama"):
+        refs[(name, "recipe")] = jobs.reference(name, use_recipe=True)
     return refs
 
 
@@ -204,7 +209,8 @@ def test_every_world4_shape_with_zero_0_to_3(references):
             _compare_mixed(result, ref, references[(name, None)], what)
             _check_memory(per_rank, k, pins, True, what)
             continue
-        reference = references[(name, options.get("max_grad_norm"))]
+        reference = references[(name, "recipe" if options.get("recipe") else
+                                 options.get("max_grad_norm"))]
         _compare(result, reference, what)
         if options.get("max_grad_norm"):  # the clip was active in every step
             assert min(reference["norms"]) > options["max_grad_norm"], reference["norms"]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from autopar import capture
 from autopar.passes.split_stages import split_into_stages
-from autopar.plan import ScheduleKind
+from autopar.plan_types import ScheduleKind
 from autopar.runtime.local_pool import LocalPool
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.pipeline import PipelineExecutor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import InvalidPlanError, PlanMismatchError
-from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+from autopar.plan_types import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
 
 
 def test_round_trip():

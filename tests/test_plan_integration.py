@@ -51,7 +51,7 @@ def test_predicted_tp_bytes_per_layer_equal_the_program_s_layer_comm(small_gpt, 
 
 def test_plan_stages_and_layout_reach_the_json(small_gpt):
     """What the search decided survives the plan's JSON (what parallelize's ranks exchange)."""
-    from autopar.plan import Plan, Prediction
+    from autopar.plan_types import Plan, Prediction
 
     _, costs = small_gpt
     cm = CostModel(costs, A100.with_devices(8), TrainingSetup(32, 512))

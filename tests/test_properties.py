@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, event, given, seed, settings
 from hypothesis import strategies as st
 
 from autopar.errors import InfeasiblePlanError
-from autopar.plan import ScheduleKind
+from autopar.plan_types import ScheduleKind
 from autopar.planner.stage_partition import (
     LayerCosts,
     PartitionProblem,

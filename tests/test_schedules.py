@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autopar.errors import ScheduleError
-from autopar.plan import ScheduleKind
+from autopar.plan_types import ScheduleKind
 from autopar.runtime.schedules import (
     Action,
     ActionKind,

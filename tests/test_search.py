@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from autopar import Cluster, InfeasiblePlanError
-from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 from autopar.planner.search import SearchSpace, enumerate_candidates, search

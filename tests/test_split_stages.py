@@ -15,7 +15,7 @@ from autopar.passes.split_stages import (
     split_into_stages,
     split_stages,
 )
-from autopar.plan import Plan, ScheduleKind, StagePlan
+from autopar.plan_types import Plan, ScheduleKind, StagePlan
 from conftest import build_own_gpt, build_tiny
 
 

@@ -15,7 +15,7 @@ import pytest
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.analyze import analyze
 from autopar.passes.split_stages import split_into_stages
-from autopar.plan import Plan, ScheduleKind
+from autopar.plan_types import Plan, ScheduleKind
 from autopar.planner.stage_partition import (
     LayerCosts,
     brute_force_partition,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from autopar import InfeasiblePlanError, InvalidInputError, ShardingError, UnsupportedOpWarning
 from autopar import capture, models
 from autopar.ir import BATCH, SEQ, info, op_name
-from autopar.plan import GemmSharding
+from autopar.plan_types import GemmSharding
 from autopar.sharding import Collective, Partial, Replicate, Shard
 from autopar.tensor_parallel import Direction, TPCostSpec, tensor_parallelize
 from tp_helpers import TINY_COST, activation_bytes, block_layers, block_gemms, is_megatron_block

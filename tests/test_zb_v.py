@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from autopar.errors import InvalidPlanError
-from autopar.plan import Plan, ScheduleKind
+from autopar.plan_types import Plan, ScheduleKind
 from autopar.planner.schedule_model import (PipelineWork, closed_form_pipeline_time,
                                             in_flight_micro_batches, simulated_pipeline_time)
 from autopar.planner.stage_partition import (LayerCosts, PartitionProblem, brute_force_partition,
@@ -224,7 +224,7 @@ def test_the_compiler_refuses_zb_v_over_nccl_by_name():
     import torch
 
     from autopar.compiler import Planned, stage_program
-    from autopar.plan import StagePlan
+    from autopar.plan_types import StagePlan
 
     plan = Plan(pp=2, schedule="zb-v", virtual_stages=2, num_micro_batches=4,
                 stages=tuple(StagePlan(s, (s, s), r, c) for s, r, c in

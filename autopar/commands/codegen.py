@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from autopar.compiler import shard_program
     from autopar.frontend import capture
     from autopar.models import build
-    from autopar.plan import Plan
+    from autopar.plan_types import Plan
 
     zm = build(args.model, device="meta", **model_overrides(args))
     seq = args.seq or zm.spec.seq

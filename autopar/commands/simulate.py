@@ -25,7 +25,7 @@ def simulate_document(doc):
     """(simulation, per-stage costs) of the plan document's pipeline: the runtime's simulator
     (``runtime/simulator.py``) over the action lists the executor runs
     (``runtime/schedules.py``), with the plan's per-stage costs, as the planner priced it."""
-    from autopar.plan import ScheduleKind
+    from autopar.plan_types import ScheduleKind
     from autopar.planner.cost_model import StageCost
     from autopar.planner.schedule_model import PipelineWork, simulate_pipeline
 

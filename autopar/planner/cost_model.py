@@ -77,7 +77,7 @@ import torch.fx
 from autopar.cluster import Cluster, GroupSpan, LinkKind
 from autopar.errors import AutoparError
 from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, op_name
-from autopar.plan import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+from autopar.plan_types import GemmSharding, Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link, p2p_time
 from autopar.planner.memory import STATE_BYTES, RankMemory, model_state_bytes
 from autopar.planner.stage_partition import min_max_split

@@ -2,7 +2,7 @@
 
 The plan document is the JSON ``autopar plan --json`` prints and ``--out`` writes; ``explain``
 and ``simulate`` read it back. It holds the plan and its prediction (the fields of
-:class:`autopar.plan.Plan` and :class:`autopar.plan.Prediction`), the search statistics, the
+:class:`autopar.plan_types.Plan` and :class:`autopar.plan_types.Prediction`), the search statistics, the
 alternatives, and what ``simulate`` needs without re-capturing the model: the cluster and the
 per-stage costs.
 """

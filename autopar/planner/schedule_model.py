@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopar.plan import ScheduleKind
+from autopar.plan_types import ScheduleKind
 
 __all__ = ["PipelineWork", "PipelineTime", "closed_form_pipeline_time", "simulate_pipeline",
            "simulated_pipeline_time", "in_flight_micro_batches"]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError
-from autopar.plan import RecomputeKind, ScheduleKind
+from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.runtime.schedules import SCHEDULES
 from autopar.planner.cost_model import (COMPONENTS, Candidate, CostModel, Evaluation,
                                         lower_bound_step)

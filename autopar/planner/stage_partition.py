@@ -110,7 +110,7 @@ import networkx as nx
 import pulp
 
 from autopar.errors import InfeasiblePlanError, InvalidInputError
-from autopar.plan import ScheduleKind, StagePlan
+from autopar.plan_types import ScheduleKind, StagePlan
 from autopar.runtime.schedules import ScheduleSpec, StageILPForm, build_schedule
 
 __all__ = [
@@ -259,7 +259,7 @@ class StagePartition:
         return tuple(last - first + 1 for first, last in self.ranges)
 
     def stage_plans(self) -> tuple[StagePlan, ...]:
-        """As :class:`autopar.plan.StagePlan` s, on the ranks the schedule places them (stage
+        """As :class:`autopar.plan_types.StagePlan` s, on the ranks the schedule places them (stage
         s on rank s mod p, chunk s div p, for Megatron-LM's loop placement)."""
         p, spec = self.num_ranks, self.schedule.spec
         v = len(self.ranges) // p
@@ -787,7 +787,7 @@ def problem_from_profile(captured: Any, profile: Any, *, num_ranks: int, num_mic
 
 def stages_for_plan(captured: Any, plan: Any, *, profile: Any = None,
                     time_limit_s: float = 30.0) -> tuple[StagePlan, ...]:
-    """The stages of ``plan`` (an :class:`autopar.plan.Plan` without stages) cut by the ILP, from
+    """The stages of ``plan`` (an :class:`autopar.plan_types.Plan` without stages) cut by the ILP, from
     the analysis of ``captured`` at the plan's micro-batch and the example's sequence length.
 
     Times are FLOP-proportional (backward twice the forward), transfers and memory left out:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from autopar.ir import META_KEY, info
-from autopar.plan import GemmSharding
+from autopar.plan_types import GemmSharding
 from autopar.sharding import Collective, is_sharded
 
 __all__ = ["CommCall", "TPLayout", "solve_layout", "tp_cost_spec"]
