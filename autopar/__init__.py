@@ -1,15 +1,18 @@
 """autopar: a compiler that auto-parallelizes PyTorch models.
 
 The data flow: :func:`capture` (torch.export) -> analysis -> plan -> passes -> per-rank code ->
-runtime. This module is a thin face over it; import costs stay in the submodules.
+runtime. This module is a thin face over it: :func:`parallelize` (on every rank of a job) and
+:func:`plan` (no process group: what the planner would choose, and why).
 """
 
 from autopar._version import __version__
 from autopar.api import parallelize
 from autopar.cluster import Cluster
 from autopar.frontend import CapturedGraph, capture, plan_fingerprint
+from autopar.models.workload import Workload
 from autopar.parallel_model import ParallelModel
 from autopar.plan_types import Plan, Prediction
+from autopar.planner.planning import PlanReport, plan
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,
@@ -27,6 +30,9 @@ from autopar.errors import (
 
 __all__ = [
     "parallelize",
+    "plan",
+    "PlanReport",
+    "Workload",
     "ParallelModel",
     "Plan",
     "Prediction",

@@ -72,6 +72,9 @@ class CapturedGraph:
     symbol_rename: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)
     #: The analysis (autopar.passes.analyze.ModelProfile), filled on first use.
     profile: Any = None
+    #: The names of the inputs given by keyword (the example inputs were a dict), in order:
+    #: the last ``len(input_kwargs)`` of ``input_names``.
+    input_kwargs: tuple[str, ...] = ()
 
     # -- lookups --------------------------------------------------------------------------
     def node(self, name: str) -> torch.fx.Node:

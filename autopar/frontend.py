@@ -102,7 +102,9 @@ def capture(
             dim 0 of every tensor is the batch and dim 1 of every rank >= 2 integer tensor (token
             ids, labels, masks) or rank-3 float tensor (embeddings) is the sequence; images
             (rank 4) have no sequence dim. A marked dim the graph fixes to its size (export
-            reports the constraint violated) is traced at that size instead.
+            reports the constraint violated) is traced at that size instead. Inputs with
+            several sequence lengths (encoder and decoder): the first input's length is
+            symbolic, the others are traced at theirs.
         dynamic: mark batch and sequence symbolic (the default); False traces static shapes.
     """
     if not isinstance(model, nn.Module):
@@ -201,6 +203,7 @@ def capture(
 
     captured.model = model
     captured.has_loss = loss_fn is not None
+    captured.input_kwargs = tuple(kwarg_names)
     n_in = len(inputs)
     user = captured.input_names
     captured.input_names, captured.target_names = user[:n_in], user[n_in:]
@@ -250,6 +253,11 @@ def _default_dims(args: Sequence[Any], batch_dims: Mapping[int, int] | None,
     if seq_dims is None:  # token ids, masks, labels (B, S, ...); embeddings (B, S, H)
         seq_dims = {i: 1 for i, t in tensors.items()
                     if (t.dim() >= 2 and not t.is_floating_point()) or t.dim() == 3}
+    if seq_dims and len({tensors[i].shape[d] for i, d in seq_dims.items()}) > 1:
+        # several sequence lengths (an encoder's and a decoder's): the first input's is the
+        # symbolic one; the others are traced at their length (the same at every step)
+        first = tensors[min(seq_dims)].shape[seq_dims[min(seq_dims)]]
+        seq_dims = {i: d for i, d in seq_dims.items() if tensors[i].shape[d] == first}
     batch_sizes = {tensors[i].shape[d] for i, d in batch_dims.items()}
     seq_sizes = {tensors[i].shape[d] for i, d in seq_dims.items()}
     if len(batch_sizes) > 1 or len(seq_sizes) > 1:

@@ -231,6 +231,14 @@ class ParallelModel:
         return batch.chunk(self.plan.dp, dim=0)[self.mesh.dp_rank]
 
     def _prepare(self, inputs: Any, targets: Any, local: bool) -> tuple[tuple, tuple]:
+        if isinstance(inputs, Mapping):  # keyword inputs, as captured
+            names = self.captured.input_kwargs
+            if set(inputs) != set(names):
+                raise InvalidInputError("the keyword inputs differ from the captured ones",
+                                        expected=f"keys {sorted(names)}",
+                                        found=f"keys {sorted(inputs)}",
+                                        fix="pass the same keys as the example inputs")
+            inputs = tuple(inputs[k] for k in names)
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         targets = (targets,) if isinstance(targets, torch.Tensor) else tuple(targets)
         n_in, n_tg = len(self.captured.input_names), len(self.captured.target_names)
@@ -318,10 +326,43 @@ class ParallelModel:
             out[fqn] = full
             for alias in aliases[fqn]:
                 out[alias] = full
-        for key, buf in self.captured.buffers.items():
-            if buf.fqn in self.executor.buffers:
-                out[buf.fqn] = self.executor.buffers[buf.fqn].detach().cpu()
+        for fqn, full in self._full_buffers():
+            out[fqn] = full
         return out
+
+    def _persistent_buffers(self) -> list[tuple[str, Any]]:
+        """(FQN, spec) of the buffers a state dict holds: those the model's own ``state_dict``
+        lists (persistent) and some stage reads, in FQN order."""
+        model = self.captured.model
+        read = {fqn for stage in self.split.stages for fqn in stage.buffers}
+        persistent = set(model.state_dict().keys()) if model is not None else read
+        return sorted((b.fqn, b.spec) for b in self.captured.buffers.values()
+                      if b.fqn in persistent and b.fqn in read)
+
+    def _full_buffers(self):
+        """(FQN, full tensor on the CPU) of every persistent buffer, one at a time (collective):
+        from the first pipeline rank reading it, gathered over the tensor-parallel group where
+        the plan splits it (a bias added to vocabulary-split logits)."""
+        layouts = {p.fqn: p for p in self.program.staged.sharded.layouts}
+        for fqn, spec in self._persistent_buffers():
+            owner = self.executor.stage_to_rank[next(
+                k for k, stage in enumerate(self.split.stages) if fqn in stage.buffers)]
+            full_shape = tuple(int(d) for d in spec.shape)
+            if self.mesh.pp_rank == owner:
+                local = self.executor.buffers[fqn].detach().contiguous()
+                layout = layouts.get(fqn)
+                if self.plan.tp > 1 and layout is not None and tuple(local.shape) != full_shape:
+                    pieces = [torch.empty_like(local) for _ in range(self.plan.tp)]
+                    collective(dist.all_gather, pieces, local, group=self.mesh.tp_group,
+                               what=f"the tensor-parallel gather of {fqn}")
+                    local = unshard_tensors(pieces, layout.placement)
+                value = local
+            else:
+                value = torch.empty(full_shape, dtype=spec.dtype, device=self.device)
+            if self.plan.pp > 1:
+                collective(dist.broadcast, value, src=self.mesh.stage_rank(owner),
+                           group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
+            yield fqn, value.cpu()
 
     def _full_parameters(self):
         """(FQN, full tensor on the CPU) of every parameter, one at a time, in FQN order
@@ -362,12 +403,8 @@ class ParallelModel:
         crash leaves nothing at ``path``. ``path`` must not exist or be empty."""
         from autopar.runtime.hf_checkpoint import SafetensorsWriter, parse_size
 
-        model = self.captured.model
-        persistent = set(model.state_dict().keys()) if model is not None else set()
         params = sorted((p.fqn, p.spec) for p in self.captured.params.values())
-        read = {fqn for stage in self.split.stages for fqn in stage.buffers}
-        buffers = sorted((b.fqn, b.spec) for b in self.captured.buffers.values()
-                         if b.fqn in persistent and b.fqn in read)
+        buffers = self._persistent_buffers()
         order = [(fqn, tuple(int(d) for d in spec.shape), spec.dtype)
                  for fqn, spec in params + buffers]
         writer = None
@@ -377,21 +414,11 @@ class ParallelModel:
             for fqn, full in self._full_parameters():
                 if writer is not None:
                     writer.write(fqn, full)
-            for fqn, spec in buffers:  # the same on every rank holding them; rank 0 may not
-                owner = self.executor.stage_to_rank[next(
-                    k for k, stage in enumerate(self.split.stages) if fqn in stage.buffers)]
-                if self.mesh.pp_rank == owner:
-                    value = self.executor.buffers[fqn].detach().contiguous()
-                else:
-                    value = torch.empty(tuple(int(d) for d in spec.shape), dtype=spec.dtype,
-                                        device=self.device)
-                if self.plan.pp > 1:
-                    collective(dist.broadcast, value, src=self.mesh.stage_rank(owner),
-                               group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
+            for fqn, value in self._full_buffers():
                 if writer is not None:
-                    writer.write(fqn, value.cpu())
+                    writer.write(fqn, value)
             if writer is not None:
-                config = getattr(model, "config", None)
+                config = getattr(self.captured.model, "config", None)
                 writer.commit(config.save_pretrained if hasattr(config, "save_pretrained")
                               else None)
         except BaseException:

@@ -58,22 +58,24 @@ def profile_report(profile, batch: int, seq: int) -> tuple[list[dict[str, Any]],
 
 def inspect_model(name: str, *, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
                   **overrides: Any) -> ModelReport:
-    """Build a zoo model on the meta device, capture it with its loss, analyze it."""
+    """Build what ``name`` names (a zoo preset or family, a transformers config,
+    ``file.py:function``) on the meta device, capture it with its loss, analyze it."""
     from autopar.frontend import capture
-    from autopar.models import build
+    from autopar.ir import SEQ
+    from autopar.models.workload import load_workload
     from autopar.passes.analyze import analyze
 
     start = time.perf_counter()
-    zm = build(name, device="meta", dtype=DTYPES[dtype], **overrides)
-    seq = seq or zm.spec.seq
-    trace_seq = min(16, zm.spec.seq)
-    inputs, targets = zm.example_inputs(batch=2, seq=trace_seq)
-    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    work = load_workload(name, overrides=overrides, shallow=False)
+    work.model.to(DTYPES[dtype])
+    captured = capture(work.model, work.example_inputs, work.loss_fn,
+                       example_targets=work.example_targets)
+    seq = seq or work.max_seq or captured.example_sizes.get(SEQ, 1)
     captured_at = time.perf_counter()
     profile = analyze(captured)
     done = time.perf_counter()
     rows, flops, act = profile_report(profile, batch, seq)
-    return ModelReport(model=zm.name, batch=batch, seq=seq, dtype=dtype, params=profile.params,
+    return ModelReport(model=work.name, batch=batch, seq=seq, dtype=dtype, params=profile.params,
                        forward_flops=flops, activation_bytes=act, layers=rows,
                        capture_method=captured.method.value, capture_s=captured_at - start,
                        analyze_s=done - captured_at)

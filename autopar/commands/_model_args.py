@@ -1,4 +1,5 @@
-"""Model selection flags shared by subcommands: a zoo preset or family plus shape overrides."""
+"""Model selection flags shared by subcommands: MODEL (a zoo preset or family, a transformers
+config, or file.py:function; see autopar.models.workload) plus shape overrides."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "
 
 def add_model_args(parser: argparse.ArgumentParser, *, seq_help: str | None = None) -> None:
     parser.add_argument("model", metavar="MODEL",
-                        help="a zoo preset (gpt2-small, gpt3-175b, bert-base, llama-7b, ...) "
-                             "or a family (gpt, bert, llama) shaped by the flags below")
-    shape = parser.add_argument_group("model shape (override a preset, or shape a family)")
+                        help="a zoo preset (gpt2-small, gpt3-175b, bert-base, llama-7b, ...), "
+                             "a family (gpt, bert, llama) shaped by the flags below, a "
+                             "transformers config.json or a directory holding one (built on "
+                             "meta, the task head from its architectures), or "
+                             "path/to/file.py:function returning (model, example_inputs, "
+                             "loss_fn[, example_targets])")
+    shape = parser.add_argument_group("model shape (override a preset or config, or shape a "
+                                      "family)")
     shape.add_argument("--layers", type=int)
     shape.add_argument("--hidden", type=int)
     shape.add_argument("--heads", type=int)

@@ -31,13 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from autopar.compiler import shard_program
     from autopar.frontend import capture
-    from autopar.models import build
+    from autopar.ir import SEQ
+    from autopar.models.workload import load_workload
     from autopar.plan_types import Plan
 
-    zm = build(args.model, device="meta", **model_overrides(args))
-    seq = args.seq or zm.spec.seq
-    inputs, targets = zm.example_inputs(batch=2, seq=min(16, zm.spec.seq))
-    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    work = load_workload(args.model, overrides=model_overrides(args), shallow=False)
+    captured = capture(work.model, work.example_inputs, work.loss_fn,
+                       example_targets=work.example_targets)
+    seq = args.seq or work.max_seq or captured.example_sizes.get(SEQ, 1)
     plan = Plan(tp=args.tp, sequence_parallel=args.sequence_parallel)  # the compiler's phase
     program = shard_program(captured, plan, cost=None, sizes={"b": args.batch, "s": seq},
                             strict=args.strict)
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--rank is outside the tensor-parallel group",
                                 expected=f"0 <= rank < {args.tp}", found=str(args.rank))
     paths = program.write(args.out, ranks)
-    print(f"{zm.name}: tp={args.tp}")
+    print(f"{work.name}: tp={args.tp}")
     for line in program.summary(timing=True):
         print(line)
     for path in paths:

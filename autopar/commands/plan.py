@@ -69,10 +69,7 @@ def run(args: argparse.Namespace) -> int:
     report = plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq,
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args))
-    doc = report.document()
-    # which model the plan is for: parallelize(plan="plan.json") refuses another model
-    doc["plan"]["model_fingerprint"] = report.cost_model.model.captured.fingerprint(
-        depth=report.model["layers"])
+    doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)

@@ -205,9 +205,10 @@ class ZooModel:
 
 
 def lm_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Token-level cross-entropy on ``outputs.logits`` (or a logits tensor)."""
+    """Token-level cross-entropy on ``outputs.logits`` (or a logits tensor): causal, masked and
+    sequence-to-sequence language modelling."""
     logits = outputs.logits if hasattr(outputs, "logits") else outputs
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 def build(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -1,32 +1,36 @@
-"""Plan a zoo model (or family) on a cluster: capture, cost, search, and the plan document.
+"""Plan a model on a cluster: capture, cost, search, and the plan document.
 
-The plan document is the JSON ``autopar plan --json`` prints and ``--out`` writes; ``explain``
-and ``simulate`` read it back. It holds the plan and its prediction (the fields of
-:class:`autopar.plan_types.Plan` and :class:`autopar.plan_types.Prediction`), the search statistics, the
-alternatives, and what ``simulate`` needs without re-capturing the model: the cluster and the
-per-stage costs.
+:func:`plan` is the Python entry (``autopar.plan``: no process group, a meta model welcome);
+:func:`plan_model` plans what a ``MODEL`` string names (a zoo preset or family, a transformers
+config, ``file.py:function``: :mod:`autopar.models.workload`) for ``autopar plan``. Both go
+through :func:`plan_workload`.
+
+The plan document is the JSON ``autopar plan --json`` prints, ``--out`` and
+:meth:`PlanReport.save` write, and ``parallelize(plan=path)``, ``explain`` and ``simulate`` read
+back. It holds the plan and its prediction (the fields of :class:`autopar.plan_types.Plan` and
+:class:`autopar.plan_types.Prediction`), the search statistics, the alternatives, and what
+``simulate`` needs without re-capturing the model: the cluster and the per-stage costs.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from autopar.cluster import Cluster
 from autopar.errors import InvalidInputError
+from autopar.models.workload import Workload
 from autopar.planner.cost_model import CostModel, Evaluation, ModelCosts, TrainingSetup
 from autopar.planner.search import SearchResult, SearchSpace, search
+from autopar.plan_types import Plan, Prediction
 
-__all__ = ["PlanReport", "capture_model_costs", "plan_model", "read_document", "DOCUMENT_VERSION"]
+__all__ = ["PlanReport", "plan", "plan_workload", "capture_workload_costs", "plan_model",
+           "read_document", "DOCUMENT_VERSION"]
 
 DOCUMENT_VERSION = 1
-#: Blocks captured when a model is deeper (the rest are copies of the last one).
-CAPTURE_BLOCKS = 2
-#: A preset's vocabulary is padded to a multiple of this (Megatron-LM's
-#: --make-vocab-size-divisible-by default), so that every tensor-parallel degree up to it
-#: divides the embedding, the LM head and the loss. A vocabulary given with --vocab is kept.
-VOCAB_MULTIPLE = 128
 
 
 @dataclass
@@ -37,12 +41,40 @@ class PlanReport:
     result: SearchResult
     cost_model: CostModel
     capture_s: float
+    #: Repeated blocks of the real model when a shallower copy was captured (None: as captured).
+    depth: int | None = None
     total_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def best(self) -> Evaluation:
         return self.result.best
+
+    @property
+    def plan(self) -> Plan:
+        """The fastest plan that fits, with its stage cuts and the model's fingerprint
+        (``parallelize(plan=...)`` refuses it for another model)."""
+        return self.best.plan.replace(model_fingerprint=self.fingerprint)
+
+    @property
+    def prediction(self) -> Prediction:
+        return self.best.prediction
+
+    @property
+    def alternatives(self) -> list[tuple[Plan, Prediction]]:
+        """The next best plans (fastest first) with their predictions."""
+        return [(ev.plan, ev.prediction) for ev in self.result.alternatives]
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint at its real depth."""
+        return self.cost_model.model.captured.fingerprint(depth=self.depth)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan document (what ``autopar plan --out`` writes); ``parallelize(plan=
+        path)`` runs it."""
+        with open(path, "w") as fh:
+            json.dump(self.document(), fh, indent=1)
 
     def document(self) -> dict[str, Any]:
         """The plan document (JSON-ready)."""
@@ -62,7 +94,7 @@ class PlanReport:
             "training": {"global_batch": self.setup.global_batch, "seq": self.setup.seq,
                          "dtype": self.setup.dtype},
             "cluster": self.cluster.to_json(),
-            "plan": plan,
+            "plan": {**plan, "model_fingerprint": self.fingerprint},
             "prediction": {**best.prediction.to_json(), **_extra(best)},
             "search": {**self.result.to_json(), "time_s": round(self.total_s, 3),
                        "search_s": round(self.result.time_s, 3),
@@ -92,37 +124,41 @@ def _summary(ev: Evaluation, best: Evaluation) -> dict[str, Any]:
             "slower_than_best": ev.prediction.step_time_s / best.prediction.step_time_s - 1}
 
 
-def capture_model_costs(name: str, *, attention: str = "sdpa", **overrides: Any
-                        ) -> tuple[ModelCosts, dict[str, Any], float]:
-    """Capture a zoo preset or family on the meta device (at most CAPTURE_BLOCKS blocks; the
-    costs are extended to the real depth) and build its cost templates."""
+def capture_workload_costs(work: Workload, *, dtype: str | None = None
+                           ) -> tuple[ModelCosts, dict[str, Any], float]:
+    """Capture a workload on its device (meta: shapes only) and build its cost templates,
+    extended to ``work.depth`` blocks when a shallower copy was built."""
     from autopar.frontend import capture
-    from autopar.models import build, resolve_spec
 
     start = time.perf_counter()
-    spec = resolve_spec(name, **overrides)
-    shallow = dict(overrides)
-    shallow["layers"] = min(spec.layers, CAPTURE_BLOCKS)
-    vocab = spec.vocab
-    if overrides.get("vocab") is None and spec.vocab % VOCAB_MULTIPLE:
-        vocab = -(-spec.vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        shallow["vocab"] = vocab
-    zm = build(name, device="meta", attention=attention, **shallow)
-    inputs, targets = zm.example_inputs(batch=2, seq=min(16, spec.seq))
-    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
-    costs = ModelCosts(captured, name=spec.name or spec.family, depth=spec.layers)
-    params = _full_params(costs, spec.layers)
-    model = {"name": spec.name or spec.family, "family": spec.family, "layers": spec.layers,
-             "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.num_kv_heads,
-             "ffn_hidden": spec.ffn, "vocab": vocab, "max_seq": spec.seq, "params": params,
-             "overrides": {k: v for k, v in overrides.items() if v is not None},
-             "attention": attention, "captured_blocks": min(spec.layers, CAPTURE_BLOCKS)}
-    if vocab != spec.vocab:
-        model["vocab_padded_from"] = spec.vocab
-    return costs, model, time.perf_counter() - start
+    captured = capture(work.model, work.example_inputs, work.loss_fn,
+                       example_targets=work.example_targets)
+    from autopar.ir import LayerKind
+    from autopar.models.workload import CAPTURE_BLOCKS
+
+    blocks = sum(1 for layer in captured.layers if layer.kind is LayerKind.BLOCK)
+    depth = work.depth
+    if depth is not None and blocks != min(depth, CAPTURE_BLOCKS):
+        depth = None  # the capture did not find the blocks the config has: plan as captured
+    costs = ModelCosts(captured, name=work.name, depth=depth)
+    info = {**work.info, "params": _full_params(costs), "captured_blocks": blocks,
+            "capture_method": captured.method.value}
+    if depth is None and work.depth is not None:
+        info["layers_captured_as"] = blocks
+    return costs, info, time.perf_counter() - start
 
 
-def _full_params(costs: ModelCosts, layers: int) -> int:
+def capture_model_costs(name: str, *, attention: str = "sdpa", **overrides: Any
+                        ) -> tuple[ModelCosts, dict[str, Any], float]:
+    """:func:`capture_workload_costs` of what ``name`` names (a zoo preset or family shaped by
+    ``overrides``, a transformers config, ``file.py:function``)."""
+    from autopar.models.workload import load_workload
+
+    return capture_workload_costs(load_workload(name, attention=attention, overrides=overrides,
+                                                pad_vocab=True))
+
+
+def _full_params(costs: ModelCosts) -> int:
     seen: dict[Any, int] = {}
     for i, t in enumerate(costs.templates):
         for fqn, numel in t.params.items():
@@ -130,37 +166,100 @@ def _full_params(costs: ModelCosts, layers: int) -> int:
     return int(sum(seen.values()))
 
 
+def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
+                  seq: int | None = None, dtype: str | None = None,
+                  space: SearchSpace = SearchSpace(), top_k: int = 5,
+                  progress: bool | None = None,
+                  model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None
+                  ) -> PlanReport:
+    """Search the best plan for ``work`` on ``cluster`` (all its devices)."""
+    start = time.perf_counter()
+    # the inputs' own errors first: capturing a large model takes seconds
+    if global_batch < 1:
+        raise InvalidInputError("the global batch must be positive", expected=">= 1",
+                                found=str(global_batch), fix="pass --global-batch B")
+    max_seq = work.max_seq
+    if seq is not None and max_seq is not None and seq > max_seq:
+        raise InvalidInputError(f"sequence length {seq} exceeds the model's positions",
+                                expected=f"--seq <= {max_seq}", found=str(seq),
+                                fix="lower --seq or raise --max-seq")
+    costs, info, capture_s = model_costs or capture_workload_costs(work, dtype=dtype)
+    if seq is None:
+        from autopar.ir import SEQ
+
+        seq = max_seq or costs.captured.example_sizes.get(SEQ, 1)
+    setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype)
+    cost_model = CostModel(costs, cluster, setup)
+    result = search(cost_model, space, top_k=top_k, progress=progress)
+    from autopar.ir import LayerKind
+
+    depth = sum(k is LayerKind.BLOCK for k in costs.kinds) if costs.extended else None
+    report = PlanReport(model=info, cluster=cluster, setup=setup, result=result,
+                        cost_model=cost_model, capture_s=capture_s, depth=depth)
+    report.total_s = time.perf_counter() - start
+    return report
+
+
 def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | None = None,
                dtype: str | None = None, space: SearchSpace = SearchSpace(), top_k: int = 5,
                progress: bool | None = None, attention: str = "sdpa",
                model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
                overrides: Mapping[str, Any] | None = None) -> PlanReport:
-    """Search the best plan for a zoo model on ``cluster`` (all its devices); ``overrides``
-    shape a preset or family (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
+    """Search the best plan for what ``name`` names (a zoo preset or family, a transformers
+    config file or directory, ``file.py:function``) on ``cluster``; ``overrides`` shape a
+    preset, family or config (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
     positions)."""
-    from autopar.models import resolve_spec
+    from autopar.models.workload import load_workload
 
-    start = time.perf_counter()
-    # the inputs' own errors first: capturing a large model takes seconds
-    max_seq = model_costs[1]["max_seq"] if model_costs else resolve_spec(
-        name, **dict(overrides or {})).seq
-    seq = seq or max_seq
-    if seq > max_seq:
-        raise InvalidInputError(f"sequence length {seq} exceeds the model's positions",
-                                expected=f"--seq <= {max_seq}", found=str(seq),
-                                fix="lower --seq or raise --max-seq")
-    if global_batch < 1:
-        raise InvalidInputError("the global batch must be positive", expected=">= 1",
-                                found=str(global_batch), fix="pass --global-batch B")
-    costs, model, capture_s = model_costs or capture_model_costs(name, attention=attention,
-                                                                 **dict(overrides or {}))
-    setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype)
-    cost_model = CostModel(costs, cluster, setup)
-    result = search(cost_model, space, top_k=top_k, progress=progress)
-    report = PlanReport(model=model, cluster=cluster, setup=setup, result=result,
-                        cost_model=cost_model, capture_s=capture_s)
-    report.total_s = time.perf_counter() - start
-    return report
+    work = load_workload(name, seq=seq, attention=attention, overrides=overrides, pad_vocab=True)
+    return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
+                         space=space, top_k=top_k, progress=progress, model_costs=model_costs)
+
+
+def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: Any,
+         global_batch: int, example_targets: Any = (), seq: int | None = None,
+         dtype: str | None = None, devices: int | None = None,
+         devices_per_node: int | None = None, top_k: int = 5, progress: bool = False,
+         **pins: Any) -> PlanReport:
+    """Plan ``model`` for ``cluster`` without running it: no process group, and a model on the
+    meta device is welcome (shapes are all planning needs).
+
+    Args:
+        model: the single-device ``nn.Module`` (on meta or not).
+        cluster: a :class:`autopar.Cluster`, or a preset name or file; ``devices`` (and
+            ``devices_per_node``) resize it.
+        example_inputs / example_targets / loss_fn: as for :func:`autopar.parallelize`; their
+            batch and sequence sizes only need to be small (they are symbolic in the graph).
+        global_batch: samples per optimizer step; ``seq``: the sequence length to plan for
+            (default: the example inputs').
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default: the cluster's).
+        pins: dp, tp, pp, virtual_stages, micro_batch_size, schedule, recompute, zero,
+            sequence_parallel: fixed; the rest is searched.
+
+    Returns a :class:`PlanReport`: ``.plan`` (an :class:`autopar.Plan` with its stage cuts),
+    ``.prediction``, ``.alternatives``, ``.document()`` (the JSON of ``autopar plan --json``)
+    and ``.save(path)`` (loadable by ``parallelize(plan=path)``).
+    """
+    if isinstance(cluster, str):
+        cluster = Cluster.load(cluster)
+    elif not isinstance(cluster, Cluster):
+        raise InvalidInputError("cluster has an unexpected type",
+                                expected="an autopar.Cluster, or a preset name or file",
+                                found=type(cluster).__name__)
+    if devices is not None:
+        cluster = cluster.with_devices(devices, devices_per_node)
+    try:
+        space = SearchSpace(**pins)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"bad pinned choice: {exc}",
+                                expected="pins among dp, tp, pp, virtual_stages, "
+                                         "micro_batch_size, schedule, recompute, zero, "
+                                         "sequence_parallel",
+                                found=str(sorted(pins)), fix="see help(autopar.plan)") from None
+    work = Workload(type(model).__name__, model, example_inputs, loss_fn, example_targets,
+                    info={"name": type(model).__name__, "family": type(model).__name__})
+    return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
+                         space=space, top_k=top_k, progress=progress)
 
 
 def read_document(path: str) -> Mapping[str, Any]:
