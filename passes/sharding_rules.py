@@ -31,8 +31,10 @@ Rules, by op family (the dims named are those of the output unless said otherwis
 - embedding: vocab-parallel (table Shard(0), masked lookup, output Partial), hidden-parallel
   (table Shard(1)) or by tokens (indices sharded).
 - cross_entropy_loss: vocab-parallel (logits sharded on the class dim, replicated loss).
-- Integer and boolean ops (masks, positions) are replicated; an op with a floating result and
-  no rule is replicated too, and reported (autopar.UnsupportedOpWarning).
+- Integer and boolean ops (masks, positions) are replicated. An op with a floating result and
+  no rule here takes the strategies torch's DTensor registers for it (passes/dtensor_rules.py:
+  cumsum, sort, gather, group norm, ...), kept where they obey the rules below; with none, it
+  is replicated and reported (autopar.UnsupportedOpWarning).
 
 A dim may be sharded only if ``tp`` divides it; the batch never (that is data parallelism) and
 the sequence only with sequence parallelism on.
@@ -115,6 +117,8 @@ class RuleContext:
     demanded: dict[torch.fx.Node, set] = field(default_factory=dict)
     #: Float ops with no rule, by op name (for the warning).
     unruled: dict[str, list[str]] = field(default_factory=dict)
+    #: Float ops with no rule of autopar's whose strategies came from DTensor, by op name.
+    borrowed: dict[str, list[str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,6 +696,35 @@ _RULES: dict[str, Callable[[torch.fx.Node, RuleContext], list[Strategy] | None]]
 }
 
 
+def _allowed(p: Any, spec: Any, ctx: RuleContext) -> bool:
+    """Whether placement ``p`` of a value with ``spec`` obeys autopar's splitting rules (tp
+    divides the dim; never the batch; the sequence only under sequence parallelism)."""
+    if isinstance(p, tuple):
+        return isinstance(spec, tuple) and len(p) == len(spec) and all(
+            q is None or _allowed(q, s, ctx) for q, s in zip(p, spec))
+    if not is_sharded(p):
+        return True
+    return isinstance(spec, TensorSpec) and p.dim < spec.ndim and p.dim in _dims(spec, ctx)
+
+
+def _borrowed(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy] | None:
+    """DTensor's strategies for an op autopar has no rule for (passes/dtensor_rules.py), kept
+    where they obey autopar's splitting rules."""
+    from autopar.passes.dtensor_rules import borrowed_strategies
+
+    out = []
+    for output, reqs in borrowed_strategies(node, ctx.tp):
+        if not _allowed(output, info(node).value, ctx):
+            continue
+        if not all(_allowed(p, tensor_spec(a), ctx) for a, p in reqs.items()):
+            continue
+        if not (is_sharded(output) or isinstance(output, Partial) or any(
+                is_sharded(p) for p in reqs.values())):
+            continue  # all replicated: the default strategy already
+        out.append(_strategy(node, "dtensor", output, reqs, ctx))
+    return [_replicated(node, ctx), *out] if out else None
+
+
 def node_strategies(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     """Every strategy of a call_function node (at least one: replicated)."""
     name = op_name(node)
@@ -708,7 +741,11 @@ def node_strategies(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     else:
         strategies = _view_rule(node, ctx)
         if strategies is None:
-            ctx.unruled.setdefault(name, []).append(node.name)
+            strategies = _borrowed(node, ctx)
+            if strategies:
+                ctx.borrowed.setdefault(name, []).append(node.name)
+            else:
+                ctx.unruled.setdefault(name, []).append(node.name)
     if name == "getitem" and strategies is None and isinstance(node.args[0], torch.fx.Node) \
             and isinstance(info(node.args[0]).value, tuple):
         strategies = [Strategy("replicate", REPLICATE, (Item(node.args[1], REPLICATE),))]

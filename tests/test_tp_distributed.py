@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from autopar.runtime.local_pool import LocalPool
+from autopar.ir import info, op_name
 from autopar.sharding import Collective
 from autopar.tensor_parallel import Direction, tensor_parallelize
 from conftest import build_tiny
-from tp_helpers import (TINY_COST, block_layers, build_rms_gpt, check_collectives,
-                        is_megatron_block, run_rank_programs)
+from tp_helpers import (TINY_COST, block_layers, build_cumsum_mlp, build_rms_gpt,
+                        check_collectives, is_megatron_block, run_rank_programs)
 
 pytestmark = pytest.mark.distributed
 
@@ -129,10 +130,27 @@ def test_collectives_forward_and_backward(world, pool2, pool4):
 
 def test_tp2_matches_single_process(tiny_models, pool2):
     """The fixture's models, plus the own GPT with torch's nn.RMSNorm (``aten.rms_norm``, its
-    own sharding rule: replicated weight, sequence-split under SP)."""
+    own sharding rule: replicated weight, sequence-split under SP), plus a prefix-sum mixer
+    whose ``cumsum`` runs on hidden shards by the strategy borrowed from DTensor."""
     models = dict(tiny_models)
     models["rms_gpt"] = build_rms_gpt()
-    configs, programs, refs = _configs(models, 2, with_graph={("gpt", False), ("llama", True)})
+    models["cumsum"] = build_cumsum_mlp()
+    configs, programs, refs = _configs(models, 2, with_graph={("gpt", False), ("llama", True),
+                                                             ("cumsum", False)})
+    for sp in (False, True):  # borrowed, sharded, and one all-reduce per block forward
+        program = programs[("cumsum", sp)]
+        cumsums = [info(n).strategy for n in program.sharded.graph.nodes
+                   if n.op == "call_function" and op_name(n) == "cumsum"]
+        assert [s.name for s in cumsums] == ["dtensor"] * 2, cumsums
+        assert all(type(s.output).__name__ == "Shard" and s.output.dim == 2 for s in cumsums)
+        for comm in program.layer_comm:
+            if comm.layer in block_layers(program):
+                got = {c: n for c in Collective if (n := comm.count(c, Direction.FORWARD))}
+                if sp:  # the first block's input arrives whole: it has no all-gather
+                    assert got.pop(Collective.REDUCE_SCATTER) == 1, got
+                    assert got in ({}, {Collective.ALL_GATHER: 1}), got
+                else:
+                    assert got == {Collective.ALL_REDUCE: 1}, got
     results = pool2.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 2)
 

@@ -369,24 +369,50 @@ def test_pins_override_the_search(tiny_models):
 
 
 class _CumsumNet(nn.Module):
-    def __init__(self):
+    def __init__(self, op=lambda h: torch.cumsum(h, dim=1)):
         super().__init__()
         self.up = nn.Linear(16, 32)
         self.down = nn.Linear(32, 16)
+        self.op = op
 
     def forward(self, x):
-        return self.down(torch.cumsum(F.gelu(self.up(x)), dim=1)).sum()
+        return self.down(self.op(F.gelu(self.up(x)))).sum()
 
 
-def test_ops_without_a_rule_run_replicated_with_a_warning():
+def test_ops_without_a_rule_borrow_dtensors_strategy():
+    """autopar has no rule for cumsum; DTensor's (any dim but the summed one) lets a running
+    sum over the sequence run on the column GEMM's hidden shards: no warning, no collective
+    between the GEMMs. DTensor's offer to split the summed dim when given as -1 fails the
+    piecewise check and is not taken: that cumsum stays replicated, with the warning."""
     torch.manual_seed(0)
-    net = _CumsumNet()
     x = torch.randn(2, 8, 16)
-    captured = capture(net, (x,))
-    with pytest.warns(UnsupportedOpWarning, match="cumsum"):
-        program = tensor_parallelize(captured, 2, cost=TINY_COST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        program = tensor_parallelize(capture(_CumsumNet(), (x,)), 2, cost=TINY_COST)
     node = next(n for n in program.sharded.graph.nodes if n.op == "call_function"
                 and op_name(n) == "cumsum")
+    assert info(node).strategy.name == "dtensor" and info(node).placement == Shard(2)
+    gemms = [info(n).strategy.gemm.value for n in program.sharded.graph.nodes
+             if n.op == "call_function" and info(n).strategy is not None
+             and info(n).strategy.gemm is not None]
+    assert gemms == ["column", "row"]
+    summed = _CumsumNet(op=lambda h: torch.cumsum(h, dim=-1))
+    with pytest.warns(UnsupportedOpWarning, match="cumsum"):
+        program = tensor_parallelize(capture(summed, (x,)), 2, cost=TINY_COST)
+    node = next(n for n in program.sharded.graph.nodes if n.op == "call_function"
+                and op_name(n) == "cumsum")
+    assert isinstance(info(node).placement, Replicate)
+
+
+def test_ops_without_a_rule_anywhere_run_replicated_with_a_warning():
+    """renorm: no rule in autopar, no strategy in DTensor: replicated, reported."""
+    torch.manual_seed(0)
+    net = _CumsumNet(op=lambda h: torch.renorm(h, 2, 0, 1.0))
+    captured = capture(net, (torch.randn(2, 8, 16),))
+    with pytest.warns(UnsupportedOpWarning, match="renorm"):
+        program = tensor_parallelize(captured, 2, cost=TINY_COST)
+    node = next(n for n in program.sharded.graph.nodes if n.op == "call_function"
+                and op_name(n) == "renorm")
     assert isinstance(info(node).placement, Replicate)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsupportedOpWarning)

@@ -215,3 +215,42 @@ def check_collectives():
     (got * wgt).sum().backward()
     err("vocab_embedding.grad", local.grad, ref_w.grad.chunk(n, 0)[r])
     return errs
+
+
+def build_cumsum_mlp():
+    """Two blocks of column GEMM -> ReLU -> a running sum over the sequence (``aten.cumsum``,
+    as prefix-sum token mixers compute) -> row GEMM. autopar has no rule for cumsum; DTensor's
+    strategy (any dim but the summed one) lets it run on the column GEMM's hidden shards, so
+    each block needs one all-reduce. Returns (model, loss_fn, inputs, targets, captured)."""
+    import torch.nn as nn
+
+    from autopar import capture
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.cumsum(torch.relu(self.up(x)), dim=1) / x.shape[1])
+
+    class PrefixMixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(6)
+    model = PrefixMixer()
+    inputs, targets = (torch.randn(2, 8, 16, generator=gen),), (torch.randn(2, 8, 16, generator=gen),)
+
+    def loss_fn(y, t):  # the squared error written out (F.mse_loss: see docs/models.md)
+        return (y - t).pow(2).mean()
+
+    return model, loss_fn, inputs, targets, capture(model, inputs, loss_fn,
+                                                    example_targets=targets)
