@@ -83,7 +83,8 @@ def test_plan_inspect_and_codegen_take_a_config(configs, tmp_path, name, layers)
     flags = ["--layers", str(layers)] if layers else []
     doc_path = tmp_path / "plan.json"
     _cli(["plan", model, *flags, "--cluster", "a100-80g", "--gpus", "4", "--global-batch", "8",
-          "--tp", "2", "--pp", "2", "--top", "1", "--out", str(doc_path)])
+          "--tp", "2", "--pp", "2", "--micro-batch", "2", "--schedule", "1f1b", "--recompute",
+          "none", "--zero", "0", "--top", "1", "--out", str(doc_path)])
     doc = json.loads(doc_path.read_text())
     plan = doc["plan"]
     assert (plan["tp"], plan["pp"]) == (2, 2) and plan["model_fingerprint"]
