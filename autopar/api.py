@@ -26,6 +26,7 @@ makes every rank raise :class:`~autopar.errors.CommunicationTimeoutError`, never
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import tempfile
@@ -160,6 +161,9 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
+    # the capture and the compile leave cyclic garbage (fx graphs, fake tensors): free it before
+    # this rank allocates its weights, so loading a large model does not peak on top of it
+    gc.collect()
     if source is not None:
         shards = program.read_shards(source, functools.partial(_buffer_value, model))
     else:
