@@ -4,8 +4,8 @@ single-process reference and the job every rank of a LocalPool runs (importable 
 Each family is the config ``autopar plan`` would read (``config.json``) and the model class its
 ``architectures`` names, with dropout off so that one process is an exact reference. The tasks
 follow :data:`autopar.models.workload.TASKS`: causal LM (shifted tokens), masked LM, image
-classification (pixels, one label per image), sequence-to-sequence (encoder ids, decoder ids,
-decoder targets; given by keyword).
+classification (pixels, one label per image), sequence-to-sequence (encoder ids, a padding
+mask, decoder ids, decoder targets; given by keyword).
 """
 
 from __future__ import annotations
@@ -121,7 +121,10 @@ def batches(name: str, steps: int) -> list[tuple[Any, tuple[torch.Tensor, ...]]]
         elif name in ("t5", "bart"):
             src = torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)
             tgt = torch.randint(1, VOCAB, (BATCH, SEQ // 2 + 1), generator=gen)
-            out.append(({"input_ids": src, "decoder_input_ids": tgt[:, :-1].contiguous()},
+            mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+            mask[::2, SEQ - 3:] = 0  # every other source sequence padded by 3
+            out.append(({"input_ids": src, "attention_mask": mask,
+                         "decoder_input_ids": tgt[:, :-1].contiguous()},
                         (tgt[:, 1:].contiguous(),)))
         else:
             tokens = torch.randint(1, VOCAB, (BATCH, SEQ + 1), generator=gen)

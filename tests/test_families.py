@@ -4,7 +4,7 @@ Fourteen families (tests/families_jobs.py): decoders (GPT-2, LLaMA, Mistral, Qwe
 biases, Qwen3 with q/k norms, Phi-3 with fused projections, Gemma with scaled tied embeddings,
 OPT, GPT-NeoX with parallel residuals), encoders (BERT, RoBERTa), a vision transformer (ViT,
 images in, one label out) and two encoder-decoders (T5 with relative position buckets, BART;
-keyword inputs, an encoder and a decoder sequence of different lengths). Each runs under
+keyword inputs with a padding mask, an encoder and a decoder sequence of different lengths). Each runs under
 tp 2 x pp 2 (1F1B, 2 micro-batches), dp 2 x tp 2 with ZeRO-3, and ``plan="auto"`` on 4 gloo
 ranks; after 2 AdamW steps the losses and every parameter (and persistent buffer) of
 ``state_dict()`` equal the single-process run.
@@ -67,3 +67,33 @@ def test_families_train_as_one_process():
             torch.testing.assert_close(result["state"][key], want, rtol=0, atol=1e-5,
                                        msg=f"{what}: {key}")
     assert not failures, "\n".join(failures)
+
+
+PLAN_FAMILIES = jobs.FAMILIES if FULL else ("gpt_neox", "bert")
+
+
+@pytest.mark.parametrize("name", PLAN_FAMILIES)
+def test_autopar_plan_reads_each_familys_config(name, tmp_path):
+    """The family's config.json, as save_pretrained writes it, planned from the command line on
+    4 devices at tp 2 x pp 2: the model table names the family, the stages cover every captured
+    layer, and the parameter count is the model's own."""
+    import contextlib
+    import io
+    import json
+
+    from autopar.cli import main
+
+    config = jobs._config(name)
+    config.save_pretrained(tmp_path / name)
+    out = tmp_path / "plan.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["plan", str(tmp_path / name), "--cluster", "a100-80g", "--gpus", "4",
+                     "--global-batch", "8", "--seq", "16", "--tp", "2", "--pp", "2",
+                     "--micro-batch", "2", "--schedule", "1f1b", "--recompute", "none",
+                     "--zero", "0", "--top", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"]["family"] == config.model_type
+    assert (doc["plan"]["tp"], doc["plan"]["pp"]) == (2, 2)
+    assert doc["plan"]["stages"][0]["layers"][0] == 0
+    model, _ = jobs.make_model(name, device="meta")
+    assert doc["model"]["params"] == sum(p.numel() for p in model.parameters())
