@@ -50,7 +50,9 @@ Constraints:
 
 With sequence parallelism on, activations that need a gradient and span batch and sequence may
 not be replicated (their strategies drop Replicate): that is what sequence parallelism means,
-and it turns every Megatron all-reduce into an all-gather and a reduce-scatter.
+and it turns every Megatron all-reduce into an all-gather and a reduce-scatter. The elements of
+a tuple-valued op that can only run replicated (no rule: ``broadcast_tensors`` before
+``F.mse_loss``) keep Replicate, or nothing could consume them.
 
 The pass :func:`shard_graph` writes each node's strategy and placement into its NodeInfo.
 """
@@ -338,10 +340,25 @@ def _strategies_for(node: torch.fx.Node, rctx: RuleContext) -> list[Strategy]:
     if node.op == "placeholder":
         return placeholder_strategies(node, rctx)
     out = node_strategies(node, rctx)
-    if rctx.sequence_parallel and node.op == "call_function" and _is_sequence_activation(node):
+    # an element of a tuple-valued op is placed by its producer: an op without a rule yields
+    # replicated elements only (broadcast_tensors before F.mse_loss), so they keep Replicate
+    if rctx.sequence_parallel and node.op == "call_function" and _is_sequence_activation(node) \
+            and not _element_of_unruled(node, rctx):
         kept = [s for s in out if not isinstance(s.output, Replicate)]
         out = kept or out
     return out
+
+
+def _element_of_unruled(node: torch.fx.Node, rctx: RuleContext) -> bool:
+    """A getitem of a tuple-valued op that has only its replicated strategy."""
+    if op_name(node) != "getitem" or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    src = node.args[0]
+    if src.op != "call_function" or not isinstance(info(src).value, tuple):
+        return False
+    return all(isinstance(s.output, tuple) and all(p is None or isinstance(p, Replicate)
+                                                   for p in s.output)
+               for s in node_strategies(src, rctx))
 
 
 def _ilp_nodes(gm: torch.fx.GraphModule, rep: Mapping[torch.fx.Node, torch.fx.Node]) -> list[torch.fx.Node]:

@@ -221,7 +221,9 @@ def build_cumsum_mlp():
     """Two blocks of column GEMM -> ReLU -> a running sum over the sequence (``aten.cumsum``,
     as prefix-sum token mixers compute) -> row GEMM. autopar has no rule for cumsum; DTensor's
     strategy (any dim but the summed one) lets it run on the column GEMM's hidden shards, so
-    each block needs one all-reduce. Returns (model, loss_fn, inputs, targets, captured)."""
+    each block needs one all-reduce. The loss is F.mse_loss, whose tuple-valued
+    broadcast_tensors has no rule: under sequence parallelism its elements keep Replicate.
+    Returns (model, loss_fn, inputs, targets, captured)."""
     import torch.nn as nn
 
     from autopar import capture
@@ -249,8 +251,8 @@ def build_cumsum_mlp():
     model = PrefixMixer()
     inputs, targets = (torch.randn(2, 8, 16, generator=gen),), (torch.randn(2, 8, 16, generator=gen),)
 
-    def loss_fn(y, t):  # the squared error written out (F.mse_loss: see docs/models.md)
-        return (y - t).pow(2).mean()
+    def loss_fn(y, t):  # broadcast_tensors (no rule, tuple-valued) then mse_loss: under SP
+        return torch.nn.functional.mse_loss(y, t)  # its elements stay replicated
 
     return model, loss_fn, inputs, targets, capture(model, inputs, loss_fn,
                                                     example_targets=targets)
