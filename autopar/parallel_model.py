@@ -347,22 +347,10 @@ class ParallelModel:
         for fqn, spec in self._persistent_buffers():
             owner = self.executor.stage_to_rank[next(
                 k for k, stage in enumerate(self.split.stages) if fqn in stage.buffers)]
-            full_shape = tuple(int(d) for d in spec.shape)
-            if self.mesh.pp_rank == owner:
-                local = self.executor.buffers[fqn].detach().contiguous()
-                layout = layouts.get(fqn)
-                if self.plan.tp > 1 and layout is not None and tuple(local.shape) != full_shape:
-                    pieces = [torch.empty_like(local) for _ in range(self.plan.tp)]
-                    collective(dist.all_gather, pieces, local, group=self.mesh.tp_group,
-                               what=f"the tensor-parallel gather of {fqn}")
-                    local = unshard_tensors(pieces, layout.placement)
-                value = local
-            else:
-                value = torch.empty(full_shape, dtype=spec.dtype, device=self.device)
-            if self.plan.pp > 1:
-                collective(dist.broadcast, value, src=self.mesh.stage_rank(owner),
-                           group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
-            yield fqn, value.cpu()
+            local = self.executor.buffers[fqn].detach() if self.mesh.pp_rank == owner else None
+            layout = layouts.get(fqn)
+            yield fqn, self._assemble(fqn, local, owner, spec,
+                                      layout.placement if layout is not None else None)
 
     def _full_parameters(self):
         """(FQN, full tensor on the CPU) of every parameter, one at a time, in FQN order
@@ -372,25 +360,33 @@ class ParallelModel:
         layouts = {p.fqn: p for p in self.tp_program.layouts}
         for fqn, pinfo in sorted((p.fqn, p) for p in self.captured.params.values()):
             owner = self._owner_pp_rank(fqn)
-            layout = layouts[fqn]
-            full_shape = tuple(int(d) for d in pinfo.spec.shape)
+            shard = None
             if self.mesh.pp_rank == owner:
                 name = self._dp_name[fqn]
                 shard = local[name] if name in local else params[fqn].detach()
-                shard = shard.to(pinfo.spec.dtype).contiguous()
-                pieces = [torch.empty_like(shard) for _ in range(self.plan.tp)]
-                if self.plan.tp > 1:
-                    collective(dist.all_gather, pieces, shard, group=self.mesh.tp_group,
-                               what=f"the tensor-parallel gather of {fqn}")
-                else:
-                    pieces = [shard]
-                full = unshard_tensors(pieces, layout.placement)
-            else:
-                full = torch.empty(full_shape, dtype=pinfo.spec.dtype, device=self.device)
-            if self.plan.pp > 1:
-                collective(dist.broadcast, full, src=self.mesh.stage_rank(owner),
-                           group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
-            yield fqn, full.cpu()
+                shard = shard.to(pinfo.spec.dtype)
+            yield fqn, self._assemble(fqn, shard, owner, pinfo.spec, layouts[fqn].placement)
+
+    def _assemble(self, fqn: str, local: torch.Tensor | None, owner: int, spec: Any,
+                  placement: Any) -> torch.Tensor:
+        """The full tensor ``fqn`` on the CPU, from ``local`` (this rank's piece on pipeline
+        rank ``owner``, None elsewhere): gathered over the tensor-parallel group where the
+        piece is a shard, then broadcast from ``owner`` (collective over tp and pp)."""
+        full_shape = tuple(int(d) for d in spec.shape)
+        if local is not None:
+            local = local.contiguous()
+            if self.plan.tp > 1 and tuple(local.shape) != full_shape:
+                pieces = [torch.empty_like(local) for _ in range(self.plan.tp)]
+                collective(dist.all_gather, pieces, local, group=self.mesh.tp_group,
+                           what=f"the tensor-parallel gather of {fqn}")
+                local = unshard_tensors(pieces, placement)
+            full = local
+        else:
+            full = torch.empty(full_shape, dtype=spec.dtype, device=self.device)
+        if self.plan.pp > 1:
+            collective(dist.broadcast, full, src=self.mesh.stage_rank(owner),
+                       group=self.mesh.pp_group, what=f"the pipeline broadcast of {fqn}")
+        return full.cpu()
 
     def save_pretrained(self, path: str, *, max_shard_size: int | str = "5GB") -> None:
         """Write a Hugging Face safetensors checkpoint of the current weights to the directory

@@ -24,6 +24,7 @@ process group (``_init_backend=False``); no collective runs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import sympy
@@ -51,9 +52,8 @@ def _propagator() -> Any:
 def _meta(spec: TensorSpec) -> Any:
     from torch.distributed.tensor._dtensor_spec import TensorMeta
 
-    shape = torch.Size(int(sympy.sympify(d).subs({s: _SYMBOLIC_SIZE for s in
-                                                  sympy.sympify(d).free_symbols}))
-                       for d in spec.shape)
+    dims = [sympy.sympify(d) for d in spec.shape]
+    shape = torch.Size(int(d.subs({s: _SYMBOLIC_SIZE for s in d.free_symbols})) for d in dims)
     return TensorMeta(shape, torch.empty(shape, device="meta").stride(), spec.dtype)
 
 
@@ -193,13 +193,20 @@ def _single_dim(prop, node, op, args) -> list[tuple[list[Any], list[Any]]]:
     return [(list(rule[:n_out]), list(rule[n_out:])) for rule in rules]
 
 
-def _strategy_func(prop, node, op, args, tp) -> list[tuple[list[Any], list[Any]]]:
+@functools.lru_cache(maxsize=None)
+def _mesh(tp: int) -> Any:
+    """A one-dimensional mesh of ``tp`` devices to ask DTensor on (no process group)."""
     from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
+
+
+def _strategy_func(prop, node, op, args, tp) -> list[tuple[list[Any], list[Any]]]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
 
-    mesh = DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
+    mesh = _mesh(tp)
     schema_args = []
     for a in node.args:
         if isinstance(a, torch.fx.Node):

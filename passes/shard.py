@@ -356,9 +356,10 @@ def _element_of_unruled(node: torch.fx.Node, rctx: RuleContext) -> bool:
     src = node.args[0]
     if src.op != "call_function" or not isinstance(info(src).value, tuple):
         return False
+    fresh = RuleContext(tp=rctx.tp, sequence_parallel=rctx.sequence_parallel)  # no reports
     return all(isinstance(s.output, tuple) and all(p is None or isinstance(p, Replicate)
                                                    for p in s.output)
-               for s in node_strategies(src, rctx))
+               for s in node_strategies(src, fresh))
 
 
 def _ilp_nodes(gm: torch.fx.GraphModule, rep: Mapping[torch.fx.Node, torch.fx.Node]) -> list[torch.fx.Node]:

@@ -106,25 +106,22 @@ class OptimizerFactory:
         stand_ins = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
                      for _, p in named]
         what = getattr(make, "__name__", None) or type(make).__name__
-        try:
-            probe = make(stand_ins)
-        except Exception as exc:  # noqa: BLE001 - the user's code: say what failed and where
-            # some options refuse meta tensors (fused kernels): try the parameters themselves
-            if any(p.is_meta for _, p in named):
-                raise OptimizerCallableError(
-                    f"the optimizer callable {what} failed on the model's parameters",
-                    expected="a callable taking a list of parameters and returning a "
-                             "torch.optim.Optimizer", found=f"{type(exc).__name__}: {exc}",
-                    fix="call it yourself on list(model.parameters()) to see the error") from exc
-            stand_ins = [p for _, p in named]
+        # some options refuse meta tensors (fused kernels): then try the parameters themselves
+        attempts = [stand_ins] + ([[p for _, p in named]]
+                                  if not any(p.is_meta for _, p in named) else [])
+        for k, params in enumerate(attempts):
             try:
-                probe = make(stand_ins)
-            except Exception as exc2:  # noqa: BLE001
-                raise OptimizerCallableError(
-                    f"the optimizer callable {what} failed on the model's parameters",
-                    expected="a callable taking a list of parameters and returning a "
-                             "torch.optim.Optimizer", found=f"{type(exc2).__name__}: {exc2}",
-                    fix="call it yourself on list(model.parameters()) to see the error") from exc2
+                probe = make(params)
+                stand_ins = params
+                break
+            except Exception as exc:  # noqa: BLE001 - the user's code: say what failed
+                if k == len(attempts) - 1:
+                    raise OptimizerCallableError(
+                        f"the optimizer callable {what} failed on the model's parameters",
+                        expected="a callable taking a list of parameters and returning a "
+                                 "torch.optim.Optimizer", found=f"{type(exc).__name__}: {exc}",
+                        fix="call it yourself on list(model.parameters()) to see the error"
+                    ) from exc
         if not isinstance(probe, torch.optim.Optimizer):
             raise OptimizerCallableError(
                 f"the optimizer callable {what} did not return an optimizer",

@@ -124,8 +124,7 @@ def _summary(ev: Evaluation, best: Evaluation) -> dict[str, Any]:
             "slower_than_best": ev.prediction.step_time_s / best.prediction.step_time_s - 1}
 
 
-def capture_workload_costs(work: Workload, *, dtype: str | None = None
-                           ) -> tuple[ModelCosts, dict[str, Any], float]:
+def capture_workload_costs(work: Workload) -> tuple[ModelCosts, dict[str, Any], float]:
     """Capture a workload on its device (meta: shapes only) and build its cost templates,
     extended to ``work.depth`` blocks when a shallower copy was built."""
     from autopar.frontend import capture
@@ -183,7 +182,7 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
         raise InvalidInputError(f"sequence length {seq} exceeds the model's positions",
                                 expected=f"--seq <= {max_seq}", found=str(seq),
                                 fix="lower --seq or raise --max-seq")
-    costs, info, capture_s = model_costs or capture_workload_costs(work, dtype=dtype)
+    costs, info, capture_s = model_costs or capture_workload_costs(work)
     if seq is None:
         from autopar.ir import SEQ
 
