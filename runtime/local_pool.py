@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import queue
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -52,7 +54,7 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout_
         task = tasks.get()
         if task is None:
             break
-        task_id, fn, args, kwargs = task
+        task_id, fn, args, kwargs = pickle.loads(task)
         try:
             out = fn(*args, **kwargs)
             results.put((task_id, rank, "ok", out))
@@ -145,7 +147,11 @@ class LocalPool:
         self.start()
         task_id = next(self._ids)
         for q in self._tasks:
-            q.put((task_id, fn, args, kwargs))
+            # pickled here, one rank after the other, not by the queues' feeder threads: those run
+            # concurrently, and pickling a GraphModule recompiles its code, which races (fx's
+            # codegen renames the graph's nodes in place) and can hand a rank broken code.
+            # One pickle per rank, since a shared tensor's file descriptor is sent only once.
+            q.put(bytes(ForkingPickler.dumps((task_id, fn, args, kwargs))))
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         name = getattr(fn, "__name__", str(fn))
         results: dict[int, Any] = {}

@@ -40,8 +40,11 @@ def deep_models():
 def run_chain(split, tensors, inputs, targets, bindings=None):
     """Run the stages one after the other, then backward stage by stage through detached cuts
     (what the pipeline does across processes). Returns the loss and the parameter gradients."""
-    params = {k: torch.nn.Parameter(v.detach().clone(), requires_grad=v.is_floating_point())
-              for k, v in tensors.items()}
+    # parameters are trainable leaves; buffers (a rotary inv_freq, say) are plain inputs: newer
+    # transformers feed inv_freq through differentiable ops, so a leaf there would collect a grad
+    params = {k: torch.nn.Parameter(v.detach().clone(),
+                                    requires_grad=v.is_floating_point() and not buffer)
+              for k, (v, buffer) in tensors.items()}
     acts: dict[str, torch.Tensor] = {}
     saved = []
     for stage in split.stages:
@@ -83,8 +86,9 @@ def run_chain(split, tensors, inputs, targets, bindings=None):
 
 
 def _tensors(model):
-    tensors = {k: v for k, v in model.named_parameters(remove_duplicate=False)}
-    tensors.update(dict(model.named_buffers()))
+    """fqn -> (tensor, is_buffer)."""
+    tensors = {k: (v, False) for k, v in model.named_parameters(remove_duplicate=False)}
+    tensors.update({k: (v, True) for k, v in model.named_buffers()})
     return tensors
 
 
