@@ -65,13 +65,15 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                 bucket_mb: float = 25.0, timeout_s: float | None = None, tp_cost: Any = None,
                 seq: int | None = None, seed: int | None = None, verify: bool = False,
                 verify_tolerance: float | None = None,
-                checkpoint: str | os.PathLike | None = None) -> ParallelModel:
+                checkpoint: str | os.PathLike | None = None,
+                init: Callable[[nn.Module], None] | None = None) -> ParallelModel:
     """Parallelize ``model`` for this job; call on every rank. See the module docstring.
 
     Args:
         model: an ordinary single-device module with real weights (every rank builds it; rank
-            0's weights are used), or one on the meta device with ``checkpoint=`` (built under
-            ``with torch.device("meta"):``; no rank ever holds its full weights).
+            0's weights are used), or one on the meta device (built under ``with
+            torch.device("meta"):``), initialized by ``init`` or loaded from ``checkpoint``: no
+            rank ever holds its full weights.
         cluster: a :class:`autopar.Cluster`, a preset name or file, or None for this job's world
             (the ``cpu`` preset for gloo processes).
         example_inputs / example_targets: one batch of the model's inputs and the loss targets;
@@ -110,6 +112,12 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
             (names, tied names, shapes, dtypes) on every rank before anything else runs.
             Buffers the checkpoint does not hold come from the model, computed by its
             ``_init_weights`` when they are on the meta device (transformers models).
+        init: how a model on the meta device without ``checkpoint`` is initialized: a function
+            applied to every module as ``model.apply(init)`` would (children first); default
+            the model's own: transformers' ``init_weights`` for transformers models, otherwise
+            each module's ``reset_parameters``. It draws from rank 0's CPU random state as of
+            this call, so every shard holds what the same model initialized on one device from
+            that state would hold there, on every plan (see :mod:`autopar.runtime.meta_init`).
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InvalidInputError("timeout_s must be a positive number of seconds",
@@ -123,20 +131,26 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     if verify and on_meta:
         raise InvalidInputError("verify=True compares with the original model, which lives on "
                                 "the meta device", fix="verify with a model that fits one process")
+    if init is not None and (checkpoint is not None or not on_meta):
+        raise InvalidInputError("init= initializes a model built on the meta device",
+                                expected="a meta-device model and no checkpoint=",
+                                found="a checkpoint=" if checkpoint is not None else
+                                      "a model with real weights",
+                                fix="drop init=, or build the model under "
+                                    "`with torch.device('meta'):`")
+    if init is not None and not callable(init):
+        raise InvalidInputError("init= must be a function taking a module",
+                                found=type(init).__name__, fix="pass e.g. init=model._init")
     source = None
+    init_rng = None
     if checkpoint is not None:  # every rank reads the same headers: the same error everywhere
         from autopar.runtime.hf_checkpoint import SafetensorsCheckpoint
 
         source = SafetensorsCheckpoint(checkpoint)
         entries, other_names = _checkpoint_entries(model)
         source.check(entries, other_names=other_names)
-    elif on_meta:
-        raise InvalidInputError("parallelize needs the weights of a model on the meta device",
-                                expected="real weights, or checkpoint=",
-                                found="parameters or buffers on the meta device",
-                                fix="pass checkpoint=<a Hugging Face safetensors directory> (each "
-                                    "rank reads only its shards), or build the model with real "
-                                    "weights")
+    elif on_meta:  # initialized from rank 0's random state as of now, on every rank
+        init_rng = _rank0_rng_state()
 
     if loss_fn is None:
         raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
@@ -166,6 +180,9 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     gc.collect()
     if source is not None:
         shards = program.read_shards(source, functools.partial(_buffer_value, model))
+    elif init_rng is not None:
+        torch.set_rng_state(init_rng)  # the random state ends where one device's init leaves it
+        shards = program.init_shards(model, init)
     else:
         shards = program.shards(program.staged.sharded.full_tensors(model))
     pm = program.instantiate(mesh, training, shards=shards)
@@ -219,6 +236,13 @@ def _broadcast_model(model: nn.Module) -> None:
                 t.copy_(moved.to(t.device))
             else:
                 collective(dist.broadcast, t.data, src=0, what=what)
+
+
+def _rank0_rng_state() -> torch.Tensor:
+    """Rank 0's CPU random state (every rank initializes a meta model from it)."""
+    state = [torch.get_rng_state() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(state, src=0)
+    return state[0]
 
 
 def _checkpoint_entries(model: nn.Module) -> tuple[list[Any], list[str]]:

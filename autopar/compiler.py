@@ -32,6 +32,8 @@ from autopar.errors import InvalidPlanError, PlanMismatchError
 from autopar.plan_types import Plan, Prediction, RecomputeKind
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from autopar.frontend import CapturedGraph
     from autopar.parallel_model import ParallelModel, TrainingOptions
     from autopar.passes.split_stages import StageSplit
@@ -166,6 +168,39 @@ class RankProgram:
                 piece = shard_tensor(buffer(layout.fqn).to(layout.dtype), layout.placement, tp,
                                      self.tp_rank, layout.fqn)
             out[layout.fqn] = piece.to(self.device)
+        return out
+
+    def init_shards(self, model: nn.Module, init: Callable[[nn.Module], None] | None
+                    ) -> dict[str, torch.Tensor]:
+        """This rank's tensors of a model on the meta device, initialized as one device would
+        (``init`` applied module by module, None: the model's own initializer; see
+        :mod:`autopar.runtime.meta_init`) from the current CPU random state: every tensor is
+        materialized whole for as long as its initializer works on it, and only its slice kept.
+        Tensors the model holds on a real device are sliced from it."""
+        from autopar.runtime.meta_init import materialize
+        from autopar.sharding import shard_tensor
+
+        captured = self.planned.captured
+        aliases = {p.fqn: p.aliases for p in (*captured.params.values(),
+                                              *captured.buffers.values())}
+        wanted = {name: layout for layout in self.held
+                  for name in (layout.fqn, *aliases.get(layout.fqn, ()))}
+        out: dict[str, torch.Tensor] = {}
+
+        def take(names: list[str], value: torch.Tensor) -> None:
+            for name in names:
+                layout = wanted.get(name)
+                if layout is not None and layout.fqn not in out:
+                    out[layout.fqn] = shard_tensor(value.to(layout.dtype), layout.placement,
+                                                   self.plan.tp, self.tp_rank,
+                                                   layout.fqn).to(self.device)
+
+        materialize(model, init, take)
+        real = dict(model.named_parameters(remove_duplicate=False))
+        real.update(model.named_buffers(remove_duplicate=False))
+        for name, value in real.items():
+            if not value.is_meta:
+                take([name], value.detach())
         return out
 
     def source(self) -> str:

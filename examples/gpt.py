@@ -91,9 +91,14 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init(module: nn.Module) -> None:
+        """Every tensor of ``module`` itself (GPT-2's scheme): what the model built on the meta
+        device is initialized with (``autopar.parallelize(..., init=GPT._init)``)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

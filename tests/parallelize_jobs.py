@@ -185,6 +185,61 @@ def train(configs, steps: int = 3):
     return out
 
 
+def _init_of(name: str):
+    """The initializer a test passes: the project's own GPT's ``_init``; None (the model's own:
+    transformers' ``init_weights``) for the transformers families."""
+    if name == "own_gpt":
+        from examples.gpt import GPT
+
+        return GPT._init
+    return None
+
+
+def init_states(configs):
+    """For each ``(model name, pins)``: seed 0, build on meta, parallelize with ``init=`` (no
+    weights anywhere); rank 0's full state dict, and what each rank allocated against what its
+    RankProgram says it holds."""
+    out = []
+    for name, pins in configs:
+        torch.manual_seed(0)
+        model, loss_fn = make_model(name, "meta")
+        data = batches(name, 1)
+        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=LR),
+                                 init=_init_of(name))
+        held = (pm.program.held_bytes(),
+                sum(t.numel() * t.element_size() for t in
+                    (*pm.executor.params.values(), *pm.executor.buffers.values())))
+        state = pm.state_dict()
+        out.append(dict(state=state if dist.get_rank() == 0 else None, held_bytes=held,
+                        zero=pm.plan.zero, rng=torch.get_rng_state()))
+        pm.close()
+    return out
+
+
+def reference_init(name: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One device: seed 0, build on meta, materialize, initialize. transformers models take
+    transformers' own meta flow (``to_empty`` then ``init_weights``, which ties the LM head
+    back); the own GPT is materialized with its tie kept and initialized by
+    ``model.apply(GPT._init)``. Returns the state dict and the CPU random state after."""
+    torch.manual_seed(0)
+    model, _ = make_model(name, "meta")
+    if name == "own_gpt":
+        real: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            for key, p in list(module._parameters.items()):
+                if p is not None:
+                    real.setdefault(id(p), torch.nn.Parameter(torch.empty_like(p, device="cpu")))
+                    module._parameters[key] = real[id(p)]
+        model.apply(_init_of(name))
+    else:
+        model.to_empty(device="cpu")
+        model.init_weights()
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            torch.get_rng_state())
+
+
 #: A model whose fp32 weights (~170 MB) are several times what one of 4 ranks holds under
 #: tp 2 x pp 2 or pp 4 (~40-50 MB).
 LARGE = dict(layers=12, hidden=512, heads=8, vocab=8192, seq=64)

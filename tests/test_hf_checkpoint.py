@@ -98,7 +98,7 @@ def test_each_bad_checkpoint_is_named(tmp_path, gpt_checkpoint):
         SafetensorsCheckpoint(tmp_path)  # a directory without one
 
 
-def test_parallelize_refuses_a_meta_model_without_weights_and_another_models_checkpoint(
+def test_parallelize_refuses_an_init_that_leaves_meta_and_another_models_checkpoint(
         gpt_checkpoint, tmp_path):
     path, _ = gpt_checkpoint
     llama, loss_fn = jobs.make_model("llama", "meta")
@@ -106,10 +106,12 @@ def test_parallelize_refuses_a_meta_model_without_weights_and_another_models_che
     kwargs = dict(example_inputs=data[0][0], example_targets=data[0][1], loss_fn=loss_fn,
                   plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 1},
                   optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    with pytest.raises(InvalidInputError, match="needs the weights of a model on the meta "
-                                                "device") as err:
-        autopar.parallelize(llama, **kwargs)
-    assert "checkpoint=" in str(err.value)
+    with pytest.raises(InvalidInputError, match="tensor.s. on the meta device") as err:
+        autopar.parallelize(llama, init=lambda m: None if m is not llama.lm_head
+                            else torch.nn.init.normal_(m.weight), **kwargs)
+    assert "model.embed_tokens.weight" in str(err.value)  # the first of them, named
+    with pytest.raises(InvalidInputError, match="init= initializes a model built on the meta"):
+        autopar.parallelize(llama, checkpoint=path, init=lambda m: None, **kwargs)
     with pytest.raises(InvalidInputError, match="does not fit the model") as err:
         autopar.parallelize(llama, checkpoint=path, **kwargs)  # GPT-2's weights
     assert "missing from the checkpoint: model." in str(err.value)

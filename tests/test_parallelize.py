@@ -236,8 +236,16 @@ def test_world8_dp2_pp2_tp2(references):
         _check_memory(per_rank, k, pins, False, what)
 
 
-def test_a_meta_model_trains_from_a_hugging_face_checkpoint(references, tmp_path):
-    """Built on the meta device, loaded from the safetensors checkpoint of the single-process
+def test_a_meta_model_trains_from_a_checkpoint_and_initializes_like_one_device(references,
+                                                                             tmp_path):
+    """Initialized: built on meta from seed 0 and parallelized with ``init=`` (no weights
+    anywhere), every rank's shards are, to the bit, the values one device holds after the same
+    initialization from the same seed (transformers' to_empty + init_weights, or the own GPT's
+    ``apply(_init)`` with its tie kept), under tp 2 x pp 2, dp 2 x pp 2 with ZeRO-3, pp 4 and
+    dp 2 x tp 2: LLaMA, GPT-2 (its parent-written c_proj and tied head), BERT (tied decoder) and
+    the own GPT; each rank's CPU random state ends where one device's does.
+
+    Loaded: built on the meta device, loaded from the safetensors checkpoint of the single-process
     model's initial weights (one file for LLaMA, an index and shard files for GPT-2), each rank
     reading only its slices: tp 2 x pp 2, dp 2 x pp 2 with ZeRO-3 and pp 4 train to the
     single-process numbers (the tolerances above). The tied embedding and LM head load once;
@@ -258,8 +266,23 @@ def test_a_meta_model_trains_from_a_hugging_face_checkpoint(references, tmp_path
                ("llama", _pins(2, 2, 1, "1f1b", 1, 2, False, 3),
                 dict(checkpoint=dirs["llama"], save_pretrained=saved[1])),
                ("gpt", _pins(1, 4, 1, "1f1b", 1, 4, False, 1), dict(checkpoint=dirs["gpt"]))]
+    init_configs = [("llama", _pins(1, 2, 2, "1f1b", 1, 2, False, 0)),
+                    ("gpt", _pins(2, 2, 1, "1f1b", 1, 2, False, 3)),
+                    ("own_gpt", _pins(1, 4, 1, "1f1b", 1, 4, False, 0)),
+                    ("bert", _pins(2, 1, 2, "1f1b", 1, 1, False, 1))]
     with LocalPool(4, timeout_s=600) as pool:
         per_rank = pool.run(jobs.train, configs, timeout_s=900)
+        initialized = pool.run(jobs.init_states, init_configs, timeout_s=600)
+    for k, (name, pins) in enumerate(init_configs):
+        want, rng = jobs.reference_init(name)
+        got = initialized[0][k]["state"]
+        assert set(got) == set(want), (name, set(got) ^ set(want))
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (name, pins, key)
+        for r in initialized:
+            assert torch.equal(r[k]["rng"], rng), name
+            program_says, allocated = r[k]["held_bytes"]
+            assert program_says == allocated > 0 or r[k]["zero"] == 3, (name, program_says)
     for k, (name, pins, _) in enumerate(configs):
         what = f"meta {name} {pins}"
         _compare(per_rank[0][k], references[(name, None)], what)
