@@ -180,9 +180,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     gc.collect()
     if source is not None:
         shards = program.read_shards(source, functools.partial(_buffer_value, model))
-    elif init_rng is not None:
-        torch.set_rng_state(init_rng)  # the random state ends where one device's init leaves it
-        shards = program.init_shards(model, init)
+    elif init_rng is not None:  # the random state ends where one device's init leaves it
+        shards = program.init_shards(model, init, rng_state=init_rng)
     else:
         shards = program.shards(program.staged.sharded.full_tensors(model))
     pm = program.instantiate(mesh, training, shards=shards)

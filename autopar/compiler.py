@@ -107,6 +107,17 @@ class StagedProgram:
         return "".join(parts)
 
 
+@dataclass(frozen=True)
+class ShardStream:
+    """A rank's tensors produced one at a time: ``stream(sink)`` calls ``sink(fqn, piece)`` once
+    for every tensor the rank holds, in the source's order (a checkpoint's, an initializer's)."""
+
+    stream: Callable[[Callable[[str, torch.Tensor], None]], None]
+
+    def __call__(self, sink: Callable[[str, torch.Tensor], None]) -> None:
+        self.stream(sink)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RankProgram:
     """What one rank runs: its coordinates, its stages and the tensors those stages read."""
@@ -148,72 +159,84 @@ class RankProgram:
         return {p.fqn: by_attribute[p.attribute].to(self.device) for p in self.held}
 
     def read_shards(self, checkpoint: "SafetensorsCheckpoint",
-                    buffer: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's tensors read from a safetensors checkpoint, each only the slice it holds;
-        a buffer the checkpoint does not hold comes whole from ``buffer(fqn)`` and is sliced."""
+                    buffer: Callable[[str], torch.Tensor]) -> "ShardStream":
+        """This rank's tensors read from a safetensors checkpoint one at a time, each only the
+        slice it holds; a buffer the checkpoint does not hold comes whole from ``buffer(fqn)``
+        and is sliced."""
         from autopar.runtime.hf_checkpoint import TensorEntry
         from autopar.sharding import shard_tensor
 
-        captured = self.planned.captured
-        names = {p.fqn: (p.fqn, *p.aliases) for p in (*captured.params.values(),
-                                                      *captured.buffers.values())}
-        tp = self.plan.tp
-        out = {}
-        for layout in self.held:
-            entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
-                                layout.full_shape, layout.dtype)
-            if checkpoint.key_of(entry) is not None:
-                piece = checkpoint.read(entry, layout.placement, tp, self.tp_rank)
-            else:
-                piece = shard_tensor(buffer(layout.fqn).to(layout.dtype), layout.placement, tp,
-                                     self.tp_rank, layout.fqn)
-            out[layout.fqn] = piece.to(self.device)
-        return out
+        names = self._names()
 
-    def init_shards(self, model: nn.Module, init: Callable[[nn.Module], None] | None
-                    ) -> dict[str, torch.Tensor]:
+        def stream(sink: Callable[[str, torch.Tensor], None]) -> None:
+            for layout in self.held:
+                entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
+                                    layout.full_shape, layout.dtype)
+                if checkpoint.key_of(entry) is not None:
+                    piece = checkpoint.read(entry, layout.placement, self.plan.tp, self.tp_rank)
+                else:
+                    piece = shard_tensor(buffer(layout.fqn).to(layout.dtype), layout.placement,
+                                         self.plan.tp, self.tp_rank, layout.fqn)
+                sink(layout.fqn, piece)
+
+        return ShardStream(stream)
+
+    def init_shards(self, model: "nn.Module", init: Callable[["nn.Module"], None] | None, *,
+                    rng_state: torch.Tensor | None = None) -> "ShardStream":
         """This rank's tensors of a model on the meta device, initialized as one device would
         (``init`` applied module by module, None: the model's own initializer; see
-        :mod:`autopar.runtime.meta_init`) from the current CPU random state: every tensor is
-        materialized whole for as long as its initializer works on it, and only its slice kept.
-        Tensors the model holds on a real device are sliced from it."""
+        :mod:`autopar.runtime.meta_init`) from ``rng_state`` (None: the CPU random state when
+        the stream runs), which it leaves where one device's would be: every tensor is materialized whole for as long as its initializer works on it,
+        and only its slice handed on. Tensors the model holds on a real device are sliced
+        from it."""
         from autopar.runtime.meta_init import materialize
         from autopar.sharding import shard_tensor
 
+        aliases = self._names()
+        wanted = {name: layout for layout in self.held for name in aliases.get(layout.fqn, ())}
+        wanted.update({layout.fqn: layout for layout in self.held})
+
+        def stream(sink: Callable[[str, torch.Tensor], None]) -> None:
+            sent: set[str] = set()
+
+            def take(names: list[str], value: torch.Tensor) -> None:
+                for name in names:
+                    layout = wanted.get(name)
+                    if layout is not None and layout.fqn not in sent:
+                        sent.add(layout.fqn)
+                        sink(layout.fqn, shard_tensor(value.to(layout.dtype), layout.placement,
+                                                      self.plan.tp, self.tp_rank, layout.fqn))
+
+            if rng_state is not None:
+                torch.set_rng_state(rng_state)
+            materialize(model, init, take)
+            for name, value in (*model.named_parameters(remove_duplicate=False),
+                                *model.named_buffers(remove_duplicate=False)):
+                if not value.is_meta:
+                    take([name], value.detach())
+
+        return ShardStream(stream)
+
+    def _names(self) -> dict[str, tuple[str, ...]]:
+        """FQN -> every name the model holds the tensor under (tied aliases)."""
         captured = self.planned.captured
-        aliases = {p.fqn: p.aliases for p in (*captured.params.values(),
-                                              *captured.buffers.values())}
-        wanted = {name: layout for layout in self.held
-                  for name in (layout.fqn, *aliases.get(layout.fqn, ()))}
-        out: dict[str, torch.Tensor] = {}
-
-        def take(names: list[str], value: torch.Tensor) -> None:
-            for name in names:
-                layout = wanted.get(name)
-                if layout is not None and layout.fqn not in out:
-                    out[layout.fqn] = shard_tensor(value.to(layout.dtype), layout.placement,
-                                                   self.plan.tp, self.tp_rank,
-                                                   layout.fqn).to(self.device)
-
-        materialize(model, init, take)
-        real = dict(model.named_parameters(remove_duplicate=False))
-        real.update(model.named_buffers(remove_duplicate=False))
-        for name, value in real.items():
-            if not value.is_meta:
-                take([name], value.detach())
-        return out
+        return {p.fqn: (p.fqn, *p.aliases) for p in (*captured.params.values(),
+                                                     *captured.buffers.values())}
 
     def source(self) -> str:
         """The Python source this rank runs."""
         return self.staged.source(self.rank)
 
     def instantiate(self, mesh: "ParallelMesh", training: "TrainingOptions", *,
-                    shards: Mapping[str, torch.Tensor]) -> "ParallelModel":
+                    shards: "Mapping[str, torch.Tensor] | ShardStream") -> "ParallelModel":
         """This rank's executor and data-parallel engine on ``mesh`` (collective: every rank
-        creates the same process groups), holding ``shards`` (FQN -> this rank's piece of every
-        tensor in :attr:`held`: :meth:`shards` or :meth:`read_shards`). The shards are taken
-        over, not copied: a dict passed is emptied, so that once the data-parallel engine has
-        moved the parameters into its buffers no second copy stays alive."""
+        creates the same process groups), holding ``shards``: FQN -> this rank's piece of every
+        tensor in :attr:`held` (:meth:`shards`), taken over, not copied (a dict passed is
+        emptied, so that once the data-parallel engine has moved the parameters into its buffers
+        no second copy stays alive); or a :class:`ShardStream` (:meth:`read_shards`,
+        :meth:`init_shards`) whose pieces are written one at a time straight into the engine's
+        buffers, so a rank never holds more than what it keeps plus one piece (under ZeRO-3,
+        only its shard of each)."""
         from autopar.parallel_model import ParallelModel
 
         if (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank) != (self.dp_rank, self.pp_rank, self.tp_rank):
@@ -223,6 +246,8 @@ class RankProgram:
                                              f"{self.tp_rank})",
                                     found=f"({mesh.dp_rank}, {mesh.pp_rank}, {mesh.tp_rank})",
                                     fix="compile the program for this process's rank")
+        if isinstance(shards, ShardStream):
+            return ParallelModel(self, mesh, training, {}, stream=shards)
         wrong = [f"{p.fqn}: expected {tuple(p.local_shape)}, found "
                  f"{tuple(shards[p.fqn].shape) if p.fqn in shards else 'nothing'}"
                  for p in self.held

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,9 @@ class ParallelModel:
     emptied once the executor holds them)."""
 
     def __init__(self, program: "RankProgram", mesh: Any, training: TrainingOptions,
-                 tensors: Mapping[str, torch.Tensor]) -> None:
+                 tensors: Mapping[str, torch.Tensor], *,
+                 stream: Callable[[Callable[[str, torch.Tensor], None]], None] | None = None
+                 ) -> None:
         from autopar.runtime.pipeline import PipelineExecutor
         from autopar.runtime.tp import TPGroup
 
@@ -96,6 +98,8 @@ class ParallelModel:
         self.tp_group = TPGroup.from_mesh(mesh)
         self.tp_group.rng.seed = int(planned.seed)
         self.data_parallel: Any = None
+        if stream is not None:  # the values arrive after the engine exists, one at a time
+            tensors = _placeholders(program)
         self.executor = PipelineExecutor(self.split, program.staged.schedule, mesh,
                                          tensors=tensors, bindings={"tp": self.tp_group},
                                          sync_tied=False, on_backward=self._on_backward,
@@ -109,9 +113,34 @@ class ParallelModel:
         self._chunk = {s: (i if len(local) > 1 else None) for i, s in enumerate(local)}
         #: Parameter FQN -> this rank's DataParallel name for it (stages it holds only).
         self._dp_name = _dp_names(self.executor)
-        self.data_parallel = self._build_data_parallel()
+        self.data_parallel = self._build_data_parallel(deferred=stream is not None)
+        if stream is not None:
+            self._load(stream)
 
-    def _build_data_parallel(self) -> Any:
+    def _load(self, stream: Callable[[Callable[[str, torch.Tensor], None]], None]) -> None:
+        """Write every held tensor from ``stream`` into its place: a parameter into the
+        data-parallel engine's buffers (under ZeRO-3, only this rank's shard of it), a buffer
+        into the executor's; each piece can be freed as soon as it is written."""
+        written: set[str] = set()
+        buffers = self.executor.buffers
+
+        def sink(fqn: str, value: torch.Tensor) -> None:
+            if fqn in self._dp_name:
+                self.data_parallel.load(self._dp_name[fqn], value)
+            elif fqn in buffers:
+                with torch.no_grad():
+                    buffers[fqn].copy_(value)
+            written.add(fqn)
+
+        stream(sink)
+        missing = [p.fqn for p in self.program.held if p.fqn not in written]
+        if missing:
+            raise PlanMismatchError("the shards do not cover what this rank holds",
+                                    expected=f"{len(self.program.held)} tensors",
+                                    found=f"nothing for {', '.join(missing[:5])}",
+                                    fix="a source that produces every held tensor")
+
+    def _build_data_parallel(self, deferred: bool = False) -> Any:
         """The data-parallel engine over the executor's stage modules (collective)."""
         from autopar.runtime.data_parallel import DataParallel, DataParallelConfig, ParamSpec
         from autopar.runtime.optim import MixedPrecision
@@ -136,7 +165,7 @@ class ParallelModel:
         # the optimizer's group rules speak of the model's parameter names
         optimizer = training.optimizer.renamed({name: fqn for fqn, name in self._dp_name.items()})
         return DataParallel(list(executor.stage_modules.values()), mesh, optimizer,
-                            config, param_specs=specs)
+                            config, param_specs=specs, deferred=deferred)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -355,15 +384,17 @@ class ParallelModel:
     def _full_parameters(self):
         """(FQN, full tensor on the CPU) of every parameter, one at a time, in FQN order
         (collective: every rank iterates alike)."""
-        local = self.data_parallel.full_parameters()
+        dp = self.data_parallel
         params = self.executor.params
         layouts = {p.fqn: p for p in self.tp_program.layouts}
         for fqn, pinfo in sorted((p.fqn, p) for p in self.captured.params.values()):
             owner = self._owner_pp_rank(fqn)
             shard = None
-            if self.mesh.pp_rank == owner:
+            if self.mesh.pp_rank == owner:  # gathered over the shard group alone (ZeRO)
                 name = self._dp_name[fqn]
-                shard = local[name] if name in local else params[fqn].detach()
+                shard = dp.full_parameter(name)
+                if shard is None:
+                    shard = params[fqn].detach()
                 shard = shard.to(pinfo.spec.dtype)
             yield fqn, self._assemble(fqn, shard, owner, pinfo.spec, layouts[fqn].placement)
 
@@ -606,3 +637,19 @@ def _dp_names(executor: Any) -> dict[str, str]:
             out.setdefault(fqn, prefix + name)
     return out
 
+
+
+def _placeholders(program: "RankProgram") -> dict[str, torch.Tensor]:
+    """Stand-ins for a rank's tensors before their values stream in: each parameter a single
+    element broadcast to its local shape (the right shape, dtype and device, no memory; the
+    data-parallel engine points it at its buffers), each buffer zeros to be written."""
+    params = {p.fqn for p in program.planned.captured.params.values()}
+    out = {}
+    for layout in program.held:
+        if layout.fqn in params:
+            out[layout.fqn] = torch.empty((), dtype=layout.dtype,
+                                          device=program.device).expand(*layout.local_shape)
+        else:
+            out[layout.fqn] = torch.zeros(layout.local_shape, dtype=layout.dtype,
+                                          device=program.device)
+    return out

@@ -271,7 +271,7 @@ class DataParallel:
     def __init__(self, modules: nn.Module | Sequence[nn.Module], mesh: ParallelMesh,
                  optimizer: OptimizerFactory, config: DataParallelConfig = DataParallelConfig(), *,
                  param_specs: Mapping[str, ParamSpec] | Sequence[ParamSpec] | None = None,
-                 units: Sequence[nn.Module] | None = None) -> None:
+                 units: Sequence[nn.Module] | None = None, deferred: bool = False) -> None:
         if not isinstance(mesh, ParallelMesh):
             raise InvalidInputError("DataParallel needs a ParallelMesh", found=type(mesh).__name__,
                                     fix="build autopar.runtime.mesh.ParallelMesh(dp, pp, tp)")
@@ -303,7 +303,10 @@ class DataParallel:
         specs = self._resolve_specs(param_specs, named)
         self.specs = specs
         self.tied = TiedGroups(specs, {n: p.shape for n, p in named}, mesh)
+        self._deferred = deferred
         self._build_buckets(named, specs, units)
+        #: Parameter name -> (its bucket, its slot there): where :meth:`load` writes.
+        self._slot_of = {slot.name: (b, i) for b in self.buckets for i, slot in enumerate(b.slots)}
         self._hooks = []
         for bucket in self.buckets:
             if not bucket.requires_grad:
@@ -427,7 +430,9 @@ class DataParallel:
                 sizes[i] = 0
             groups[i][1].append((name, p))
             sizes[i] += p.numel()
-        src = mesh.ranks("dp")[0] if self.config.sync_module_states else None
+        # deferred: every rank loads the same values itself, nothing to broadcast
+        src = mesh.ranks("dp")[0] if self.config.sync_module_states and not self._deferred \
+            else None
         self.buckets: list[FlatBucket] = []
         for index, (key, params) in enumerate(groups):
             chunk, unit, _, requires_grad, replicated, sum_key = key
@@ -447,7 +452,8 @@ class DataParallel:
             self.buckets.append(FlatBucket(
                 index, params, stage=stage, groups=self.groups, mixed_precision=mp,
                 requires_grad=requires_grad, chunk=chunk, broadcast_src=src,
-                tie=tie if self.config.sync_module_states else None, sum_group=sum_group,
+                tie=tie if self.config.sync_module_states and not self._deferred else None,
+                sum_group=sum_group, deferred=self._deferred,
                 counts_in_norm=counts))
         self._chunk_buckets = [[b for b in self.buckets if b.chunk == c and b.requires_grad]
                                for c in range(len(self.modules))]
@@ -472,6 +478,27 @@ class DataParallel:
                 self.units.append(unit)
                 for b in buckets:
                     self._unit_of_bucket[b.index] = unit
+
+    # -- deferred values ------------------------------------------------------------------------
+    def load(self, name: str, value: torch.Tensor) -> None:
+        """Built with ``deferred=True``: write parameter ``name``'s full (local) value into
+        what this rank keeps of it (under ZeRO-3 only its shard's part), one at a time."""
+        bucket, slot = self._slot_of[name]
+        bucket.load(slot, value)
+
+    def full_parameter(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name`` whole, from the master weights (collective over the shard group;
+        one tensor at a time, unlike :meth:`full_parameters`); None for a name it does not
+        hold."""
+        if name not in self._slot_of:
+            return None
+        bucket, slot = self._slot_of[name]
+        return bucket.full_slot(slot)
+
+    def unloaded(self) -> list[str]:
+        """The parameters :meth:`load` has not written yet."""
+        return [b.slots[i].name for b in self.buckets for i, done in enumerate(b.loaded)
+                if not done]
 
     # -- backward hooks -------------------------------------------------------------------------
     def _make_grad_hook(self, bucket: FlatBucket, slot_index: int, unit: ParamUnit | None):

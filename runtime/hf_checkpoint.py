@@ -182,9 +182,11 @@ class SafetensorsCheckpoint:
                     index = tuple(slice(a, b) if d == dim else slice(None)
                                   for d in range(len(shape)))
                     pieces.append(sl[index])
-            # a copy of our own before the file is closed: the mapped pages are let go now
+            # no copy of our own: a piece is a view of the file's mapping (kept alive by the
+            # tensor, not by the file handle) that the caller copies where it belongs and drops,
+            # which lets the mapped pages go; a concatenation or a dtype change copies anyway
             out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-            return out.to(entry.dtype).contiguous().clone()
+            return out.to(entry.dtype).contiguous()
 
 
 

@@ -38,6 +38,7 @@ turns a timed-out collective into :class:`~autopar.errors.CommunicationTimeoutEr
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
@@ -158,7 +159,8 @@ class FlatBucket:
                  stage: ZeroStage, groups: ShardGroups, mixed_precision: MixedPrecision | None,
                  requires_grad: bool, chunk: int = 0, broadcast_src: int | None = None,
                  tie: tuple[dist.ProcessGroup, int] | None = None,
-                 sum_group: dist.ProcessGroup | None = None, counts_in_norm: bool = True) -> None:
+                 sum_group: dist.ProcessGroup | None = None, counts_in_norm: bool = True,
+                 deferred: bool = False) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
@@ -191,19 +193,16 @@ class FlatBucket:
         self.master_dtype = mixed_precision.master_dtype if mixed_precision else first.dtype
         self.grad_dtype = mixed_precision.grad_dtype if mixed_precision else first.dtype
 
+        for p in self.params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError("parameters of one bucket must share dtype and device")
         with torch.no_grad():
-            full = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.device)
-            for slot, p in zip(slots, self.params):
-                if p.dtype != first.dtype or p.device != first.device:
-                    raise ValueError("parameters of one bucket must share dtype and device")
-                full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-            if broadcast_src is not None and groups.dp_size > 1:
-                wait_work(dist.broadcast(full, src=broadcast_src, group=groups.dp_group,
-                                         async_op=True), f"broadcast of bucket {index}")
-            if tie is not None:
-                wait_work(dist.broadcast(full, src=tie[1], group=tie[0], async_op=True),
-                          f"broadcast of tied bucket {index}")
-            self._init_storage(full)
+            if deferred:  # the values arrive one parameter at a time through load()
+                self._init_empty_storage()
+            else:
+                self._init_storage(self._filled(broadcast_src, tie))
+        #: Which parameters hold their values (all, unless deferred and not loaded yet).
+        self.loaded = [not deferred] * len(slots)
 
         # gradient state
         self.local_grad: torch.Tensor | None = None  # full size, this rank's (micro-)batch sum
@@ -228,6 +227,70 @@ class FlatBucket:
         self.launched = False  # reduction launched in the current backward (kept by the engine)
 
     # -- storage --------------------------------------------------------------------------------
+    def _filled(self, broadcast_src: int | None,
+                tie: tuple[dist.ProcessGroup, int] | None) -> torch.Tensor:
+        """The full flat buffer of the parameters' values (dp rank 0's, or the tie owner's)."""
+        full = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.device)
+        for slot, p in zip(self.slots, self.params):
+            full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        if broadcast_src is not None and self.groups.dp_size > 1:
+            wait_work(dist.broadcast(full, src=broadcast_src, group=self.groups.dp_group,
+                                     async_op=True), f"broadcast of bucket {self.index}")
+        if tie is not None:
+            wait_work(dist.broadcast(full, src=tie[1], group=tie[0], async_op=True),
+                      f"broadcast of tied bucket {self.index}")
+        return full
+
+    def _init_empty_storage(self) -> None:
+        """The stage's buffers, zero, for :meth:`load` to fill: no full buffer under ZeRO-3."""
+        mp = self.mp is not None
+        zeros = functools.partial(torch.zeros, device=self.device)
+        self.param_shard = None
+        if self.stage is ZeroStage.PARAMETERS:
+            self.param_shard = zeros(self.shard_numel, dtype=self.param_dtype)
+            self.master = zeros(self.shard_numel, dtype=self.master_dtype) if mp \
+                else self.param_shard
+            self.flat_param = torch.empty(self.padded_numel, dtype=self.param_dtype,
+                                          device=self.device)
+            self._free_storage()
+            self.gathered = False
+            self._unbind()
+            return
+        self.flat_param = zeros(self.padded_numel, dtype=self.param_dtype)
+        if self.stage is ZeroStage.NONE:
+            self.master = zeros(self.padded_numel, dtype=self.master_dtype) if mp \
+                else self.flat_param
+        else:
+            self.master = zeros(self.shard_numel, dtype=self.master_dtype) if mp \
+                else self.flat_param[self.own]
+        self.gathered = True
+        self._bind()
+
+    @torch.no_grad()
+    def load(self, slot_index: int, value: torch.Tensor) -> None:
+        """Write parameter ``slot_index``'s value (its full local tensor) into what this rank
+        keeps of it: the flat buffer (stages 0-2) or the part inside this rank's shard (stage
+        3), and the master copy under mixed precision. ``value`` can be dropped afterwards."""
+        slot = self.slots[slot_index]
+        if tuple(value.shape) != tuple(slot.shape):
+            raise ValueError(f"{slot.name}: expected {tuple(slot.shape)}, got "
+                             f"{tuple(value.shape)}")
+        flat = value.detach().reshape(-1).to(self.device)
+        a, b = slot.offset, slot.offset + slot.numel
+        lo, hi = max(a, self.own.start), min(b, self.own.stop)  # the part in this rank's shard
+        mine = slice(lo - self.own.start, hi - self.own.start)
+        if self.stage is ZeroStage.PARAMETERS:
+            if lo < hi:
+                self.param_shard[mine].copy_(flat[lo - a:hi - a])  # type: ignore[index]
+        else:
+            self.flat_param[a:b].copy_(flat)
+        if self.mp is not None:
+            if self.stage is ZeroStage.NONE:
+                self.master[a:b].copy_(flat)
+            elif lo < hi:
+                self.master[mine].copy_(flat[lo - a:hi - a])
+        self.loaded[slot_index] = True
+
     def _init_storage(self, full: torch.Tensor) -> None:
         mp = self.mp is not None
         stage = self.stage
@@ -467,6 +530,28 @@ class FlatBucket:
                                          group=self.groups.shard_group, async_op=True),
                   f"gather of master bucket {self.index}")
         return out
+
+    def full_slot(self, slot_index: int) -> torch.Tensor:
+        """Parameter ``slot_index`` whole, from the master weights: under ZeRO 1-3 each rank of
+        the shard group broadcasts the part of it inside its shard (collective over the shard
+        group), so only this one tensor is ever whole here."""
+        slot = self.slots[slot_index]
+        a, b = slot.offset, slot.offset + slot.numel
+        if self.stage is ZeroStage.NONE or self.groups.shard_size == 1:
+            return self.master[a:b].detach().view(slot.shape).clone()
+        out = torch.empty(slot.numel, dtype=self.master_dtype, device=self.device)
+        size = self.shard_numel
+        for r in range(self.shard_count):
+            lo, hi = max(a, r * size), min(b, (r + 1) * size)
+            if lo >= hi:
+                continue
+            piece = out[lo - a:hi - a]
+            if r == self.groups.shard_rank:
+                piece.copy_(self.master[lo - r * size:hi - r * size])
+            src = dist.get_global_rank(self.groups.shard_group, r)
+            wait_work(dist.broadcast(piece, src=src, group=self.groups.shard_group,
+                                     async_op=True), f"gather of {slot.name}")
+        return out.view(slot.shape)
 
     # -- memory ---------------------------------------------------------------------------------
     def storages(self) -> dict[str, dict[tuple[int, int], int]]:

@@ -286,6 +286,12 @@ def load_large(checkpoint: str, pins: Mapping[str, Any]):
     held = sum(int(torch.tensor(p.local_shape).prod()) * 4 for p in pm.program.held
                if p.fqn in pm.executor.params)
     memory = pm.memory_bytes()
+    # the planner's weight memory for this plan (a pinned plan is not priced by parallelize)
+    from autopar.planner.memory import model_state_bytes
+
+    predicted = model_state_bytes(sum(p.numel() for p in zm.model.parameters()), pm.plan.dp,
+                                  pm.plan.zero, "fp32").weights / pm.plan.pp / pm.plan.tp
     pm.close()
     return dict(growth=growth, params=params, held=held, memory=memory, largest=largest,
+                predicted_weights=predicted,
                 coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank))
