@@ -108,7 +108,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
             (default 1e-4, or 5e-2 with mixed precision).
         checkpoint: a Hugging Face safetensors directory (``save_pretrained``'s
             ``model.safetensors``, or shards and ``model.safetensors.index.json``) to take the
-            weights from: each rank reads only the slices it holds. Checked against the model
+            weights from: each rank reads only the slices it holds. Or a directory
+            ``ParallelModel.save`` wrote (a ``torch.distributed.checkpoint`` with autopar's
+            sidecar, saved under any plan and world size): parameters, optimizer state and step
+            count are restored, as :meth:`ParallelModel.load` does. Checked against the model
             (names, tied names, shapes, dtypes) on every rank before anything else runs.
             Buffers the checkpoint does not hold come from the model, computed by its
             ``_init_weights`` when they are on the meta device (transformers models).
@@ -143,7 +146,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                                 found=type(init).__name__, fix="pass e.g. init=model._init")
     source = None
     init_rng = None
-    if checkpoint is not None:  # every rank reads the same headers: the same error everywhere
+    resume = _autopar_checkpoint(checkpoint)
+    if resume is not None:  # pm.save's directory: parameters, optimizer state and step
+        pass
+    elif checkpoint is not None:  # every rank reads the same headers: the same error everywhere
         from autopar.runtime.hf_checkpoint import SafetensorsCheckpoint
 
         source = SafetensorsCheckpoint(checkpoint)
@@ -180,11 +186,15 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     gc.collect()
     if source is not None:
         shards = program.read_shards(source, functools.partial(_buffer_value, model))
+    elif resume is not None and on_meta:  # the parameters come from the checkpoint below
+        shards = program.blank_shards(functools.partial(_buffer_value, model))
     elif init_rng is not None:  # the random state ends where one device's init leaves it
         shards = program.init_shards(model, init, rng_state=init_rng)
     else:
         shards = program.shards(program.staged.sharded.full_tensors(model))
     pm = program.instantiate(mesh, training, shards=shards)
+    if resume is not None:  # each rank reads only the blocks its layout needs
+        pm.load(resume)
     _check_agreement(pm)
     if verify:
         pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
@@ -225,7 +235,7 @@ def _broadcast_model(model: nn.Module) -> None:
     seen: set[int] = set()
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            if id(t) in seen:
+            if id(t) in seen or t.is_meta:  # a meta tensor's values come from init= or a file
                 continue
             seen.add(id(t))
             what = "the broadcast of rank 0's weights"
@@ -242,6 +252,16 @@ def _rank0_rng_state() -> torch.Tensor:
     state = [torch.get_rng_state() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(state, src=0)
     return state[0]
+
+
+def _autopar_checkpoint(path: str | os.PathLike | None) -> str | None:
+    """``path`` when it is a directory :meth:`ParallelModel.save` wrote (its sidecar names
+    it), else None."""
+    from autopar.runtime.checkpoint import SIDECAR
+
+    if path is None or not os.path.isfile(os.path.join(path, SIDECAR)):
+        return None
+    return os.fspath(path)
 
 
 def _checkpoint_entries(model: nn.Module) -> tuple[list[Any], list[str]]:

@@ -181,6 +181,24 @@ class RankProgram:
 
         return ShardStream(stream)
 
+    def blank_shards(self, buffer: Callable[[str], torch.Tensor]) -> "ShardStream":
+        """Zero parameters (for a checkpoint to overwrite: ``ParallelModel.load``) and the
+        buffers from ``buffer(fqn)``, sliced; one at a time."""
+        from autopar.sharding import shard_tensor
+
+        params = {p.fqn for p in self.planned.captured.params.values()}
+
+        def stream(sink: Callable[[str, torch.Tensor], None]) -> None:
+            for layout in self.held:
+                if layout.fqn in params:
+                    sink(layout.fqn, torch.zeros(layout.local_shape, dtype=layout.dtype))
+                else:
+                    sink(layout.fqn, shard_tensor(buffer(layout.fqn).to(layout.dtype),
+                                                  layout.placement, self.plan.tp, self.tp_rank,
+                                                  layout.fqn))
+
+        return ShardStream(stream)
+
     def init_shards(self, model: "nn.Module", init: Callable[["nn.Module"], None] | None, *,
                     rng_state: torch.Tensor | None = None) -> "ShardStream":
         """This rank's tensors of a model on the meta device, initialized as one device would

@@ -470,7 +470,7 @@ class ParallelModel:
         # Undo the old engine first (it owns the parameters' storage: flat buckets, bf16 views
         # under mixed precision, ZeRO-3 shards), then give the parameters their new values at the
         # stored dtype, so the new engine's fp32 master weights are exact.
-        self.data_parallel.close()
+        self.data_parallel.close(gather=False)  # every parameter gets its new value below
         self.data_parallel = None
         stored = {p.fqn: p.spec.dtype for p in self.captured.params.values()}
         with torch.no_grad():
@@ -522,10 +522,11 @@ class ParallelModel:
         return self.steps
 
     def model_fingerprint(self) -> str:
-        """A hash of the model alone (its captured graph and parameter table), the same under
-        every plan: what a checkpoint is checked against."""
+        """A hash of the model alone (its parameter table and its graph's structure, devices and
+        layout-only ops ignored, as in plans: a model built on meta matches the real one), the
+        same under every plan: what a checkpoint is checked against."""
         h = hashlib.sha256(json.dumps(self._tensor_table(), sort_keys=True).encode())
-        h.update(self.captured.gm.code.encode())
+        h.update(self.captured.fingerprint().encode())
         return h.hexdigest()[:16]
 
     def _tensor_table(self) -> dict[str, dict[str, Any]]:
@@ -620,7 +621,9 @@ class ParallelModel:
         return h.hexdigest()[:16]
 
     def close(self) -> None:
-        self.data_parallel.close()
+        """Release the data-parallel engine's hooks and groups (collective). ZeRO-3 parameters
+        are not gathered first: the model is done."""
+        self.data_parallel.close(gather=False)
 
 
 def _dp_names(executor: Any) -> dict[str, str]:
@@ -636,7 +639,6 @@ def _dp_names(executor: Any) -> dict[str, str]:
             fqn = next(f for f in executor.params if module_attribute(f) == name)
             out.setdefault(fqn, prefix + name)
     return out
-
 
 
 def _placeholders(program: "RankProgram") -> dict[str, torch.Tensor]:

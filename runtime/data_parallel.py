@@ -733,19 +733,23 @@ class DataParallel:
         checkpoint.load(path, self, layouts or self.checkpoint_layouts(), sidecar)
         return sidecar
 
-    def remove(self) -> None:
-        """Remove the hooks; ZeRO-3 parameters are left gathered (full) in the modules."""
+    def remove(self, gather: bool = True) -> None:
+        """Remove the hooks; ZeRO-3 parameters are left gathered (full) in the modules, unless
+        ``gather=False`` (nothing will use the modules again: a large model's parameters are
+        never whole on one rank)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         for unit in self.units:
-            unit.gather()
+            if gather:
+                unit.gather()
             unit.remove()
         self.units = []
 
-    def close(self) -> None:
-        """Remove the hooks and destroy the process groups this object created. Collective."""
-        self.remove()
+    def close(self, gather: bool = True) -> None:
+        """Remove the hooks (see :meth:`remove`) and destroy the process groups this object
+        created. Collective."""
+        self.remove(gather)
         self.groups.destroy()
         self.tied.destroy()
 

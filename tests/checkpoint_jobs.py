@@ -17,11 +17,12 @@ from tp_helpers import TINY_COST
 SAVED_AT, TOTAL = 2, 4
 
 
-def _parallelize(name: str, pins: dict, data, bucket_mb: float):
-    model, loss_fn = make_model(name)
+def _parallelize(name: str, pins: dict, data, bucket_mb: float, checkpoint: str | None = None):
+    # resuming from a checkpoint: built on meta, no weights anywhere but the checkpoint's
+    model, loss_fn = make_model(name, "meta" if checkpoint else "cpu")
     return autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                                loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                               bucket_mb=bucket_mb,
+                               bucket_mb=bucket_mb, checkpoint=checkpoint,
                                optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
 
 
@@ -43,15 +44,20 @@ def train_and_save(configs, root: str):
 
 
 def load_and_continue(configs, root: str):
-    """For each (model, pins): load ``root/<model>`` under these pins, then train to TOTAL
+    """For each (model, pins[, meta]): load ``root/<model>`` under these pins (with ``meta``,
+    a model built on meta parallelized with ``checkpoint=`` the directory), then train to TOTAL
     steps. Rank 0 returns the state dict right after loading, the resumed losses, the final
     state dict and the restored step count."""
     out = []
-    for name, pins in configs:
+    for name, pins, *meta in configs:
         start = time.perf_counter()
         data = batches(name, TOTAL)
-        pm = _parallelize(name, pins, data, bucket_mb=1.0)
-        pm.load(os.path.join(root, name))
+        path = os.path.join(root, name)
+        if meta and meta[0]:
+            pm = _parallelize(name, pins, data, bucket_mb=1.0, checkpoint=path)
+        else:
+            pm = _parallelize(name, pins, data, bucket_mb=1.0)
+            pm.load(path)
         loaded = pm.state_dict()
         steps = pm.steps
         losses = [pm.train_step(x, y) for x, y in data[SAVED_AT:]]

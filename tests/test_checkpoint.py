@@ -5,7 +5,9 @@ The resharding test saves at world 4 as (dp, pp, tp) = (2, 2, 1) with ZeRO-2 and
 (ZeRO shards cut parameters mid-row), then loads at world 2 as (1, 1, 2) ZeRO-0 and (2, 1, 1)
 ZeRO-3, and at world 4 as (1, 2, 2) with twice the micro-batches, on the project's own GPT and
 HF GPT-2 (fused c_attn: a strided tensor-parallel shard; its world-2 ZeRO-3 load is left to the
-own GPT to save time). Right after loading, every parameter
+own GPT to save time). At world 4, GPT-2 resumes as a model built on the meta device handed
+to ``parallelize(checkpoint=<the directory>)``: no weights anywhere but the checkpoint's, the
+optimizer state and step count restored with them. Right after loading, every parameter
 equals the saved one bit for bit (a load is a copy). After the remaining AdamW steps, losses and
 parameters equal the uninterrupted single-process run within the tolerance of
 tests/test_parallelize.py: 1e-5 (reduction order moves fp32 results by ~1e-7 per step; Adam's
@@ -57,7 +59,9 @@ def test_checkpoint_loads_under_another_plan_and_world_size(tmp_path):
     refs = {name: reference(name, steps=jobs.TOTAL) for name in MODELS}
     with LocalPool(4, timeout_s=300) as pool:
         saved = pool.run(jobs.train_and_save, [(n, SAVE) for n in MODELS], root)[0]
-        world4 = pool.run(jobs.load_and_continue, [(n, LOAD_WORLD4) for n in MODELS], root)[0]
+        # GPT-2 resumes as a model on meta: parallelize(checkpoint=) restores everything
+        world4 = pool.run(jobs.load_and_continue,
+                          [(n, LOAD_WORLD4, n == "gpt") for n in MODELS], root)[0]
     # GPT-2 skips the (2, 1, 1) ZeRO-3 load, which the own GPT covers (time: ~3 s)
     configs = [(n, pins) for n in MODELS for pins in LOAD_WORLD2][:3]
     with LocalPool(2, timeout_s=300) as pool:
