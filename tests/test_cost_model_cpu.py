@@ -151,7 +151,7 @@ def test_oversubscribed_cores_stretch_compute_by_the_efficiency(costs):
 def test_gradient_accumulation_is_priced_per_micro_batch(costs, monkeypatch):
     """Every micro-batch adds its weight gradients into the step's buffer: 3 gradient-sized
     reads and writes per local parameter, in the weight-gradient time (closed form)."""
-    import autopar.planner.cost_model as cmod
+    import autopar.planner.layer_costs as cmod
 
     setup = TrainingSetup(8, SHAPE["seq"], "fp32")
     with_acc = CostModel(costs, _host(), setup).layer_costs(1, False, 2)
@@ -190,7 +190,7 @@ def test_a_cpu_gemm_pays_for_broadcasting_its_bias(costs):
     and its backward sums the output gradient over rows: priced per output element from the
     op table's ``linear.bias``, on the GEMMs with a bias only (a GPU adds it in the epilogue:
     no table entry, no cost)."""
-    from autopar.planner.cost_model import BIAS_OP, _Kind
+    from autopar.planner.layer_costs import BIAS_OP, _Kind
 
     setup = TrainingSetup(8, SHAPE["seq"], "fp32")
     b, s = 2, SHAPE["seq"]
