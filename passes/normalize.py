@@ -248,34 +248,54 @@ def _mask_kind(mask: torch.Tensor, q_len: int, k_len: int) -> str | None:
     return None
 
 
+def _simplifiable_mask(node: torch.fx.Node) -> str | None:
+    """For a fused-attention node with an explicit mask that is a function of shapes only:
+    ``"causal"`` or ``"none"`` when it is that mask at every probed size, else None."""
+    if node.op != "call_function" or node.target is not _SDPA:
+        return None
+    args = list(node.args) + [None] * (6 - len(node.args))
+    q, k, _, mask, _, is_causal = args[:6]
+    mask = node.kwargs.get("attn_mask", mask)
+    if not isinstance(mask, torch.fx.Node) or node.kwargs.get("is_causal", is_causal):
+        return None
+    q_spec, k_spec = info(q).spec, info(k).spec
+    if q_spec is None or k_spec is None:
+        return None
+    kinds = set()
+    for sizes in _MASK_PROBES:
+        value = _shape_only_value(mask, sizes)
+        if value is None:
+            return None
+        q_len = _at(q_spec.shape[-2], sizes)
+        k_len = _at(k_spec.shape[-2], sizes)
+        kinds.add(_mask_kind(value, q_len, k_len) if q_len and k_len else None)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+@graph_property("attention_masks_simplified")
+def attention_masks_simplified(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """No fused attention keeps an explicit mask that is only causal (or nothing) at every
+    size: such masks are ``is_causal`` (or dropped), so kernels and the sharding see them."""
+    for node in gm.graph.nodes:
+        kind = _simplifiable_mask(node)
+        if kind is not None:
+            return f"{node.name} still takes a {kind} mask as a tensor"
+    return None
+
+
 @graph_pass(ensures=("attention_masks_simplified",))
 def simplify_attention_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _SDPA:
+        kind = _simplifiable_mask(node)
+        if kind is None:
             continue
         args = list(node.args) + [None] * (6 - len(node.args))
-        q, k, v, mask, dropout_p, is_causal = args[:6]
+        q, k, v, mask, dropout_p, _ = args[:6]
         mask = node.kwargs.get("attn_mask", mask)
-        if not isinstance(mask, torch.fx.Node) or node.kwargs.get("is_causal", is_causal):
-            continue
-        q_spec, k_spec = info(q).spec, info(k).spec
-        if q_spec is None or k_spec is None:
-            continue
-        kinds = set()
-        for sizes in _MASK_PROBES:
-            value = _shape_only_value(mask, sizes)
-            if value is None:
-                kinds.add(None)
-                break
-            q_len = _at(q_spec.shape[-2], sizes)
-            k_len = _at(k_spec.shape[-2], sizes)
-            kinds.add(_mask_kind(value, q_len, k_len) if q_len and k_len else None)
-        if len(kinds) != 1 or None in kinds:
-            continue
         kwargs = {key: val for key, val in node.kwargs.items()
                   if key not in ("attn_mask", "dropout_p", "is_causal")}
-        if kinds == {"causal"}:
+        if kind == "causal":
             kwargs["is_causal"] = True
         if dropout_p is not None or "dropout_p" in node.kwargs:
             kwargs["dropout_p"] = node.kwargs.get("dropout_p", dropout_p)

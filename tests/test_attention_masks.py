@@ -90,3 +90,35 @@ def test_mask_kinds():
     assert _mask_kind(tril.triu(-1), 5, 5) is None  # a band
     assert _mask_kind(torch.randn(5, 5), 5, 5) is None  # an additive bias (ALiBi-like)
     assert _mask_kind(torch.ones(4, 6, dtype=torch.bool).tril(), 4, 6) is None  # q != k length
+
+
+def test_the_property_is_checked_on_the_graph(monkeypatch):
+    """``attention_masks_simplified`` is a predicate, not a label: on a graph captured without
+    the pass, it names the attention that still takes a causal mask as a tensor; the pass makes
+    it hold, and a pass requiring it out of order fails by name."""
+    import autopar.passes.normalize as normalize
+    from autopar.errors import PassError
+    from autopar.passes.infra import PassContext, PassManager, check_property, graph_pass
+    from conftest import build_tiny
+
+    monkeypatch.setattr(normalize, "NORMALIZE_PASSES",
+                        tuple(p for p in normalize.NORMALIZE_PASSES
+                              if p.name != "simplify_attention_masks"))
+    zm = build_tiny("llama")
+    inputs, targets = zm.example_inputs(batch=2, seq=8)
+    captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
+    reason = check_property("attention_masks_simplified", captured.gm, PassContext())
+    assert reason is not None and "causal mask" in reason, reason
+
+    @graph_pass(requires=("attention_masks_simplified",))
+    def needs_simple_masks(gm, ctx):
+        from autopar.passes.infra import PassResult
+        return PassResult(gm, False)
+
+    with pytest.raises(PassError, match="attention_masks_simplified"):
+        PassManager([needs_simple_masks]).run(captured.gm, PassContext())
+    gm = PassManager([normalize.simplify_attention_masks, needs_simple_masks]).run(
+        captured.gm, PassContext())
+    assert check_property("attention_masks_simplified", gm, PassContext()) is None
+    assert all(_mask_of(n) is None for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is SDPA)
