@@ -56,8 +56,8 @@ import torch.nn as nn
 from autopar.errors import InvalidInputError, PlanMismatchError
 from autopar.runtime.mesh import ParallelMesh, coordinates
 from autopar.runtime.optim import MixedPrecision, OptimizerFactory, clip_coefficient, global_grad_norm
-from autopar.runtime.zero import (FlatBucket, ParamUnit, ShardGroups, ZeroStage, iter_unique_storages,
-                                  wait_work)
+from autopar.runtime.zero import (FlatBucket, ParamUnit, ShardGroups, UnitOrder, ZeroStage,
+                                  iter_unique_storages, wait_work)
 
 __all__ = ["ParamSpec", "DataParallelConfig", "DataParallel", "MemoryReport", "TiedGroups",
            "default_units", "ZeroStage"]
@@ -108,13 +108,16 @@ class ParamSpec:
 class DataParallelConfig:
     """Data-parallel choices. ``shard_size``: hybrid sharding, data-parallel ranks per shard group
     (one node); None shards over all of them. ``bucket_mb``: gradient bucket size (stages 0-2).
-    ``max_grad_norm``: clip in :meth:`DataParallel.step` (None: no clipping)."""
+    ``max_grad_norm``: clip in :meth:`DataParallel.step` (None: no clipping). ``prefetch``
+    (ZeRO-3): launch the next unit's parameter gather when a unit starts, in forward and in
+    backward (the order learnt in the first step: :class:`~autopar.runtime.zero.UnitOrder`)."""
 
     zero: ZeroStage = ZeroStage.NONE
     bucket_mb: float = 25.0
     shard_size: int | None = None
     mixed_precision: MixedPrecision | None = None
     reshard_after_forward: bool = True
+    prefetch: bool = True
     sync_module_states: bool = True
     max_grad_norm: float | None = None
     norm_type: float = 2.0
@@ -466,6 +469,9 @@ class DataParallel:
         self._sum_buckets = [b for _, b in sorted(order, key=lambda kb: kb[0])]
         self.units: list[ParamUnit] = []
         self._unit_of_bucket: dict[int, ParamUnit] = {}
+        #: ZeRO-3: the units' running order and the prefetch it drives (None: no prefetch).
+        self.unit_order = UnitOrder() if stage is ZeroStage.PARAMETERS and self.config.prefetch \
+            else None
         if stage is ZeroStage.PARAMETERS:
             roots = {id(m) for m in self.modules}
             for u_index, module in enumerate(self._unit_modules):
@@ -474,7 +480,8 @@ class DataParallel:
                     continue
                 unit = ParamUnit(f"unit{u_index}:{type(module).__name__}", module, buckets,
                                  reshard_after_forward=self.config.reshard_after_forward,
-                                 is_root=id(module) in roots, on_backward_start=self._note_backward)
+                                 is_root=id(module) in roots, on_backward_start=self._note_backward,
+                                 order=self.unit_order)
                 self.units.append(unit)
                 for b in buckets:
                     self._unit_of_bucket[b.index] = unit
@@ -743,6 +750,8 @@ class DataParallel:
         for unit in self.units:
             if gather:
                 unit.gather()
+            else:  # a prefetch in flight is waited for: it writes into storage about to go
+                unit.free()
             unit.remove()
         self.units = []
 

@@ -51,8 +51,12 @@ from autopar.errors import InvalidInputError
 from autopar.runtime.comm import wait_work  # noqa: F401  (re-exported: the shared helper)
 from autopar.runtime.optim import MixedPrecision
 
-__all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "ParamUnit", "wait_work",
-           "dp_rank_lists"]
+__all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "ParamUnit", "UnitOrder",
+           "wait_work", "dp_rank_lists"]
+
+
+#: A stage-3 "gather" with a shard group of one: a local copy, nothing to wait for.
+_LOCAL = object()
 
 
 class ZeroStage(enum.IntEnum):
@@ -214,6 +218,7 @@ class FlatBucket:
         self._works: list[Any] = []
         self._rs_out: torch.Tensor | None = None
         self._gather_work: Any = None
+        self._prefetch: Any = None  # stage 3: a parameter all-gather launched ahead of use
         self._grad32: torch.Tensor | None = None
         if requires_grad and self.stage <= ZeroStage.OPTIMIZER:
             self.local_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype,
@@ -329,24 +334,46 @@ class FlatBucket:
         # it in place, so those views see the gathered values again.
         self.flat_param.untyped_storage().resize_(0)
 
-    def gather(self) -> None:
-        """Stage 3: all-gather the full parameters and point the module's parameters at them."""
-        if self.gathered:
+    def start_gather(self) -> None:
+        """Stage 3: launch the all-gather of the full parameters and return at once (a
+        prefetch); :meth:`gather` waits for it and points the parameters at the result."""
+        if self.gathered or self._prefetch is not None:
             return
         storage = self.flat_param.untyped_storage()
         storage.resize_(self.padded_numel * self.flat_param.element_size())
         if self.groups.shard_size > 1:
-            work = dist.all_gather_single(self.flat_param, self.param_shard,
-                                          group=self.groups.shard_group, async_op=True)
-            wait_work(work, f"all-gather of parameter bucket {self.index}")
+            self._prefetch = dist.all_gather_single(self.flat_param, self.param_shard,
+                                                    group=self.groups.shard_group,
+                                                    async_op=True)
         else:
             self.flat_param.copy_(self.param_shard)
+            self._prefetch = _LOCAL
+
+    @property
+    def prefetching(self) -> bool:
+        """A gather was launched and not waited for yet."""
+        return self._prefetch is not None
+
+    def gather(self) -> None:
+        """Stage 3: all-gather the full parameters (or finish the prefetch that started it) and
+        point the module's parameters at them."""
+        if self.gathered:
+            return
+        self.start_gather()
+        work, self._prefetch = self._prefetch, None
+        if work is not _LOCAL:
+            wait_work(work, f"all-gather of parameter bucket {self.index}")
         self._bind()
         self.gathered = True
 
     def free(self) -> None:
-        """Stage 3: drop the full parameters (the shard stays)."""
-        if self.stage is not ZeroStage.PARAMETERS or not self.gathered:
+        """Stage 3: drop the full parameters (the shard stays); a prefetch in flight is waited
+        for first (it writes into the storage being freed)."""
+        if self.stage is not ZeroStage.PARAMETERS:
+            return
+        if self._prefetch is not None:
+            self.gather()
+        if not self.gathered:
             return
         self._unbind()
         self._free_storage()
@@ -593,8 +620,10 @@ class ParamUnit:
 
     def __init__(self, name: str, module: nn.Module, buckets: Sequence[FlatBucket], *,
                  reshard_after_forward: bool, is_root: bool,
-                 on_backward_start: Callable[[], None]) -> None:
+                 on_backward_start: Callable[[], None],
+                 order: "UnitOrder | None" = None) -> None:
         self.name = name
+        self.order = order
         self.module = module
         self.buckets = list(buckets)
         self.reshard_after_forward = reshard_after_forward and not is_root
@@ -609,12 +638,19 @@ class ParamUnit:
         for b in self.buckets:
             b.gather()
 
+    def prefetch(self) -> None:
+        """Launch this unit's gathers without waiting (the next unit's, during this one)."""
+        for b in self.buckets:
+            b.start_gather()
+
     def free(self) -> None:
         for b in self.buckets:
             b.free()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.gather()
+        if self.order is not None and not self.in_backward:
+            self.order.forward(self)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.in_backward:  # a recomputation (activation checkpointing) inside backward
@@ -630,6 +666,8 @@ class ParamUnit:
         self._on_backward_start()
         self.in_backward = True
         self.gather()
+        if self.order is not None:
+            self.order.backward(self)
 
     def on_param_grad(self) -> None:
         self.fired += 1
@@ -645,6 +683,36 @@ class ParamUnit:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class UnitOrder:
+    """The order a rank's ZeRO-3 units run in, learnt in the first forward and backward (the
+    sequence of first entries, as FSDP2 records it), and the prefetch it drives: entering a unit
+    launches the gather of the unit that ran after it last time, so that gather overlaps this
+    unit's compute. At most two units are gathered at once. Every data-parallel rank runs the
+    same modules in the same order, so their collectives stay in step."""
+
+    def __init__(self) -> None:
+        self._forward: list[ParamUnit] = []
+        self._backward: list[ParamUnit] = []
+        self.prefetched = 0  # gathers launched ahead of use (for tests and reports)
+
+    def forward(self, unit: ParamUnit) -> None:
+        self._next(self._forward, unit)
+
+    def backward(self, unit: ParamUnit) -> None:
+        self._next(self._backward, unit)
+
+    def _next(self, order: list[ParamUnit], unit: ParamUnit) -> None:
+        if unit not in order:  # still learning: the first pass runs without prefetch
+            order.append(unit)
+            return
+        i = order.index(unit)
+        if i + 1 < len(order):
+            nxt = order[i + 1]
+            if not all(b.gathered or b.prefetching for b in nxt.buckets):
+                nxt.prefetch()
+                self.prefetched += 1
 
 
 def iter_unique_storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[int, int], int]:

@@ -163,6 +163,60 @@ def test_zero3_matches_torch_fsdp2(pool2, mixed):
 
 
 # -- failure modes -------------------------------------------------------------------------------
+def _prefetch_against_none(steps: int = 3):
+    """ZeRO-3 on the own GPT (2 blocks and the root: 3 units), with and without prefetch, from
+    the same weights on the same batches: the parameters after every step, how many gathers ran
+    ahead, and the most units gathered at once (seen at every unit's entry)."""
+    from examples.gpt import GPT, GPTConfig, gpt_loss
+
+    mesh = ParallelMesh(dist.get_world_size(), 1, 1)
+    out = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=32))
+        engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3}),
+                              DataParallelConfig(zero=3, prefetch=prefetch))
+        most = [0]
+
+        def count(module, args):
+            gathered = sum(all(b.gathered or b.prefetching for b in u.buckets)
+                           for u in engine.units)
+            most[0] = max(most[0], gathered)
+
+        hooks = [u.module.register_forward_pre_hook(count) for u in engine.units]
+        states = []
+        for step in range(steps):
+            x, y = global_batch(step, 4, 128)
+            gpt_loss(model(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+            states.append({k: v.clone() for k, v in engine.full_parameters().items()})
+        for h in hooks:
+            h.remove()
+        out[prefetch] = dict(states=states, most=most[0], units=len(engine.units),
+                             prefetched=engine.unit_order.prefetched if prefetch else 0)
+        engine.close()
+    return out
+
+
+def test_zero3_prefetch_changes_timing_not_numbers(pool2):
+    """With prefetch (the default), entering a unit launches the gather of the unit that ran
+    after it, in forward and in backward, from the second step on (the order is learnt in the
+    first): the parameters after every step equal the run without prefetch bit for bit, and one
+    unit more than without prefetch is gathered at a unit's entry (the next one)."""
+    for r in pool2.run(_prefetch_against_none):
+        assert r[True]["units"] == 3
+        for got, want in zip(r[True]["states"], r[False]["states"]):
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        # steps 2 and 3: forward root -> block 0 -> block 1 and backward root -> block 1 ->
+        # block 0 prefetch two units each way (the root stays gathered from forward to backward)
+        assert r[True]["prefetched"] == 2 * 2 * 2, r[True]["prefetched"]
+        # gathered at a unit's entry: the root (kept from forward to backward) and the unit,
+        # plus, with prefetch, the next one: never more
+        assert (r[False]["most"], r[True]["most"]) == (2, 3)
+
+
 def _zero1_second_sync():
     mesh = ParallelMesh(dist.get_world_size(), 1, 1)
     model, loss_fn, vocab = build_model("own_gpt")
