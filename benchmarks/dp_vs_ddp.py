@@ -56,17 +56,21 @@ def _bench(layers: int, hidden: int, vocab: int, seq: int, batch: int, steps: in
         ddp_opt.zero_grad(set_to_none=True)
 
     runners["ddp"] = ddp_step
-    for stage in zero_stages:
+    # ZeRO-3 also without prefetch (the next unit's gather launched during the current one)
+    variants = [(stage, True) for stage in zero_stages] + (
+        [(3, False)] if 3 in zero_stages else [])
+    for stage, prefetch in variants:
         model = copy.deepcopy(base)
         engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.AdamW, options),
-                              DataParallelConfig(zero=stage, bucket_mb=bucket_mb))
+                              DataParallelConfig(zero=stage, bucket_mb=bucket_mb,
+                                                 prefetch=prefetch))
 
         def step(x, y, model=model, engine=engine):
             gpt_loss(model(x), y).backward()
             engine.step()
             engine.zero_grad()
 
-        runners[f"autopar_zero{stage}"] = step
+        runners[f"autopar_zero{stage}" + ("" if prefetch else "_noprefetch")] = step
     g = torch.Generator().manual_seed(dist.get_rank())
     data = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(4)]
     times: dict[str, list[float]] = {name: [] for name in runners}
@@ -134,12 +138,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"GPT {out['params'] / 1e6:.2f}M params, world {args.world} (gloo, 1 thread/rank), "
               f"batch {args.batch}x{args.seq} per rank, bucket {args.bucket_mb} MB, "
               f"{args.rounds} rounds x {args.steps} steps")
-        print(f"  {'':15s} {'wall ms/step':>12s} {'x DDP':>7s} {'best ms':>8s} {'x DDP':>7s} "
+        print(f"  {'':22s} {'wall ms/step':>12s} {'x DDP':>7s} {'best ms':>8s} {'x DDP':>7s} "
               f"{'CPU ms/step':>12s} {'x DDP':>7s}   (x DDP: median of paired per-round ratios; "
               f"best: fastest round)")
         best = {name: min(ts) for name, ts in out["times"].items()}
         for name in medians:
-            print(f"  {name:15s} {medians[name] * 1e3:12.1f} {paired('times', name):7.3f} "
+            print(f"  {name:22s} {medians[name] * 1e3:12.1f} {paired('times', name):7.3f} "
                   f"{best[name] * 1e3:8.1f} {best[name] / best['ddp']:7.3f} "
                   f"{cpu_medians[name] * 1e3:12.1f} {paired('cpu', name):7.3f}")
         print(f"ratio autopar ZeRO-0 / DDP: wall {result['ratio_zero0_vs_ddp']:.3f}, best round "
