@@ -268,7 +268,8 @@ class _HFInit:
         from transformers import initialization
 
         self.guard = initialization.guard_torch_init_functions
-        self.custom = model.is_custom_code() if hasattr(model, "is_custom_code") else False
+        custom = getattr(model, "is_custom_code", None)
+        self.custom = bool(custom()) if callable(custom) else False
         self.owner: dict[int, Any] = {}
 
         def visit(module: nn.Module, fn: Any) -> None:  # transformers' smart_apply
@@ -307,7 +308,7 @@ def _hf_untie(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     if base is None or not isinstance(model, base):
         return []
     keys = getattr(model, "all_tied_weights_keys", None) or {}
-    slots = []
+    slots: list[tuple[nn.Module, str, torch.Tensor]] = []
     for target, source in keys.items():
         try:
             tied, origin = model.get_parameter(target), model.get_parameter(source)
@@ -323,12 +324,12 @@ def _hf_untie(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     return slots
 
 
-def _flags(model: nn.Module, tensors: list[torch.Tensor]) -> list[tuple[Any, bool]]:
+def _flags(model: nn.Module, tensors: list[torch.Tensor]) -> list[tuple[Any, bool | None]]:
     """transformers' "already initialized" marks, to be put back after the rehearsal."""
     return [(o, getattr(o, "_is_hf_initialized", None)) for o in (*model.modules(), *tensors)]
 
 
-def _restore_flags(saved: list[tuple[Any, bool]]) -> None:
+def _restore_flags(saved: list[tuple[Any, bool | None]]) -> None:
     for obj, value in saved:
         if value is None:
             if "_is_hf_initialized" in getattr(obj, "__dict__", {}):
@@ -354,7 +355,7 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None,
         return _materialize(model, init, take, names)
     finally:
         for owner, attr, tensor in untied:
-            owner._parameters[attr] = tensor
+            owner._parameters[attr] = tensor  # type: ignore[assignment]
 
 
 def _materialize(model: nn.Module, init: Callable[[nn.Module], None] | None,
