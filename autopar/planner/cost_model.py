@@ -381,10 +381,12 @@ class CostModel:
         pipe, _ = simulated_pipeline_time(self._work(c, m, st))
         acts = self._schedule_activations(c, problem, st)
         lp = part.lp_bound if part.lp_bound is not None else part.step_time
+        gap = part.gap
         info_ = {"method": "ilp" if problem.num_stages > 1 else "single stage",
                  "status": part.status, "objective_s": part.step_time, "lp_bound_s": lp,
-                 "gap": max(0.0, (part.step_time - lp) / part.step_time) if part.step_time
-                 else 0.0,
+                 "proven_optimal": part.proven_optimal,
+                 "gap": gap if gap is not None else (
+                     max(0.0, (part.step_time - lp) / part.step_time) if part.step_time else 0.0),
                  "integer_variables": part.num_variables,
                  "first_pass_objective_s": modeled_step_time(problem, first_cut),
                  "simulated_pipeline_s": pipe.total_s}
