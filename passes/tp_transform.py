@@ -54,6 +54,7 @@ from autopar.sharding import (
     local_shape,
     num_blocks,
     make_shard,
+    placement_str,
     redistribution,
 )
 
@@ -395,6 +396,33 @@ def local_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
                 NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT) \
                 and info(node).local_value is None:
             return f"{node.name} ({info(node).fqn}) has no local shape"
+    return None
+
+
+@graph_property("collectives")
+def no_placement_mismatch(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """The per-rank program: every op that runs under a sharding strategy gets each tensor
+    input in the placement its strategy requires (a collective converts it where the producer's
+    differs). Ops rewritten into several local ops (vocab-parallel embedding and loss) are
+    checked by their own tests."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or META_KEY not in node.meta:
+            continue
+        meta = info(node)
+        s = meta.strategy
+        if s is None or meta.collective is not None or s.rewrite is not Rewrite.NONE:
+            continue
+        inputs = node.all_input_nodes
+        if len(inputs) != len(s.inputs):
+            continue  # a fused bias or an emitted helper: not the op the strategy was for
+        for u, want in zip(inputs, s.inputs):
+            if want is None or isinstance(want, Item) or not is_tensor_node(u) \
+                    or META_KEY not in u.meta:
+                continue
+            have = info(u).placement
+            if have is not None and have != want:
+                return (f"{node.name} needs {u.name} as {placement_str(want)}, gets "
+                        f"{placement_str(have)} (no collective in between)")
     return None
 
 

@@ -138,3 +138,35 @@ def test_cli_errors(tmp_path, capsys):
                  "--vocab", "128", "--max-seq", "32", "--tp", "2", "--rank", "5",
                  "--out", str(tmp_path)]) == 1
     assert "--rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[1]}{'-sp' if c[2] else ''}")
+def test_the_collectives_property_holds_and_catches_a_missing_collective(programs, case):
+    """``collectives`` is a predicate on the per-rank program: it holds on every program built,
+    and bypassing one collective that changes a placement (its consumer then reads the producer's
+    placement) makes it name the consumer."""
+    import copy
+
+    from autopar.passes.infra import PassContext, check_property
+
+    program = programs[case]
+    assert check_property("collectives", program.gm, PassContext()) is None
+    gm = copy.deepcopy(program.gm)
+
+    def tensor_arg(n):  # a collective's tensor (its other argument is the communicator)
+        return next((a for a in n.args if isinstance(a, torch.fx.Node)
+                     and info(a).placement is not None), None)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or info(node).collective is None:
+            continue
+        src = tensor_arg(node)
+        users = [u for u in node.users if info(u).strategy is not None
+                 and len(u.all_input_nodes) == len(info(u).strategy.inputs)]
+        if src is not None and info(src).placement != info(node).placement and users:
+            break
+    else:
+        raise AssertionError("no placement-changing collective to bypass")
+    node.replace_all_uses_with(src)
+    reason = check_property("collectives", gm, PassContext())
+    assert reason is not None and src.name in reason, reason
