@@ -169,8 +169,9 @@ class _Replay(TorchFunctionMode):
         self.count = 0
         self.names: list[str] = names if names is not None else []  # each op's, rehearsed
         self.finishing: dict[int, list[_Entry]] = {}  # op -> the entries it is the last of
-        for entry in entries.values():
-            self.finishing.setdefault(entry.last, []).append(entry)
+        if real:  # the rehearsal is what finds each entry's last op
+            for entry in entries.values():
+                self.finishing.setdefault(entry.last, []).append(entry)
         self.aliases: dict[int, tuple[torch.Tensor, _Entry]] = {}  # rehearsal only
 
     def _entry(self, x: Any) -> _Entry | None:
