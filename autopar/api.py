@@ -45,7 +45,7 @@ from autopar.errors import (
     PlanMismatchError,
     error_from_parts,
 )
-from autopar.plan_types import Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.plan_types import CP_ATTENTION_KINDS, Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import collective, set_default_timeout
 from autopar.runtime.mesh import ParallelMesh
@@ -54,8 +54,9 @@ from autopar.runtime.schedules import schedule_spec
 __all__ = ["parallelize", "PINNABLE"]
 
 #: Plan fields that ``plan={...}`` may pin.
-PINNABLE = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
-            "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size")
+PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
+            "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
+            "cp_attention")
 
 
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
@@ -177,8 +178,9 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
 
         tp_cost = tp_cost_spec(cl, "bf16" if mixed_precision else "fp32")
     program = compile_program(planned, dist.get_rank(), cost=tp_cost, device=device,
-                              sizes={"b": chosen.micro_batch_size, "s": seq})  # as planned
-    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp,
+                              sizes={"b": chosen.micro_batch_size,
+                                     "s": max(1, seq // chosen.cp)})  # as planned
+    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
     # the capture and the compile leave cyclic garbage (fx graphs, fake tensors): free it before
@@ -513,7 +515,7 @@ def _plan_argument(plan: Any, world: int) -> Plan | dict[str, Any] | str:
                             found=type(plan).__name__)
 
 
-_INT_PINS = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches")
+_INT_PINS = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches")
 
 
 def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
@@ -567,19 +569,26 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
     if pins.get("sequence_parallel") and pins.get("tp") == 1:
         raise InvalidPlanError("sequence_parallel needs tp > 1", expected="tp >= 2",
                                found="tp=1", fix="drop sequence_parallel or pin tp >= 2")
-    mesh = [pins[k] for k in ("dp", "tp", "pp") if k in pins]
+    if "cp_attention" in pins and pins["cp_attention"] not in CP_ATTENTION_KINDS:
+        raise InvalidPlanError(f"pin cp_attention={pins['cp_attention']!r} is not an attention "
+                               f"algorithm", expected=f"one of {CP_ATTENTION_KINDS}",
+                               found=repr(pins["cp_attention"]),
+                               fix="pin cp_attention='ring' (p2p, overlapped) or 'allgather'")
+    axes = ("dp", "tp", "pp", "cp")
+    mesh = [pins[k] for k in axes if k in pins]
     product = 1
     for size in mesh:
         product *= size
-    if len(mesh) == 3 and product != world:
+    if {"dp", "tp", "pp"} <= set(pins) and product != world:
         raise PlanMismatchError("the pinned mesh does not match the world size",
-                                expected=f"dp x tp x pp = {world} (this job's processes)",
-                                found=f"{pins['dp']} x {pins['tp']} x {pins['pp']} = {product}",
+                                expected=f"dp x tp x pp x cp = {world} (this job's processes)",
+                                found=" x ".join(f"{k}={pins.get(k, 1)}" for k in axes)
+                                      + f" = {product}",
                                 fix="change the pins or the number of processes")
     if mesh and world % product:
         raise PlanMismatchError("the pinned sizes do not divide the world size",
-                                expected=f"a product of pinned dp, tp, pp dividing {world}",
-                                found=" x ".join(f"{k}={pins[k]}" for k in ("dp", "tp", "pp")
+                                expected=f"a product of pinned dp, tp, pp, cp dividing {world}",
+                                found=" x ".join(f"{k}={pins[k]}" for k in axes
                                                  if k in pins) + f" = {product}",
                                 fix="change the pins or the number of processes")
     return pins
@@ -697,11 +706,11 @@ def check_plan(plan: Plan, fingerprint: str, world: int, global_batch: int) -> N
 
 
 def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_batch: int) -> Plan:
-    dp, tp, pp = pins["dp"], pins["tp"], pins["pp"]
-    if dp * tp * pp != world:
+    dp, tp, pp, cp = pins["dp"], pins["tp"], pins["pp"], pins.get("cp", 1)
+    if dp * tp * pp * cp != world:
         raise PlanMismatchError("the pinned mesh does not match the world size",
-                                expected=f"dp x tp x pp = {world}",
-                                found=f"{dp} x {tp} x {pp} = {dp * tp * pp}",
+                                expected=f"dp x tp x pp x cp = {world}",
+                                found=f"{dp} x {tp} x {pp} x {cp} = {dp * tp * pp * cp}",
                                 fix="change the pins or the number of processes")
     m = pins.get("num_micro_batches")
     mbs = pins.get("micro_batch_size")

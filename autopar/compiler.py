@@ -85,15 +85,21 @@ class StagedProgram:
         import torch.fx
 
         from autopar.errors import InvalidInputError
-        from autopar.runtime.mesh import coordinates
+        from autopar.runtime.mesh import coordinates4
 
         plan = self.planned.plan
         if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
             raise InvalidInputError(f"rank must be in [0, {plan.world_size})", found=str(rank))
-        _, pp_rank, tp_rank = coordinates(rank, plan.dp, plan.pp, plan.tp)
-        parts = [f"# autopar rank {rank}: dp x pp x tp = {plan.dp} x {plan.pp} x {plan.tp}; "
-                 f"pipeline rank {pp_rank}, tensor-parallel rank {tp_rank}\n",
-                 self.sharded.source(tp_rank)]
+        _, cp_rank, pp_rank, tp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp)
+        if plan.cp > 1:
+            mesh = (f"dp x cp x pp x tp = {plan.dp} x {plan.cp} x {plan.pp} x {plan.tp}; "
+                    f"context-parallel rank {cp_rank} (tokens of chunks {cp_rank} and "
+                    f"{2 * plan.cp - 1 - cp_rank} of {2 * plan.cp}; {plan.cp_attention} "
+                    f"attention), ")
+        else:
+            mesh = f"dp x pp x tp = {plan.dp} x {plan.pp} x {plan.tp}; "
+        parts = [f"# autopar rank {rank}: {mesh}pipeline rank {pp_rank}, tensor-parallel rank "
+                 f"{tp_rank}\n", self.sharded.source(tp_rank)]
         for s in self.schedule.stages_of(pp_rank):
             stage = self.split.stages[s]
             parts.append(f"\n# ---- pipeline stage {s} (layers {stage.layers[0]}-"
@@ -127,6 +133,8 @@ class RankProgram:
     dp_rank: int
     pp_rank: int
     tp_rank: int
+    #: This rank's context-parallel coordinate (0 without context parallelism).
+    cp_rank: int
     #: This rank's pipeline stages, in chunk order.
     stages: tuple[int, ...]
     #: Every parameter, buffer and constant this rank's stages read: its FQN, full shape,
@@ -257,12 +265,13 @@ class RankProgram:
         only its shard of each)."""
         from autopar.parallel_model import ParallelModel
 
-        if (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank) != (self.dp_rank, self.pp_rank, self.tp_rank):
+        mine = (self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank)
+        theirs = (mesh.dp_rank, getattr(mesh, "cp_rank", 0), mesh.pp_rank, mesh.tp_rank)
+        if mine != theirs:
             raise PlanMismatchError("the mesh does not place this process where the program was "
                                     "compiled for",
-                                    expected=f"(dp, pp, tp) = ({self.dp_rank}, {self.pp_rank}, "
-                                             f"{self.tp_rank})",
-                                    found=f"({mesh.dp_rank}, {mesh.pp_rank}, {mesh.tp_rank})",
+                                    expected=f"(dp, cp, pp, tp) = {mine}",
+                                    found=f"{theirs}",
                                     fix="compile the program for this process's rank")
         if isinstance(shards, ShardStream):
             return ParallelModel(self, mesh, training, {}, stream=shards)
@@ -324,7 +333,14 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
                                found=mismatch,
                                fix="use zb-h1 or interleaved-1f1b on GPUs (gloo runs it)")
     stages = sorted(plan.stages, key=lambda s: s.index)
-    split = split_into_stages(sharded.gm, captured.layers, [s.layers for s in stages],
+    gm = sharded.gm
+    if plan.cp > 1:  # every rank runs its tokens; attention exchanges K/V over the cp ranks
+        from autopar.passes.context_parallel import context_parallel_pass
+        from autopar.passes.infra import PassContext, PassManager
+
+        gm = PassManager([context_parallel_pass]).run(gm, PassContext(captured=captured,
+                                                                      plan=plan))
+    split = split_into_stages(gm, captured.layers, [s.layers for s in stages],
                               constants={k: v.to(device) for k, v in captured.constants.items()})
     if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
         for stage in split.stages:
@@ -339,10 +355,10 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
 
 def lower_to_rank(staged: StagedProgram, rank: int, *, device: torch.device) -> RankProgram:
     """Global rank ``rank``'s part of the staged program."""
-    from autopar.runtime.mesh import coordinates
+    from autopar.runtime.mesh import coordinates4
 
     plan = staged.planned.plan
-    dp_rank, pp_rank, tp_rank = coordinates(rank, plan.dp, plan.pp, plan.tp)
+    dp_rank, cp_rank, pp_rank, tp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp)
     local = staged.schedule.stages_of(pp_rank)
     read: set[str] = set()
     for s in local:
@@ -350,7 +366,7 @@ def lower_to_rank(staged: StagedProgram, rank: int, *, device: torch.device) -> 
         read.update(stage.params)
         read.update(stage.buffers)
     held = tuple(p for p in staged.sharded.layouts if p.fqn in read)
-    return RankProgram(staged, rank, dp_rank, pp_rank, tp_rank, tuple(local), held,
+    return RankProgram(staged, rank, dp_rank, pp_rank, tp_rank, cp_rank, tuple(local), held,
                        torch.device(device))
 
 

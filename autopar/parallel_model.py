@@ -77,6 +77,7 @@ class ParallelModel:
                  tensors: Mapping[str, torch.Tensor], *,
                  stream: Callable[[Callable[[str, torch.Tensor], None]], None] | None = None
                  ) -> None:
+        from autopar.runtime.cp import CPGroup
         from autopar.runtime.pipeline import PipelineExecutor
         from autopar.runtime.tp import TPGroup
 
@@ -97,11 +98,18 @@ class ParallelModel:
         #: The tensor-parallel communicator the stage modules run with (its .rng: dropout).
         self.tp_group = TPGroup.from_mesh(mesh)
         self.tp_group.rng.seed = int(planned.seed)
+        #: The context-parallel communicator: this rank's tokens of each sequence, attention.
+        self.cp_group = CPGroup.from_mesh(mesh, attention=self.plan.cp_attention) \
+            if self.plan.cp > 1 else CPGroup()
+        #: Per input and target: the dims holding tokens, split over the cp ranks.
+        self._sequence_dims = [_token_dims(self.captured.node(name)) if self.plan.cp > 1 else ()
+                               for name in (*self.captured.input_names,
+                                            *self.captured.target_names)]
         self.data_parallel: Any = None
         if stream is not None:  # the values arrive after the engine exists, one at a time
             tensors = _placeholders(program)
         self.executor = PipelineExecutor(self.split, program.staged.schedule, mesh,
-                                         tensors=tensors, bindings={"tp": self.tp_group},
+                                         tensors=tensors, bindings={"tp": self.tp_group, "cp": self.cp_group},
                                          sync_tied=False, on_backward=self._on_backward,
                                          on_forward=self._on_forward,
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
@@ -156,7 +164,7 @@ class ParallelModel:
             specs.append(ParamSpec(name,
                                    replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
                                    shared_with=tied, tie_id=fqn if tied else ""))
-        shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.dp else None
+        shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.replicas else None
         training = self.training
         config = DataParallelConfig(
             zero=plan.zero, bucket_mb=training.bucket_mb, shard_size=shard_size,
@@ -285,6 +293,8 @@ class ParallelModel:
             self._check_input(names[i], i, t, local)
             if not local:
                 t = self.local_batch(t)
+            for dim in self._sequence_dims[i]:  # this rank's tokens (head-tail layout)
+                t = self.cp_group.split(t, dim)
             if t.shape[0] % m:
                 raise InvalidInputError(
                     "the batch does not split into the plan's micro-batches",
@@ -339,7 +349,7 @@ class ParallelModel:
             value += loss.detach().double()
         set_activity("the loss average over replicas")
         collective(dist.all_reduce, value, what="the all-reduce of the batch loss")
-        return float(value.item()) / self.plan.dp
+        return float(value.item()) / self.plan.replicas  # dp x cp ranks hold a mean each
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -639,6 +649,14 @@ def _dp_names(executor: Any) -> dict[str, str]:
             fqn = next(f for f in executor.params if module_attribute(f) == name)
             out.setdefault(fqn, prefix + name)
     return out
+
+
+def _token_dims(node: Any) -> tuple[int, ...]:
+    """The dims of an input whose captured size is the sequence length ``s``."""
+    from autopar.ir import SEQ, info
+
+    spec = info(node).spec
+    return () if spec is None else tuple(d for d, e in enumerate(spec.shape) if e == SEQ)
 
 
 def _placeholders(program: "RankProgram") -> dict[str, torch.Tensor]:

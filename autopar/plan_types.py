@@ -30,6 +30,8 @@ __all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "StagePlan", "Plan",
 
 #: Bumped when the JSON form of a plan changes incompatibly.
 PLAN_FORMAT_VERSION = 1
+#: Context-parallel attention algorithms (autopar/runtime/cp.py).
+CP_ATTENTION_KINDS = ("ring", "allgather")
 
 
 class RecomputeKind(str, enum.Enum):
@@ -94,7 +96,10 @@ def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:
 class Plan:
     """A complete parallelization plan for one model on one cluster.
 
-    world size = dp x pp x tp; global batch = micro_batch_size x num_micro_batches x dp.
+    world size = dp x cp x pp x tp; global batch = micro_batch_size x num_micro_batches x dp.
+    Context parallelism (``cp``) splits every sequence over ``cp`` ranks (they hold the same
+    parameters, like data-parallel replicas, and see the same samples); ``cp_attention`` is how
+    their attention exchanges keys and values: ``ring`` (p2p, overlapped) or ``allgather``.
     """
 
     dp: int = 1
@@ -120,10 +125,20 @@ class Plan:
     #: Hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (one node) and
     #: replicates across the groups; None shards over the whole data-parallel group.
     zero_shard_size: int | None = None
+    #: Context parallelism: ranks each sequence is split over (runtime/cp.py).
+    cp: int = 1
+    #: How context-parallel attention exchanges K/V: "ring" or "allgather".
+    cp_attention: str = "ring"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
+        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size",
+                     "num_micro_batches"):
             _positive(name, getattr(self, name))
+        if self.cp_attention not in CP_ATTENTION_KINDS:
+            raise InvalidPlanError(f"cp_attention must be one of {CP_ATTENTION_KINDS}, got "
+                                   f"{self.cp_attention!r}", expected=str(CP_ATTENTION_KINDS),
+                                   found=repr(self.cp_attention),
+                                   fix="use 'ring' (p2p, overlapped) or 'allgather'")
         object.__setattr__(self, "schedule", _enum(ScheduleKind, self.schedule, "schedule"))
         object.__setattr__(self, "recompute", _enum(RecomputeKind, self.recompute, "recompute"))
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
@@ -183,7 +198,13 @@ class Plan:
     # -- derived ------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters: data- times context-parallel (gradients are
+        reduced, and ZeRO shards, over them)."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -215,6 +236,7 @@ class Plan:
             "model_fingerprint": self.model_fingerprint,
             # written only when set, so plans without hybrid sharding read as before
             **({"zero_shard_size": self.zero_shard_size} if self.zero_shard_size else {}),
+            **({"cp": self.cp, "cp_attention": self.cp_attention} if self.cp > 1 else {}),
         }
 
     @classmethod

@@ -221,7 +221,7 @@ class TiedGroups:
                                         f"in shape", expected="one shape",
                                         found=str(sorted(shapes_seen)),
                                         fix="tie only parameters of the same shape")
-            dps = {coordinates(r, mesh.dp, mesh.pp, mesh.tp)[0] for r in ranks}
+            dps = {coordinates(r, mesh.replicas, mesh.pp, mesh.tp)[0] for r in ranks}
             if len(dps) != 1:
                 raise InvalidInputError(f"tied copies on ranks {ranks} belong to different "
                                         f"data-parallel replicas",
@@ -295,9 +295,9 @@ class DataParallel:
                 found=f"zero={int(stage)} with an optimizer that looks at whole tensors",
                 fix="use zero=0, or pass elementwise=True to OptimizerFactory if its update is "
                     "element-wise")
-        if config.shard_size is not None and config.shard_size > mesh.dp:
+        if config.shard_size is not None and config.shard_size > mesh.replicas:
             raise PlanMismatchError("hybrid shard group larger than the data-parallel group",
-                                    expected=f"shard_size <= dp = {mesh.dp}",
+                                    expected=f"shard_size <= dp x cp = {mesh.replicas}",
                                     found=f"shard_size = {config.shard_size}",
                                     fix="use the number of data-parallel ranks in one node")
         self.groups = ShardGroups.build(mesh, config.shard_size, mesh.timeout)
@@ -434,7 +434,7 @@ class DataParallel:
             groups[i][1].append((name, p))
             sizes[i] += p.numel()
         # deferred: every rank loads the same values itself, nothing to broadcast
-        src = mesh.ranks("dp")[0] if self.config.sync_module_states and not self._deferred \
+        src = mesh.ranks("replica")[0] if self.config.sync_module_states and not self._deferred \
             else None
         self.buckets: list[FlatBucket] = []
         for index, (key, params) in enumerate(groups):

@@ -1,11 +1,17 @@
-"""The device mesh: process groups over (dp, pp, tp), tp innermost, a timeout on every group.
+"""The device mesh: process groups over (dp, cp, pp, tp), tp innermost, a timeout on every group.
 
-``ParallelMesh(dp, pp, tp)`` is called on every rank after ``init_process_group``. Rank r has
-coordinates ``(r // (pp*tp), (r // tp) % pp, r % tp)``: tensor-parallel peers are adjacent ranks
-(one node, NVLink), pipeline stages stride by tp, data-parallel replicas are outermost.
+``ParallelMesh(dp, pp, tp, cp=1)`` is called on every rank after ``init_process_group``. Rank r
+has coordinates ``(r // (pp*tp), (r // tp) % pp, r % tp)`` over (replica, pp, tp):
+tensor-parallel peers are adjacent ranks (one node, NVLink), pipeline stages stride by tp, the
+replicas of the parameters are outermost. A replica is a data-parallel rank, or with context
+parallelism one of a data-parallel rank's ``cp`` ranks: replica ``d * cp + c`` holds data-parallel
+coordinate ``d`` and context-parallel coordinate ``c``. Gradients are reduced, and ZeRO shards,
+over the replicas (``replica_group``: dp x cp ranks); the batch splits over dp
+(``dp_rank``) and each sequence over cp (``cp_group``, whose ranks stride by pp x tp).
 
 The groups come from one ``torch.distributed.device_mesh.DeviceMesh`` with dims named
-``("dp", "pp", "tp")``: ``mesh.tp_group`` is ``mesh.device_mesh.get_group("tp")``, so DTensor,
+``("dp", "pp", "tp")`` (``("dp", "cp", "pp", "tp")`` with ``dp_cp`` flattened from the first two
+under context parallelism): ``mesh.tp_group`` is ``mesh.device_mesh.get_group("tp")``, so DTensor,
 FSDP2 and autopar's own collectives run on the same groups. Every dim is given backend options
 carrying the mesh's timeout (``backend_override``; DeviceMesh passes the options' ``_timeout`` to
 ``new_group``), because a group created without one waits torch's default 30 minutes (10 for
@@ -25,12 +31,19 @@ import torch.distributed as dist
 from autopar.errors import PlanMismatchError
 from autopar.runtime.comm import DEFAULT_TIMEOUT_S, default_timeout, set_rank_label
 
-__all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates"]
+__all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4"]
 
 
 def coordinates(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
-    """(dp, pp, tp) coordinates of ``rank`` in a dp x pp x tp mesh, tp innermost."""
+    """(dp, pp, tp) coordinates of ``rank`` in a dp x pp x tp mesh, tp innermost (with context
+    parallelism pass the replicas, dp x cp, as ``dp``: the first coordinate is the replica)."""
     return rank // (pp * tp), (rank // tp) % pp, rank % tp
+
+
+def coordinates4(rank: int, dp: int, cp: int, pp: int, tp: int) -> tuple[int, int, int, int]:
+    """(dp, cp, pp, tp) coordinates of ``rank`` in a dp x cp x pp x tp mesh, tp innermost."""
+    replica, p, t = coordinates(rank, dp * cp, pp, tp)
+    return replica // cp, replica % cp, p, t
 
 
 @dataclass(frozen=True)
@@ -43,39 +56,56 @@ class _Axis:
 
 
 class ParallelMesh:
-    """Process groups for one dp x pp x tp layout of the current world."""
+    """Process groups for one dp x cp x pp x tp layout of the current world."""
 
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *,
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1,
                  timeout: timedelta | None = None, device_type: str | None = None) -> None:
         if not dist.is_initialized():
             raise PlanMismatchError("torch.distributed is not initialized",
                                     fix="call torch.distributed.init_process_group first, or "
                                         "launch with `autopar run` / torchrun")
         world = dist.get_world_size()
-        if dp * pp * tp != world:
+        if dp * cp * pp * tp != world:
             raise PlanMismatchError("the plan's mesh does not match the world size",
-                                    expected=f"dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp} ranks",
+                                    expected=f"dp x cp x pp x tp = {dp} x {cp} x {pp} x {tp} = "
+                                             f"{dp * cp * pp * tp} ranks",
                                     found=f"a world of {world} ranks",
                                     fix="launch with --nproc matching the plan, or re-plan for "
                                         "this world")
-        self.dp, self.pp, self.tp = dp, pp, tp
+        self.dp, self.cp, self.pp, self.tp = dp, cp, pp, tp
+        self.replicas = dp * cp
         self.timeout = timeout or default_timeout()
         self.rank = dist.get_rank()
         self.world_size = world
         self.device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-        self.dp_rank, self.pp_rank, self.tp_rank = coordinates(self.rank, dp, pp, tp)
+        self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank = coordinates4(self.rank, dp, cp,
+                                                                              pp, tp)
+        self.replica_rank = self.dp_rank * cp + self.cp_rank
         # errors from any collective name this process by its coordinates (runtime/comm.py)
-        set_rank_label(f"rank {self.rank} (dp {self.dp_rank}, pp {self.pp_rank}, "
+        cp_label = f", cp {self.cp_rank}" if cp > 1 else ""
+        set_rank_label(f"rank {self.rank} (dp {self.dp_rank}{cp_label}, pp {self.pp_rank}, "
                        f"tp {self.tp_rank})")
-        grid = torch.arange(world).reshape(dp, pp, tp)
-        self._grid = grid
-        self._device_mesh = _device_mesh(self.device_type, grid, self.timeout)  # collective
-        d, p, t = self.dp_rank, self.pp_rank, self.tp_rank
-        self.axes = {name: self._axis(name, tuple(int(r) for r in ranks)) for name, ranks in (
-            ("dp", grid[:, p, t]), ("pp", grid[d, :, t]), ("tp", grid[d, p, :]))}
+        grid = torch.arange(world).reshape(dp, cp, pp, tp)
+        self._grid = grid.reshape(dp * cp, pp, tp)  # replica-major, as coordinates() reads it
+        # collective: every rank creates every group
+        self._device_mesh = _device_mesh(self.device_type, grid if cp > 1 else self._grid,
+                                         self.timeout)
+        d, c, p, t = self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank
+        r = self.replica_rank
+        axes = [("dp", "dp", grid[:, c, p, t]), ("pp", "pp", grid[d, c, :, t]),
+                ("tp", "tp", grid[d, c, p, :])]
+        if cp > 1:
+            axes += [("cp", "cp", grid[d, :, p, t]),
+                     ("replica", "dp_cp", self._grid[:, p, t])]
+        self.axes = {name: self._axis(name, tuple(int(x) for x in ranks), dim)
+                     for name, dim, ranks in axes}
+        if cp == 1:  # one replica per data-parallel rank: the same group
+            self.axes["cp"] = _Axis("cp", 1, None, (self.rank,), 0)
+            self.axes["replica"] = self.axes["dp"]
+        assert self.axes["replica"].rank == r
 
-    def _axis(self, name: str, ranks: tuple[int, ...]) -> _Axis:
-        group = self._device_mesh.get_group(name) if len(ranks) > 1 else None
+    def _axis(self, name: str, ranks: tuple[int, ...], dim: str | None = None) -> _Axis:
+        group = self._device_mesh.get_group(dim or name) if len(ranks) > 1 else None
         if group is not None and tuple(dist.get_process_group_ranks(group)) != ranks:
             raise PlanMismatchError(f"the DeviceMesh's {name} group does not hold this rank's "
                                     f"{name} peers", expected=str(ranks),
@@ -93,24 +123,40 @@ class ParallelMesh:
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel ranks with this rank's cp, pp and tp coordinates."""
         return self.axes["dp"].group
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel ranks sharing this rank's sequences (None: cp = 1)."""
+        return self.axes["cp"].group
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """Every rank holding the same parameters as this one (dp x cp ranks): gradients are
+        reduced, and ZeRO shards, over it."""
+        return self.axes["replica"].group
 
     def ranks(self, axis: str) -> tuple[int, ...]:
         """Global ranks of this process's group along ``axis`` (in coordinate order)."""
         return self.axes[axis].ranks
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank holding pipeline coordinate ``pp_rank`` in this rank's (dp, tp) column."""
-        return int(self._grid[self.dp_rank, pp_rank, self.tp_rank])
+        """Global rank holding pipeline coordinate ``pp_rank`` in this rank's (replica, tp)
+        column."""
+        return int(self._grid[self.replica_rank, pp_rank, self.tp_rank])
 
     @property
     def device_mesh(self):
-        """The torch DeviceMesh (dims named dp, pp, tp) whose groups this mesh uses."""
+        """The torch DeviceMesh (dims named dp, pp, tp; dp, cp, pp, tp and the flattened dp_cp
+        under context parallelism) whose groups this mesh uses."""
         return self._device_mesh
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; rank {self.rank} at "
-                f"dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        at = f" cp={self.cp_rank}" if self.cp > 1 else ""
+        return (f"ParallelMesh(dp={self.dp}{cp}, pp={self.pp}, tp={self.tp}; rank {self.rank} at "
+                f"dp={self.dp_rank}{at} pp={self.pp_rank} tp={self.tp_rank})")
 
 
 def _group_options(timeout: timedelta):
@@ -127,10 +173,14 @@ def _group_options(timeout: timedelta):
 
 
 def _device_mesh(device_type: str, grid: torch.Tensor, timeout: timedelta):
-    """A DeviceMesh over ``grid`` (dims dp, pp, tp) whose every group has ``timeout``.
-    Collective: every rank creates every group, in the same order."""
+    """A DeviceMesh over ``grid`` (dims dp, pp, tp; or dp, cp, pp, tp, with dp and cp flattened
+    into dp_cp) whose every group has ``timeout``. Collective: every rank creates every group,
+    in the same order."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    names = ("dp", "pp", "tp")
-    return DeviceMesh(device_type, grid, mesh_dim_names=names,
+    names = ("dp", "pp", "tp") if grid.dim() == 3 else ("dp", "cp", "pp", "tp")
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=names,
                       backend_override=tuple((None, _group_options(timeout)) for _ in names))
+    if grid.dim() == 4:
+        mesh["dp", "cp"]._flatten("dp_cp", backend_override=(None, _group_options(timeout)))
+    return mesh

@@ -278,7 +278,7 @@ class PipelineExecutor:
         if mesh.pp == 1:
             return None
         mine = None
-        for d in range(mesh.dp):
+        for d in range(mesh.replicas):
             for t in range(mesh.tp):
                 ranks = [d * mesh.pp * mesh.tp + q * mesh.tp + t for q in range(mesh.pp)]
                 group = dist.new_group(ranks, timeout=self.timeout)
@@ -320,12 +320,12 @@ class PipelineExecutor:
         mesh = self.mesh
         mine = []
         for pp_ranks, fqns in sorted(by_ranks.items()):
-            for d in range(mesh.dp):
+            for d in range(mesh.replicas):
                 for t in range(mesh.tp):
                     ranks = [d * mesh.pp * mesh.tp + q * mesh.tp + t for q in pp_ranks]
                     group = dist.new_group(ranks, timeout=self.timeout)
                     if mesh.rank in ranks:
-                        assert coordinates(mesh.rank, mesh.dp, mesh.pp, mesh.tp)[1] in pp_ranks
+                        assert coordinates(mesh.rank, mesh.replicas, mesh.pp, mesh.tp)[1] in pp_ranks
                         mine.append((tuple(f for f in fqns if f in self.params), group))
         return mine
 

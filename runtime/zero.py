@@ -107,7 +107,7 @@ class ShardGroups:
     @classmethod
     def build(cls, mesh: Any, shard_size: int | None, timeout: timedelta) -> "ShardGroups":
         """Create the groups for ``mesh`` (a ParallelMesh). Collective over the whole world."""
-        dp = mesh.dp
+        dp = mesh.replicas  # data- x context-parallel ranks hold the same parameters
         shard_size = dp if shard_size is None else shard_size
         if shard_size < 1 or dp % shard_size:
             raise InvalidInputError(
@@ -116,11 +116,11 @@ class ShardGroups:
                 fix="pick the number of data-parallel ranks in one node (dp must be a multiple)")
         replicate = dp // shard_size
         if replicate == 1:
-            return cls(mesh.dp_group, dp, mesh.dp_rank, mesh.dp_group, dp, mesh.dp_rank,
-                       None, 1, 0)
+            return cls(mesh.replica_group, dp, mesh.replica_rank, mesh.replica_group, dp,
+                       mesh.replica_rank, None, 1, 0)
         shard_group = replicate_group = None
         rank = mesh.rank
-        for ranks in dp_rank_lists(mesh.dp, mesh.pp, mesh.tp):  # every rank creates every group
+        for ranks in dp_rank_lists(dp, mesh.pp, mesh.tp):  # every rank creates every group
             for r in range(replicate):
                 block = ranks[r * shard_size:(r + 1) * shard_size]
                 g = dist.new_group(block, timeout=timeout) if len(block) > 1 else None
@@ -131,8 +131,9 @@ class ShardGroups:
                 g = dist.new_group(column, timeout=timeout)
                 if rank in column:
                     replicate_group = g
-        return cls(mesh.dp_group, dp, mesh.dp_rank, shard_group, shard_size,
-                   mesh.dp_rank % shard_size, replicate_group, replicate, mesh.dp_rank // shard_size)
+        r = mesh.replica_rank
+        return cls(mesh.replica_group, dp, r, shard_group, shard_size, r % shard_size,
+                   replicate_group, replicate, r // shard_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,300 @@
+"""Context parallelism as a graph transform: the per-rank program of a sequence split over cp ranks.
+
+Under context parallelism every rank runs the same program on its own tokens of each sequence
+(the head-tail layout of :mod:`autopar.runtime.cp`). Most of a transformer is token-wise and
+runs unchanged on a piece of the sequence: GEMMs over features, norms over the hidden dim,
+element-wise ops, the embedding lookup, the token-level loss. Three things are not, and
+:func:`context_parallelize` rewrites them:
+
+- ``scaled_dot_product_attention`` becomes ``cp.attention(cp, q, k, v, is_causal, scale)``:
+  exact attention over the whole sequence's keys and values (ring or all-gather);
+- ``arange(s)`` (a token's index: position ids, rotary positions) becomes
+  ``cp.positions(cp, arange(s))``: the tokens' true positions;
+- a slice ``table[..., 0:s]`` of a parameter, buffer or constant along a sequence-long dim (BERT's
+  ``position_ids`` buffer, a rotary cos/sin cache) becomes ``cp.take_positions(cp, table, dim,
+  s)``: the rows at the true positions.
+
+Everything else that would mix tokens across the sequence is refused by name
+(:class:`autopar.errors.ShardingError`), never run on a piece: attention written out by hand
+(a ``[.., s, s]`` score tensor, a product contracting the sequence, a softmax along it), an
+attention mask (data-dependent: the attention-mask simplification turns causal and all-true
+masks into ``is_causal``), attention dropout, a slice, gather, concatenation or cumulative op
+along the sequence (BERT's pooler reading token 0), a reduction over the sequence that is not the
+whole-tensor loss. The loss is each rank's mean over its tokens; the data-parallel engine averages
+replicas (dp x cp), which is the mean over all tokens when every rank's tokens count equally (no
+``ignore_index`` targets: docs/context-parallel.md).
+
+Which dims are the sequence is read from the captured specs: every tensor's shape is symbolic in
+``b`` and ``s`` (autopar/ir.py), and a dim whose size involves ``s`` holds tokens.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from autopar.errors import ShardingError
+from autopar.ir import META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, info, op_name
+from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
+from autopar.runtime import cp as cp_runtime
+
+__all__ = ["context_parallelize", "context_parallel_pass", "sequence_split"]
+
+aten = torch.ops.aten
+
+#: Ops that take one ``dim`` argument (position 1) and mix or move tokens along it.
+_DIM_OPS = {"softmax": 1, "_softmax": 1, "log_softmax": 1, "_log_softmax": 1, "cumsum": 1,
+            "cumprod": 1, "logcumsumexp": 1, "cummax": 1, "cummin": 1, "sort": 1, "topk": 2,
+            "index_select": 1, "gather": 1, "select": 1, "narrow": 1, "flip": 1, "roll": 2,
+            "unbind": 1, "split": 2, "split_with_sizes": 2, "chunk": 2}
+#: Reductions: mixing tokens when a reduced dim holds them (a whole-tensor reduction is the loss).
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp",
+               "var_mean", "std_mean", "argmax", "argmin", "any", "all", "norm", "linalg_vector_norm"}
+_MATMULS = {"mm", "bmm", "matmul", "baddbmm", "addmm"}
+_SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+
+
+def _spec(node: Any) -> TensorSpec | None:
+    if not isinstance(node, torch.fx.Node) or META_KEY not in node.meta:
+        return None
+    return info(node).spec
+
+
+def _holds_tokens(expr: Any) -> bool:
+    return SEQ in getattr(expr, "free_symbols", ())
+
+
+def _seq_dims(spec: TensorSpec | None) -> list[int]:
+    return [] if spec is None else [d for d, e in enumerate(spec.shape) if _holds_tokens(e)]
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _where(node: torch.fx.Node) -> str:
+    meta = info(node) if META_KEY in node.meta else None
+    at = f" in {meta.module_path}" if meta is not None and meta.module_path else ""
+    return f"{node.name} ({op_name(node)}{at})"
+
+
+def _refuse(node: torch.fx.Node, why: str, fix: str) -> ShardingError:
+    return ShardingError(f"context parallelism cannot split the sequence through {_where(node)}",
+                         expected="token-wise ops, and attention as scaled_dot_product_attention",
+                         found=why, fix=fix)
+
+
+_UNRECOGNIZED = ("write attention as torch.nn.functional.scaled_dot_product_attention (with "
+                 "is_causal instead of a mask), or plan with cp=1")
+
+
+def _is_full_slice(node: torch.fx.Node) -> bool:
+    args = list(node.args) + [None] * 4
+    start, end = args[2], args[3]
+    if start not in (None, 0):
+        return False
+    if end is None or (isinstance(end, int) and end >= 2 ** 62):
+        return True
+    src, out = _spec(node.args[0]), _spec(node)
+    if src is None or out is None:
+        return False
+    dim = _norm_dim(args[1] if args[1] is not None else 0, len(src.shape))
+    return bool(src.shape[dim] == out.shape[dim])
+
+
+def _check_token_wise(node: torch.fx.Node) -> None:
+    """Raise if ``node`` mixes tokens along the sequence (what a piece of it cannot compute)."""
+    name = op_name(node)
+    out = _spec(node)
+    if out is not None and len(_seq_dims(out)) > 1 and name not in ("expand", "view", "reshape"):
+        raise _refuse(node, f"an output of shape {out.shape} with two sequence dims (attention "
+                            "scores computed by hand)", _UNRECOGNIZED)
+    first = node.args[0] if node.args else None
+    src = _spec(first)
+    if src is None:
+        return
+    seq = _seq_dims(src)
+    if not seq:
+        return
+    ndim = len(src.shape)
+    if name in _MATMULS:
+        a, b = (node.args[1], node.args[2]) if name in ("baddbmm", "addmm") else node.args[:2]
+        spec_a = _spec(a)
+        if spec_a is not None and _holds_tokens(spec_a.shape[-1]):
+            raise _refuse(node, f"a product contracting a sequence dim ({spec_a.shape})",
+                          _UNRECOGNIZED)
+        return
+    if name == "slice":
+        dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+        if dim in seq and not _is_full_slice(node):
+            raise _refuse(node, f"a slice along the sequence (dim {dim} of {src.shape})",
+                          "shift targets outside the model (pass labels already shifted), or "
+                          "plan with cp=1")
+        return
+    if name == "cat":
+        dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0,
+                        len(_spec(node.args[0][0]).shape) if _spec(node.args[0][0]) else 1)
+        pieces = [_spec(t) for t in node.args[0]]
+        if any(p is not None and dim in _seq_dims(p) for p in pieces):
+            raise _refuse(node, f"a concatenation along the sequence (dim {dim})",
+                          "plan with cp=1")
+        return
+    if name in _DIM_OPS:
+        pos = _DIM_OPS[name]
+        dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)
+        dims = dim if isinstance(dim, (list, tuple)) else [dim]
+        if any(isinstance(d, int) and _norm_dim(d, ndim) in seq for d in dims):
+            raise _refuse(node, f"{name} along the sequence (dim {dims} of {src.shape})",
+                          _UNRECOGNIZED if "softmax" in name else "plan with cp=1")
+        return
+    if name in _REDUCTIONS:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if dim is None or dim == [] or dim == ():
+            return  # a whole-tensor reduction: the loss (each rank's mean over its tokens)
+        dims = dim if isinstance(dim, (list, tuple)) else [dim]
+        if any(isinstance(d, int) and _norm_dim(d, ndim) in seq for d in dims):
+            raise _refuse(node, f"a {name} over the sequence (dim {dims} of {src.shape})",
+                          "pool outside the sequence-parallel part, or plan with cp=1")
+        return
+    if name in ("convolution", "conv1d", "conv2d") and 2 in seq or name in (
+            "constant_pad_nd", "pad") and any(d >= ndim - len(node.args[1]) // 2 for d in seq):
+        raise _refuse(node, f"a {name} across tokens ({src.shape})", "plan with cp=1")
+
+
+def _node(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: dict, like: torch.fx.Node,
+          value: Any = None) -> torch.fx.Node:
+    new = graph.call_function(fn, args, kwargs)
+    meta = info(like) if META_KEY in like.meta else NodeInfo(NodeKind.OP)
+    new.meta[META_KEY] = NodeInfo(NodeKind.OP, value=value if value is not None else meta.value,
+                                  module_path=meta.module_path, layer=meta.layer,
+                                  placement=meta.placement, local_value=meta.local_value)
+    for key in ("val", "tensor_meta", "stack_trace", "nn_module_stack"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    return new
+
+
+def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new per-rank program computing ``gm`` on this rank's tokens (``gm`` is not changed);
+    it reads a :class:`autopar.runtime.cp.CPGroup` from a placeholder ``cp``."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    graph.eliminate_dead_code()  # what nothing reads cannot mix tokens
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    anchor = next((n for n in placeholders if META_KEY in n.meta
+                   and info(n).kind is NodeKind.COMMUNICATOR), None)
+    if any(n.name == "cp" for n in placeholders):
+        raise ShardingError("the program already reads a context-parallel group",
+                            fix="context_parallelize a program once")
+    with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(
+            placeholders[0] if placeholders else None):
+        cp = graph.placeholder("cp")
+    cp.meta[META_KEY] = NodeInfo(NodeKind.COMMUNICATOR)
+    tables = {n for n in placeholders if META_KEY in n.meta and info(n).kind in (
+        NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT)}
+    attention = 0
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        target_name = getattr(node.target, "__name__", "")
+        if name in _SDPA or target_name == "attention_dropout":
+            _rewrite_attention(graph, node, cp)
+            attention += 1
+        elif name == "arange" and _is_token_index(node):
+            with graph.inserting_after(node):
+                new = _node(graph, cp_runtime.positions, (cp, node), {}, node)
+            node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        elif name == "slice" and node.args and node.args[0] in tables and not _is_full_slice(node):
+            _rewrite_table_slice(graph, node, cp)
+        elif node.target is not operator.getitem:
+            _check_token_wise(node)
+    graph.eliminate_dead_code()
+    result = torch.fx.GraphModule(gm, graph)
+    result.meta["cp_attention_sites"] = attention
+    return result
+
+
+def _is_token_index(node: torch.fx.Node) -> bool:
+    """``arange(s)`` or ``arange(0, s)`` (step 1): the index of each token of a sequence."""
+    spec = _spec(node)
+    if spec is None or len(spec.shape) != 1 or not _holds_tokens(spec.shape[0]):
+        return False
+    if node.target is aten.arange.default:
+        return True
+    if node.target is aten.arange.start:
+        return node.args[0] == 0
+    if node.target is aten.arange.start_step:
+        return node.args[0] == 0 and (len(node.args) < 3 or node.args[2] == 1)
+    return False
+
+
+def _rewrite_attention(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.Node) -> None:
+    name = op_name(node)
+    if name != "scaled_dot_product_attention" and getattr(node.target, "__name__", "") != \
+            "attention_dropout":
+        raise _refuse(node, f"the fused attention kernel {name}", _UNRECOGNIZED)
+    args = list(node.args)
+    if getattr(node.target, "__name__", "") == "attention_dropout":
+        args = args[1:]  # (tp, q, k, v, ...)
+    q, k, v = args[:3]
+    params = ("attn_mask", "dropout_p", "is_causal")
+    given = dict(zip(params, args[3:]))
+    given.update({k_: v_ for k_, v_ in node.kwargs.items() if k_ in params})
+    if given.get("attn_mask") is not None:
+        raise _refuse(node, "an attention mask (a tensor the data decides, which the ring would "
+                            "have to split by position)",
+                      "use is_causal (autopar turns causal and all-true masks into it) or no "
+                      "mask; padding masks are not supported under cp")
+    if float(given.get("dropout_p") or 0.0) > 0.0:
+        raise _refuse(node, f"attention dropout p={given['dropout_p']}",
+                      "set the attention dropout to 0 (LLaMA-style recipes do), or plan with cp=1")
+    scale = node.kwargs.get("scale")
+    with graph.inserting_after(node):
+        new = _node(graph, cp_runtime.attention, (cp, q, k, v),
+                    {"is_causal": bool(given.get("is_causal") or False), "scale": scale}, node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _rewrite_table_slice(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.Node) -> None:
+    src, out = _spec(node.args[0]), _spec(node)
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(src.shape) if src else 1)
+    if out is None or not _holds_tokens(out.shape[dim]) or (len(node.args) > 2 and
+                                                             node.args[2] not in (None, 0)):
+        _check_token_wise(node)
+        return
+    length = node.args[3]
+    with graph.inserting_after(node):
+        new = _node(graph, cp_runtime.take_positions, (cp, node.args[0], dim, length), {}, node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+@graph_property("sequence_split")
+def sequence_split(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """Every attention is context-parallel attention reading the cp group; no op left that
+    mixes tokens across the sequence."""
+    cp = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "cp"), None)
+    if cp is None:
+        return "no cp placeholder"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and op_name(node) in _SDPA:
+            return f"{node.name} is still {op_name(node)}"
+        if node.op == "call_function" and node.target is cp_runtime.attention \
+                and node.args[0] is not cp:
+            return f"{node.name} reads another group than the cp placeholder"
+    return None
+
+
+@graph_pass(ensures=("sequence_split",))
+def context_parallel_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """:func:`context_parallelize` as a pass."""
+    return PassResult(context_parallelize(gm), True)

@@ -1,0 +1,386 @@
+"""Context parallelism: the sequence split over ranks, attention computed exactly across them.
+
+Under context parallelism (cp) every activation of the model holds only this rank's tokens; the
+only op that needs the others' is attention, whose keys and values are exchanged. Generated
+per-rank programs call the functions at the bottom of this module as ``cp.<name>(cp, ...)`` on a
+:class:`CPGroup`.
+
+**Layout.** The sequence of length ``s`` is cut into ``2 x cp`` chunks of ``c = s / (2 cp)``
+tokens; rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, in that order, as Megatron-LM's
+context parallelism and torch's ``context_parallel`` (its ``_HeadTailLoadBalancer``) lay out a
+causal sequence: a rank with an early chunk (few keys to attend) also holds a late one (many), so
+every rank does the same attention work. :meth:`CPGroup.split` takes a rank's tokens out of a
+whole-sequence tensor, :meth:`CPGroup.positions` turns a local ``arange`` into the tokens' true
+positions (rotary and learned position embeddings see each token where it is).
+
+**Attention.** ``attention(q, k, v, is_causal, ...)`` with q, k, v of this rank's tokens
+(``[batch, heads, tokens, head_dim]``) returns exactly what ``scaled_dot_product_attention``
+over the whole sequence returns for them. Two algorithms, chosen by the plan:
+
+- ``ring``: K/V blocks travel around the cp ranks (rank r sends to r + 1, receives from r - 1);
+  the transfer of the next block is posted before the current block's attention and waited
+  after it, so it overlaps (Liu et al. 2023, "Ring Attention with Blockwise Transformers"). The
+  partial results merge with the online softmax (Milakov & Gimelshein 2018): a running row
+  maximum, normalizer and unnormalized output. The backward pass replays the ring: each block's
+  dK/dV accumulator travels with it and arrives home after ``cp`` hops; the queries' gradient
+  uses the forward's log-sum-exp (Dao et al. 2022, FlashAttention's backward).
+- ``allgather``: K/V of every rank gathered, one masked attention, dK/dV reduce-scattered back
+  (Megatron-LM's ``all_gather`` CP communication type; cheaper for short sequences or GQA with
+  few KV heads, where the gathered K/V are small).
+
+Both skip what a causal mask hides: in the head-tail layout an off-diagonal block is half
+visible (whole early-chunk keys, or whole late-chunk queries), and only that half is computed.
+Scores are computed in fp32 whatever the inputs' dtype. Every transfer waits with the mesh's
+timeout (:func:`autopar.runtime.comm.wait_work`): a dead peer is a named error, not a hang.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ShardingError
+from autopar.runtime.comm import collective, wait_work
+
+__all__ = ["CPGroup", "ATTENTION_KINDS", "head_tail_positions", "FUNCTIONS"]
+
+#: The attention algorithms a plan may choose.
+ATTENTION_KINDS = ("ring", "allgather")
+
+
+def head_tail_positions(rank: int, size: int, local: int, device: Any = None) -> torch.Tensor:
+    """The global positions of rank ``rank``'s ``local`` tokens in the head-tail layout."""
+    if local % 2:
+        raise ShardingError("context parallelism splits each rank's tokens into two chunks",
+                            expected="an even number of tokens per rank (sequence length a "
+                                     f"multiple of 2 x cp = {2 * size})",
+                            found=f"{local} tokens on a rank", fix="pad the sequence or change cp")
+    c = local // 2
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def _what(name: str, x: torch.Tensor) -> str:
+    return f"context-parallel {name} of {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# One block of attention: queries against one block of keys, in fp32
+# ---------------------------------------------------------------------------------------------
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
+    """(rows, cols, mask) of the part of a block a causal mask leaves visible: index tensors (or
+    None for all) and the boolean mask over them (None: all visible); None if nothing is."""
+    if not causal:
+        return None, None, None
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if not bool(mask.any()):
+        return None
+    rows_any, cols_any = mask.any(1), mask.any(0)
+    rows = None if bool(rows_any.all()) else rows_any.nonzero().flatten()
+    cols = None if bool(cols_any.all()) else cols_any.nonzero().flatten()
+    if rows is not None:
+        mask = mask[rows]
+    if cols is not None:
+        mask = mask[:, cols]
+    return rows, cols, (None if bool(mask.all()) else mask)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(-2, index)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated to the query heads (grouped-query attention)."""
+    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of :func:`_expand_heads`: sum over each KV head's query group."""
+    if g.shape[-3] == kv_heads:
+        return g
+    shape = g.shape
+    return g.reshape(*shape[:-3], kv_heads, shape[-3] // kv_heads, *shape[-2:]).sum(-3)
+
+
+class _Accumulator:
+    """Online-softmax state of this rank's queries: running max, normalizer, output (fp32)."""
+
+    def __init__(self, q: torch.Tensor, dv: int) -> None:
+        rows = q.shape[:-1]
+        self.m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)
+        self.l = torch.zeros(rows, dtype=torch.float32, device=q.device)
+        self.o = torch.zeros(*rows, dv, dtype=torch.float32, device=q.device)
+
+    def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            block) -> None:
+        rows, cols, mask = block
+        qb = _take(q, rows).float()
+        s = torch.matmul(qb, _take(k, cols).float().transpose(-2, -1)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        m_old = self.m if rows is None else self.m.index_select(-1, rows)
+        l_old = self.l if rows is None else self.l.index_select(-1, rows)
+        o_old = _take(self.o, rows)
+        m_new = torch.maximum(m_old, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe.unsqueeze(-1))
+        alpha = torch.exp(m_old - m_safe)
+        l_new = l_old * alpha + p.sum(-1)
+        o_new = o_old * alpha.unsqueeze(-1) + torch.matmul(p, _take(v, cols).float())
+        if rows is None:
+            self.m, self.l, self.o = m_new, l_new, o_new
+        else:
+            self.m = self.m.index_copy(-1, rows, m_new)
+            self.l = self.l.index_copy(-1, rows, l_new)
+            self.o = self.o.index_copy(-2, rows, o_new)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, log-sum-exp) of every query row."""
+        return self.o / self.l.unsqueeze(-1), self.m + torch.log(self.l)
+
+
+def _block_grads(q, k, v, dout, lse, delta, scale, block):
+    """dQ (over all query rows), dK, dV (over all key rows) of one block, fp32."""
+    rows, cols, mask = block
+    qb, kb, vb = _take(q, rows).float(), _take(k, cols).float(), _take(v, cols).float()
+    dob = _take(dout, rows)
+    s = torch.matmul(qb, kb.transpose(-2, -1)) * scale
+    p = torch.exp(s - _take(lse.unsqueeze(-1), rows))
+    if mask is not None:
+        p = p.masked_fill(~mask, 0.0)
+    dv_b = torch.matmul(p.transpose(-2, -1), dob)
+    dp = torch.matmul(dob, vb.transpose(-2, -1))
+    ds = p * (dp - _take(delta.unsqueeze(-1), rows)) * scale
+    dq_b = torch.matmul(ds, kb)
+    dk_b = torch.matmul(ds.transpose(-2, -1), qb)
+
+    def place(part, index, like_rows):
+        if index is None:
+            return part
+        full = torch.zeros(*part.shape[:-2], like_rows, part.shape[-1], dtype=part.dtype,
+                           device=part.device)
+        return full.index_copy(-2, index, part)
+
+    return (place(dq_b, rows, q.shape[-2]), place(dk_b, cols, k.shape[-2]),
+            place(dv_b, cols, v.shape[-2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfers over the cp ring
+# ---------------------------------------------------------------------------------------------
+
+class _Ring:
+    """Posts one block's transfer to the next rank and from the previous one."""
+
+    def __init__(self, cp: "CPGroup", what: str) -> None:
+        self.cp, self.what = cp, what
+
+    def start(self, send: torch.Tensor):
+        recv = torch.empty_like(send)
+        cp = self.cp
+        ops = [dist.P2POp(dist.isend, send, cp.ranks[(cp.rank + 1) % cp.size], group=cp.group),
+               dist.P2POp(dist.irecv, recv, cp.ranks[(cp.rank - 1) % cp.size], group=cp.group)]
+        works = dist.batch_isend_irecv(ops)
+        return recv, works, send
+
+    def finish(self, pending) -> torch.Tensor:
+        recv, works, _send = pending
+        for w in works:
+            wait_work(w, _what(self.what, recv), self.cp.timeout)
+        return recv
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, causal, scale, kind):
+        heads = q.shape[-3]
+        size, rank = cp.size, cp.rank
+        local = q.shape[-2]
+        q_pos = head_tail_positions(rank, size, local, q.device)
+        acc = _Accumulator(q, v.shape[-1])
+        kv = torch.stack([k, v]).contiguous()
+        if kind == "ring":
+            ring = _Ring(cp, "ring attention K/V transfer")
+            for step in range(size):
+                src = (rank - step) % size
+                pending = ring.start(kv) if step < size - 1 else None
+                block = _visible(q_pos, head_tail_positions(src, size, local, q.device), causal)
+                if block is not None:
+                    acc.add(q, _expand_heads(kv[0], heads), _expand_heads(kv[1], heads), scale,
+                            block)
+                if pending is not None:
+                    kv = ring.finish(pending)
+        else:
+            gathered = cp.gather_blocks(kv)
+            for src in range(size):
+                block = _visible(q_pos, head_tail_positions(src, size, local, q.device), causal)
+                if block is not None:
+                    acc.add(q, _expand_heads(gathered[src][0], heads),
+                            _expand_heads(gathered[src][1], heads), scale, block)
+        out, lse = acc.result()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (cp, causal, scale, kind)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, causal, scale, kind = ctx.args
+        heads, kv_heads = q.shape[-3], k.shape[-3]
+        size, rank = cp.size, cp.rank
+        local = q.shape[-2]
+        q_pos = head_tail_positions(rank, size, local, q.device)
+        dout = dout.float()
+        delta = (dout * out.float()).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+        def grads_of(src, kb, vb):
+            block = _visible(q_pos, head_tail_positions(src, size, local, q.device), causal)
+            if block is None:
+                return None
+            dq_b, dk_b, dv_b = _block_grads(q, _expand_heads(kb, heads), _expand_heads(vb, heads),
+                                            dout, lse, delta, scale, block)
+            return dq_b, _fold_heads(dk_b, kv_heads), _fold_heads(dv_b, kv_heads)
+
+        kv = torch.stack([k, v]).contiguous()
+        if kind == "ring":
+            ring = _Ring(cp, "ring attention K/V transfer (backward)")
+            dring = _Ring(cp, "ring attention dK/dV transfer")
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            moving = None  # the dK/dV accumulator of the block in hand, in transit
+            for step in range(size):
+                src = (rank - step) % size
+                pending = ring.start(kv) if step < size - 1 else None
+                g = grads_of(src, kv[0], kv[1])
+                if moving is not None:
+                    dkv = dring.finish(moving)
+                if g is not None:
+                    dq += g[0]
+                    dkv = dkv + torch.stack([g[1], g[2]])
+                # the accumulator moves on with its block: after ``size`` hops it is home
+                moving = dring.start(dkv)
+                if pending is not None:
+                    kv = ring.finish(pending)
+            dkv = dring.finish(moving)
+        else:
+            gathered = cp.gather_blocks(kv)
+            parts = torch.zeros((size,) + tuple(kv.shape), dtype=torch.float32, device=q.device)
+            for src in range(size):
+                g = grads_of(src, gathered[src][0], gathered[src][1])
+                if g is not None:
+                    dq += g[0]
+                    parts[src] = torch.stack([g[1], g[2]])
+            dkv = cp.reduce_scatter_blocks(parts)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+
+
+class CPGroup:
+    """The context-parallel process group of this rank, and the sequence ops over it."""
+
+    def __init__(self, group: Any = None, *, timeout: timedelta | float | None = None,
+                 attention: str = "ring") -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.size, self.ranks = 0, 1, (0,)
+        else:
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.timeout = timeout
+        if attention not in ATTENTION_KINDS:
+            raise ShardingError(f"unknown context-parallel attention {attention!r}",
+                                expected=f"one of {ATTENTION_KINDS}", found=repr(attention))
+        self.attention_kind = attention
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, attention: str = "ring") -> "CPGroup":
+        return cls(mesh.cp_group, timeout=mesh.timeout, attention=attention)
+
+    def __repr__(self) -> str:
+        return f"CPGroup(rank={self.rank}, size={self.size}, attention={self.attention_kind})"
+
+    # -- the layout -----------------------------------------------------------------------------
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence tensor (the head-tail layout along ``dim``)."""
+        if self.size == 1:
+            return x
+        n = x.shape[dim]
+        if n % (2 * self.size):
+            raise ShardingError("the sequence does not split over the context-parallel ranks",
+                                expected=f"a sequence length divisible by 2 x cp = {2 * self.size}",
+                                found=f"length {n} (dim {dim} of a tensor of shape "
+                                      f"{tuple(x.shape)})",
+                                fix=f"pad the sequence to a multiple of {2 * self.size} (masking "
+                                    "the padding out of the loss), or change cp")
+        chunks = x.chunk(2 * self.size, dim=dim)
+        return torch.cat([chunks[self.rank], chunks[2 * self.size - 1 - self.rank]], dim=dim)
+
+    def positions(self, index: torch.Tensor) -> torch.Tensor:
+        """Global positions of local token indices ``0 .. L-1`` (a local ``arange``)."""
+        if self.size == 1:
+            return index
+        local = int(index.shape[-1])
+        table = head_tail_positions(self.rank, self.size, local, index.device).to(index.dtype)
+        return table[index.long()]
+
+    def take_positions(self, table: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+        """``table`` sliced ``0:length`` along ``dim`` on one device, on this rank: the rows of
+        its ``length`` tokens' true positions (a position-id buffer, a rotary cache)."""
+        if self.size == 1:
+            return table.narrow(dim, 0, length)
+        index = head_tail_positions(self.rank, self.size, int(length), table.device)
+        return table.index_select(dim, index)
+
+    # -- attention ------------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                  scale: float | None = None) -> torch.Tensor:
+        """Exact attention of this rank's queries over the whole sequence's keys and values."""
+        scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+        if self.size == 1:
+            return torch.ops.aten.scaled_dot_product_attention.default(
+                q, k, v, None, 0.0, is_causal, scale=scale,
+                enable_gqa=k.shape[-3] != q.shape[-3])
+        if q.shape[-3] % k.shape[-3]:
+            raise ShardingError("query heads are not a multiple of the key/value heads",
+                                found=f"{q.shape[-3]} and {k.shape[-3]}")
+        return _CPAttention.apply(q, k, v, self, bool(is_causal), scale, self.attention_kind)
+
+    # -- collectives of the allgather algorithm ------------------------------------------------
+    def gather_blocks(self, kv: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.size * kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype,
+                          device=kv.device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        collective(fn, out, kv.contiguous(), group=self.group, what=_what("K/V all-gather", kv),
+                   timeout=self.timeout)
+        return out.view((self.size,) + tuple(kv.shape))
+
+    def reduce_scatter_blocks(self, parts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        collective(fn, out, parts.flatten(0, 1).contiguous(), group=self.group,
+                   what=_what("dK/dV reduce-scatter", out), timeout=self.timeout)
+        return out
+
+
+# -- functional forms: the call_function targets of per-rank fx graphs ----------------------------
+
+def attention(cp: CPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    return cp.attention(q, k, v, is_causal, scale)
+
+
+def positions(cp: CPGroup, index: torch.Tensor) -> torch.Tensor:
+    return cp.positions(index)
+
+
+def take_positions(cp: CPGroup, table: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    return cp.take_positions(table, dim, length)
+
+
+FUNCTIONS = {"attention": attention, "positions": positions, "take_positions": take_positions}
