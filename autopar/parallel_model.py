@@ -101,6 +101,7 @@ class ParallelModel:
         #: The context-parallel communicator: this rank's tokens of each sequence, attention.
         self.cp_group = CPGroup.from_mesh(mesh, attention=self.plan.cp_attention) \
             if self.plan.cp > 1 else CPGroup()
+        self.tp_group.cp = self.cp_group  # dropout masks: the whole sequence's, this rank's part
         #: Per input and target: the dims holding tokens, split over the cp ranks.
         self._sequence_dims = [_token_dims(self.captured.node(name)) if self.plan.cp > 1 else ()
                                for name in (*self.captured.input_names,

@@ -10,6 +10,8 @@ element-wise ops, the embedding lookup, the token-level loss. Three things are n
   exact attention over the whole sequence's keys and values (ring or all-gather);
 - ``arange(s)`` (a token's index: position ids, rotary positions) becomes
   ``cp.positions(cp, arange(s))``: the tokens' true positions;
+- a dropout (``tp.dropout``) learns which dim holds the tokens: its mask is drawn for the whole
+  sequence and this rank's tokens kept, so every plan drops what one device drops;
 - a slice ``table[..., 0:s]`` of a parameter, buffer or constant along a sequence-long dim (BERT's
   ``position_ids`` buffer, a rotary cos/sin cache) becomes ``cp.take_positions(cp, table, dim,
   s)``: the rows at the true positions.
@@ -40,6 +42,7 @@ from autopar.errors import ShardingError
 from autopar.ir import META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, info, op_name
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.runtime import cp as cp_runtime
+from autopar.runtime import tp as tp_runtime
 
 __all__ = ["context_parallelize", "context_parallel_pass", "sequence_split"]
 
@@ -200,6 +203,7 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     tables = {n for n in placeholders if META_KEY in n.meta and info(n).kind in (
         NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.CONSTANT)}
     attention = 0
+    refused: list[ShardingError] = []
     for node in nodes:
         if node.op != "call_function":
             continue
@@ -214,8 +218,15 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         elif name == "slice" and node.args and node.args[0] in tables and not _is_full_slice(node):
             _rewrite_table_slice(graph, node, cp)
+        elif node.target is tp_runtime.dropout:
+            _mark_dropout(node)
         elif node.target is not operator.getitem:
-            _check_token_wise(node)
+            try:
+                _check_token_wise(node)
+            except ShardingError as exc:
+                refused.append(exc)
+    if refused:  # attention written out explains the rest (its mask, its slices): name it first
+        raise min(refused, key=lambda e: 0 if e.fix == _UNRECOGNIZED else 1)
     graph.eliminate_dead_code()
     result = torch.fx.GraphModule(gm, graph)
     result.meta["cp_attention_sites"] = attention
@@ -262,6 +273,22 @@ def _rewrite_attention(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.
                     {"is_causal": bool(given.get("is_causal") or False), "scale": scale}, node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
+
+
+def _mark_dropout(node: torch.fx.Node) -> None:
+    """A dropout draws its mask for the whole sequence and keeps this rank's tokens: tell it
+    which dim holds them (a dim that is ``s`` itself; tokens flattened with samples are
+    refused)."""
+    p = node.args[2] if len(node.args) > 2 else node.kwargs.get("p", 0.0)
+    spec = _spec(node.args[1])
+    if spec is None or not p:
+        return
+    exact = [d for d, e in enumerate(spec.shape) if e == SEQ]
+    if len(exact) == 1:
+        node.kwargs = {**node.kwargs, "seq_dim": exact[0]}
+    elif _seq_dims(spec):
+        raise _refuse(node, f"dropout on tokens flattened with other dims ({spec.shape})",
+                      "apply dropout before flattening the sequence, or plan with cp=1")
 
 
 def _rewrite_table_slice(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.Node) -> None:

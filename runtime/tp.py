@@ -260,6 +260,9 @@ class TPGroup:
             self.size = dist.get_world_size(group)
         #: Where the program's dropout masks come from (seed, step, rows of the micro-batch).
         self.rng = rng if rng is not None else DropoutRNG()
+        #: The context-parallel group (runtime/cp.py) whose tokens this rank's tensors hold, if
+        #: any: a dropout mask is drawn for the whole sequence and this rank's tokens kept.
+        self.cp: Any = None
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> "TPGroup":
@@ -332,25 +335,33 @@ class TPGroup:
 
     # -- dropout with plan-independent masks (runtime/rng.py) ---------------------------------
     def _local_keep(self, site: str, shape: Sequence[int], p: float, batch_dim: int | None,
-                    shard_dim: int | None, blocks: int, device: torch.device) -> torch.Tensor:
+                    shard_dim: int | None, blocks: int, device: torch.device,
+                    seq_dim: int | None = None) -> torch.Tensor:
         full = list(shape)
         if shard_dim is not None and self.size > 1:
             full[shard_dim] *= self.size
+        cp = self.cp if seq_dim is not None and self.cp is not None and self.cp.size > 1 else None
+        if cp is not None:  # the whole sequence's mask, then this rank's tokens of it
+            local = full[seq_dim]
+            full[seq_dim] *= cp.size
         keep = self.rng.keep_mask(site, full, batch_dim, p, device)
+        if cp is not None:
+            keep = keep.index_select(seq_dim, cp.positions(torch.arange(local, device=device)))
         if shard_dim is not None and self.size > 1:
             keep = _slice(keep, shard_dim, blocks, self.rank, self.size)
         return keep
 
     def dropout(self, x: torch.Tensor, p: float, train: bool = True, *, site: str,
                 batch_dim: int | None = 0, shard_dim: int | None = None,
-                blocks: int = 1) -> torch.Tensor:
+                blocks: int = 1, seq_dim: int | None = None) -> torch.Tensor:
         """``aten.dropout`` whose mask is a function of (seed, step, site, global element):
-        ``x`` is this rank's piece (``Shard(shard_dim)`` over tp, or the whole tensor)."""
+        ``x`` is this rank's piece (``Shard(shard_dim)`` over tp, or the whole tensor; under
+        context parallelism, this rank's tokens along ``seq_dim``)."""
         if not train or p == 0.0 or not self.rng.training:
             return x
         if p >= 1.0:
             return x * 0.0
-        keep = self._local_keep(site, x.shape, p, batch_dim, shard_dim, blocks, x.device)
+        keep = self._local_keep(site, x.shape, p, batch_dim, shard_dim, blocks, x.device, seq_dim)
         return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -429,9 +440,9 @@ def vocab_parallel_cross_entropy(tp: TPGroup, logits: torch.Tensor, target: torc
 
 def dropout(tp: TPGroup, x: torch.Tensor, p: float, train: bool = True, *, site: str,
             batch_dim: int | None = 0, shard_dim: int | None = None,
-            blocks: int = 1) -> torch.Tensor:
+            blocks: int = 1, seq_dim: int | None = None) -> torch.Tensor:
     return tp.dropout(x, p, train, site=site, batch_dim=batch_dim, shard_dim=shard_dim,
-                      blocks=blocks)
+                      blocks=blocks, seq_dim=seq_dim)
 
 
 def attention_dropout(tp: TPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

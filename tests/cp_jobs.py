@@ -1,0 +1,88 @@
+"""Jobs for tests/test_context_parallel.py, run on every rank of a LocalPool (importable by name)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+import autopar
+import parallelize_jobs as jobs
+from conftest import build_tiny
+from tp_helpers import TINY_COST
+
+
+def attention_errors(cases):
+    """For each ``(cp, kind, causal, q_heads, kv_heads)``: the largest difference between
+    context-parallel attention on this rank's tokens and ``scaled_dot_product_attention`` over
+    the whole sequence, in the output and the gradients of q, k and v (fp32). ``cp`` < world:
+    groups of ``cp`` consecutive ranks."""
+    from autopar.runtime.cp import CPGroup
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = {}
+    for size in sorted({c[0] for c in cases}):
+        for first in range(0, world, size):  # every rank creates every group
+            g = dist.new_group(list(range(first, first + size))) if size < world else dist.group.WORLD
+            if first <= rank < first + size:
+                groups[size] = g
+    out = []
+    for size, kind, causal, hq, hkv in cases:
+        torch.manual_seed(size * 100 + hq)
+        b, s, d = 2, 8 * size, 16
+        q = torch.randn(b, hq, s, d, requires_grad=True)
+        k = torch.randn(b, hkv, s, d, requires_grad=True)
+        v = torch.randn(b, hkv, s, d, requires_grad=True)
+        dout = torch.randn(b, hq, s, d)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                               enable_gqa=hq != hkv)
+        ref.backward(dout)
+        cp = CPGroup(groups[size], attention=kind)
+        local = [cp.split(t.detach(), 2).requires_grad_() for t in (q, k, v)]
+        got = cp.attention(*local, is_causal=causal)
+        got.backward(cp.split(dout, 2))
+        errors = [(got - cp.split(ref.detach(), 2)).abs().max().item()]
+        errors += [(mine.grad - cp.split(full.grad, 2)).abs().max().item()
+                   for mine, full in zip(local, (q, k, v))]
+        out.append(max(errors))
+    return out
+
+
+def dropout_runs(pins_list, steps: int = 2):
+    """GPT with hidden dropout 0.1 (attention dropout 0: refused under cp) under each plan, seed
+    5: losses and rank 0's final state. Masks are a function of (seed, step, sample, element),
+    never of the plan, so every plan must give the same numbers."""
+    out = []
+    for pins in pins_list:
+        zm = build_tiny("gpt", dropout=0.1)
+        for m in zm.model.modules():
+            if type(m).__name__ == "GPT2Attention":
+                m.attn_dropout.p = 0.0
+        data = jobs.batches("gpt", steps)
+        pm = autopar.parallelize(zm.model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=zm.loss_fn, plan=dict(pins), tp_cost=TINY_COST, seed=5,
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=jobs.LR,
+                                                             eps=jobs.EPS))
+        losses = [pm.train_step(*d) for d in data]
+        state = pm.state_dict()
+        pm.close()
+        out.append((losses, state if dist.get_rank() == 0 else None))
+    return out
+
+
+def bad_sequence(pins, seq: int):
+    """Parallelize LLaMA under ``pins`` and train on sequences of ``seq`` tokens: the error."""
+    model, loss_fn = jobs.make_model("llama")
+    data = jobs.batches("llama", 1)
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                             optimizer=functools.partial(torch.optim.SGD, lr=jobs.LR))
+    tokens = torch.randint(0, 128, (8, seq + 1))
+    try:
+        pm.train_step((tokens[:, :-1],), (tokens[:, 1:],))
+    except autopar.AutoparError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        pm.close()
+    return None
