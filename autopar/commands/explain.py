@@ -15,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-_AXES = ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
+_DEFAULTS = {"cp": 1}
+_AXES = ("dp", "cp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
          "schedule", "recompute", "zero", "sequence_parallel")
 
 
@@ -28,7 +29,9 @@ def explain_lines(doc) -> list[str]:
     limit = doc["cluster"]["device"]["memory_bytes"] - doc["cluster"]["device"].get(
         "reserved_memory_bytes", 0)
     lines = [f"{doc['model']['name']} on {doc['cluster']['nodes'] * doc['cluster']['devices_per_node']}"
-             f" x {doc['cluster']['device']['name']}: dp={plan['dp']} tp={plan['tp']} "
+             f" x {doc['cluster']['device']['name']}: dp={plan['dp']} "
+             + (f"cp={plan['cp']} ({plan.get('cp_attention', 'ring')} attention) "
+                if plan.get("cp", 1) > 1 else "") + f"tp={plan['tp']} "
              f"pp={plan['pp']}" + (f" (v={plan['virtual_stages']})" if plan['virtual_stages'] > 1
                                   else "")
              + f", {plan['num_micro_batches']} micro-batches of {plan['micro_batch_size']}, "
@@ -55,13 +58,15 @@ def explain_lines(doc) -> list[str]:
             lines.append(f"  {alt['label']}: {fmt_seconds(alt['prediction']['step_time_s'])} "
                          f"(+{alt['slower_than_best']:.1%}); {_diff(plan, pred, alt)}")
     meshes = [m for m in doc["best_per_mesh"]
-              if (m["plan"]["dp"], m["plan"]["tp"], m["plan"]["pp"])
-              != (plan["dp"], plan["tp"], plan["pp"])]
+              if (m["plan"]["dp"], m["plan"].get("cp", 1), m["plan"]["tp"], m["plan"]["pp"])
+              != (plan["dp"], plan.get("cp", 1), plan["tp"], plan["pp"])]
     if meshes:
         lines += ["", "Best plan of each other mesh that was priced (first-pass prices: min-max "
                       "stages, closed-form schedule):"]
         for alt in meshes[:8]:
-            lines.append(f"  dp={alt['plan']['dp']} tp={alt['plan']['tp']} pp={alt['plan']['pp']}"
+            cp = f" cp={alt['plan']['cp']}" if alt["plan"].get("cp", 1) > 1 else ""
+            lines.append(f"  dp={alt['plan']['dp']}{cp} tp={alt['plan']['tp']} "
+                         f"pp={alt['plan']['pp']}"
                          f": {fmt_seconds(alt['prediction']['step_time_s'])} "
                          f"(+{alt['slower_than_best']:.1%}); {_diff(plan, pred, alt)}")
     s = doc["search"]
@@ -117,7 +122,8 @@ def _reasons(doc) -> list[str]:
     b = pred["breakdown"]
     t = pred["step_time_s"]
     out = []
-    comm = b.get("tp_comm_s", 0) + b.get("pp_comm_s", 0) + b.get("dp_comm_s", 0)
+    comm = (b.get("tp_comm_s", 0) + b.get("cp_comm_s", 0) + b.get("pp_comm_s", 0)
+            + b.get("dp_comm_s", 0))
     out.append(f"compute is {b['compute_s'] / t:.0%} of the step; communication "
                f"{comm / t:.0%}, pipeline bubble {b['bubble_s'] / t:.0%}, recompute "
                f"{b['recompute_s'] / t:.0%}")
@@ -129,6 +135,21 @@ def _reasons(doc) -> list[str]:
         out.append(f"tp={plan['tp']} splits each layer's GEMMs over NVLink peers as the sharding "
                    f"search chose ({layout or 'see tp_placement'}), costing "
                    f"{b['tp_comm_s'] / t:.0%} in collectives, so the weights and activations fit")
+    cp = plan.get("cp", 1)
+    if cp > 1:
+        seq = doc["training"]["seq"]
+        without = [m for m in doc["best_per_mesh"] if m["plan"].get("cp", 1) == 1]
+        if without:
+            best = min(without, key=lambda m: m["prediction"]["step_time_s"])
+            versus = (f"the best plan without cp ({best['label']}) is "
+                      f"{best['prediction']['step_time_s'] / t - 1:+.1%}")
+        else:
+            versus = "no plan without cp fits the devices' memory"
+        out.append(f"cp={cp} splits every {seq}-token sequence over {cp} ranks ({seq // cp} "
+                   f"tokens each, two chunks from both ends so causal attention work is equal), "
+                   f"dividing activations by {cp}; {plan.get('cp_attention', 'ring')} attention "
+                   f"exchanges keys and values, {b.get('cp_comm_s', 0) / t:.1%} of the step "
+                   f"exposed; {versus}")
     if plan["pp"] > 1:
         out.append(f"pp={plan['pp']} cuts the layers into {len(plan['stages'])} stages; "
                    f"{plan['num_micro_batches']} micro-batches keep the bubble at "
@@ -140,7 +161,8 @@ def _reasons(doc) -> list[str]:
         out.append(f"ZeRO-{plan['zero']} shards optimizer state"
                    + (" and gradients" if plan["zero"] >= 2 else "")
                    + (" and weights" if plan["zero"] >= 3 else "")
-                   + f" over dp={plan['dp']}")
+                   + (f" over dp x cp = {plan['dp'] * cp}" if cp > 1 else
+                      f" over dp={plan['dp']}"))
     alts = doc["alternatives"]
     if alts:
         out.append(f"the next best plan is {alts[0]['slower_than_best']:.1%} slower")
@@ -150,8 +172,9 @@ def _reasons(doc) -> list[str]:
 def _diff(plan, pred, alt) -> str:
     from autopar.units import fmt_bytes, fmt_seconds
 
-    changes = [f"{k} {plan[k]}->{alt['plan'][k]}" for k in _AXES
-               if k in alt["plan"] and alt["plan"][k] != plan[k]]
+    changes = [f"{k} {plan.get(k, _DEFAULTS.get(k))}->{alt['plan'].get(k, _DEFAULTS.get(k))}"
+               for k in _AXES if alt["plan"].get(k, _DEFAULTS.get(k))
+               != plan.get(k, _DEFAULTS.get(k))]
     deltas = []
     for k, v in alt["prediction"]["breakdown"].items():
         d = v - pred["breakdown"].get(k, 0.0)

@@ -91,12 +91,14 @@ def print_plan(doc) -> None:
     mesh = Table(title=f"{model['name']} on {cl['nodes']} x {cl['devices_per_node']} "
                        f"{cl['device']['name']}  (global batch {train['global_batch']} x "
                        f"{train['seq']} tokens, {train['dtype']})")
+    cp = plan.get("cp", 1)
     for col in ("dp", "tp", "pp", "virtual", "micro-batch", "micro-batches", "schedule",
-                "recompute", "ZeRO", "seq. parallel"):
+                "recompute", "ZeRO", "seq. parallel") + (("cp",) if cp > 1 else ()):
         mesh.add_column(col, justify="right")
     mesh.add_row(*(str(plan[k]) for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
                                           "num_micro_batches", "schedule", "recompute", "zero")),
-                 "yes" if plan["sequence_parallel"] else "no")
+                 "yes" if plan["sequence_parallel"] else "no",
+                 *((f"{cp} ({plan.get('cp_attention', 'ring')})",) if cp > 1 else ()))
     out.print(mesh)
 
     stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")

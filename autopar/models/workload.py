@@ -62,7 +62,7 @@ class Workload:
     ``depth``: the number of repeated blocks of the real model when ``model`` is a shallower
     copy of it (None: ``model`` is the model). ``info``: shape facts the plan document shows
     (family, layers, hidden, heads, vocab, ...). ``max_seq``: the positions the model supports
-    (None: unknown or not a sequence model).
+    (None: unknown, not a sequence model, or positions computed rather than learned).
     """
 
     name: str
@@ -198,7 +198,7 @@ def _zoo_workload(name: str, *, batch: int, seq: int | None, attention: str,
     if vocab != spec.vocab:
         info["vocab_padded_from"] = spec.vocab
     return Workload(info["name"], zm.model, inputs, zm.loss_fn, targets,
-                    depth=spec.layers if shallow else None, info=info, max_seq=spec.seq)
+                    depth=spec.layers if shallow else None, info=info, max_seq=_position_limit(zm.model, spec.seq))
 
 
 #: A preset's vocabulary is padded to a multiple of this (Megatron-LM's
@@ -307,7 +307,18 @@ def workload_from_config(source: str, *, batch: int = TRACE_BATCH, seq: int | No
     if task is _image_task:
         max_seq = None
     return Workload(name, model, inputs, loss_fn, targets, depth=depth, info=info,
-                    max_seq=max_seq)
+                    max_seq=_position_limit(model, max_seq))
+
+
+def _position_limit(model: nn.Module, max_seq: int | None) -> int | None:
+    """The longest sequence ``model`` can take: its position table's rows when it learns one
+    (GPT-2, BERT: an ``nn.Embedding`` of ``max_position_embeddings`` rows); None when positions
+    are computed (rotary, ALiBi: any length runs, context extension is the recipe's business)."""
+    if max_seq is None:
+        return None
+    learned = any(isinstance(m, nn.Embedding) and m.num_embeddings == max_seq
+                  for m in model.modules())
+    return max_seq if learned else None
 
 
 def _shallow(config: Any, layers: int) -> Any:

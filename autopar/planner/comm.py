@@ -160,7 +160,8 @@ def p2p_time(cluster: Cluster, nbytes: float, *, inter_node: bool) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _spans(devices_per_node: int, dp: int, pp: int, tp: int) -> dict[str, GroupSpan]:
+def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1
+           ) -> dict[str, GroupSpan]:
     def span(ranks: list[int]) -> GroupSpan:
         per: dict[int, int] = {}
         for r in ranks:
@@ -169,10 +170,17 @@ def _spans(devices_per_node: int, dp: int, pp: int, tp: int) -> dict[str, GroupS
 
     worst: dict[str, GroupSpan] = {}
     # every group of an axis, keep the worst placed (most nodes, then fewest per node)
+    # ranks as the runtime lays them out (runtime/mesh.py): replica r = d * cp + c outermost
+    rep = dp * cp
     groups = {
-        "tp": [[(d * pp + p) * tp + t for t in range(tp)] for d in range(dp) for p in range(pp)],
-        "pp": [[(d * pp + p) * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "dp": [[(d * pp + p) * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "tp": [[(r * pp + p) * tp + t for t in range(tp)] for r in range(rep) for p in range(pp)],
+        "pp": [[(r * pp + p) * tp + t for p in range(pp)] for r in range(rep) for t in range(tp)],
+        "dp": [[((d * cp + c) * pp + p) * tp + t for d in range(dp)]
+               for c in range(cp) for p in range(pp) for t in range(tp)],
+        "cp": [[((d * cp + c) * pp + p) * tp + t for c in range(cp)]
+               for d in range(dp) for p in range(pp) for t in range(tp)],
+        "replica": [[(r * pp + p) * tp + t for r in range(rep)]
+                    for p in range(pp) for t in range(tp)],
     }
     for axis, lists in groups.items():
         seen: set[tuple[int, int, int]] = set()
@@ -184,7 +192,7 @@ def _spans(devices_per_node: int, dp: int, pp: int, tp: int) -> dict[str, GroupS
     return worst
 
 
-def mesh_span(cluster: Cluster, dp: int, pp: int, tp: int, axis: str) -> GroupSpan:
-    """Placement of the ``axis`` groups ("dp", "pp", "tp") of a dp x pp x tp mesh on
-    ``cluster`` (the worst-placed group of the axis)."""
-    return _spans(cluster.devices_per_node, dp, pp, tp)[axis]
+def mesh_span(cluster: Cluster, dp: int, pp: int, tp: int, axis: str, cp: int = 1) -> GroupSpan:
+    """Placement of the ``axis`` groups ("dp", "pp", "tp", "cp", or "replica": dp x cp) of a
+    dp x cp x pp x tp mesh on ``cluster`` (the worst-placed group of the axis)."""
+    return _spans(cluster.devices_per_node, dp, pp, tp, cp)[axis]

@@ -96,16 +96,20 @@ class Candidate(NamedTuple):
     recompute: RecomputeKind
     zero: int
     sequence_parallel: bool
+    #: Context parallelism: ranks each sequence is split over.
+    cp: int = 1
 
     def key(self) -> tuple:
         """Deterministic order for ties."""
         return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
-                self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel)
+                self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
+                self.cp)
 
     def label(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"dp={self.dp}{cp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
                 f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
 
 
@@ -261,10 +265,11 @@ class CostModel:
                                  sizes=self.tp_sizes(micro_batch_size))
 
     # -- per-layer ---------------------------------------------------------------------------
-    def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1
+    def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1, cp: int = 1
                     ) -> list[LayerCosts]:
-        span = mesh_span(self.cluster, dp, pp, tp, "tp")
-        key = (tp, sp, mbs, span)
+        span = mesh_span(self.cluster, dp, pp, tp, "tp", cp)
+        cp_span = mesh_span(self.cluster, dp, pp, tp, "cp", cp) if cp > 1 else None
+        key = (tp, sp, mbs, span, cp, cp_span)
         out = self._layer_cache.get(key)
         if out is None:
             layout = self.layout(tp, sp, mbs)
@@ -276,26 +281,38 @@ class CostModel:
                 if lc is None:
                     lc = price_layer(tmpl, self.model.split(tmpl, layout, tp), self.cluster,
                                      self.setup.dtype, tp, mbs, self.setup.seq,
-                                     self.model.graph_float_bytes, span)
+                                     self.model.graph_float_bytes, span, cp, cp_span)
                     priced[id(tmpl)] = lc
                 out.append(lc)
             self._layer_cache[key] = out
         return out
 
-    def _layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind
+    def _layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
+                     cp_attention: str = "ring"
                      ) -> list[tuple[float, float, float, float, float]]:
-        """(forward, backward, weight, recompute, tp) per layer, forward/backward incl. TP."""
+        """(forward, backward, weight, recompute, tp) per layer, forward/backward incl. TP and
+        the context-parallel K/V exchange (counted with the tensor-parallel communication)."""
         out = []
         for lc, block in zip(costs, self.is_block):
+            cp_f, cp_b = lc.cp_comm.get(cp_attention, (0.0, 0.0))
             r = 0.0
             if block and recompute is RecomputeKind.FULL:
-                r = lc.forward_s + lc.tp_forward_s
-            elif block and recompute is RecomputeKind.SELECTIVE:
-                r = lc.core_forward_s
-            tp = lc.tp_forward_s + lc.tp_backward_s
-            out.append((lc.forward_s + lc.tp_forward_s, lc.backward_s + lc.tp_backward_s + r,
-                        lc.weight_s, r, tp))
+                r = lc.forward_s + lc.tp_forward_s + cp_f
+            elif block and recompute is RecomputeKind.SELECTIVE and not lc.cp_comm:
+                r = lc.core_forward_s  # under cp the ring attention keeps no scores to redo
+            tp = lc.tp_forward_s + lc.tp_backward_s + cp_f + cp_b
+            out.append((lc.forward_s + lc.tp_forward_s + cp_f,
+                        lc.backward_s + lc.tp_backward_s + cp_b + r, lc.weight_s, r, tp))
         return out
+
+    def cp_attention(self, c: Candidate) -> str:
+        """The K/V exchange a cp candidate uses: the one whose exposed time is smaller."""
+        if c.cp == 1:
+            return "ring"
+        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+        total = {k: sum(sum(lc.cp_comm[k]) for lc in costs if lc.cp_comm)
+                 for k in ("ring", "allgather")}
+        return min(total, key=lambda k: (total[k], k != "ring"))
 
     def _activation(self, i: int, lc: LayerCosts, recompute: RecomputeKind) -> float:
         """Saved bytes of layer ``i`` per micro-batch at the recompute setting."""
@@ -319,8 +336,15 @@ class CostModel:
     def check(self, c: Candidate) -> str | None:
         """Structural problems (no pricing needed); None if the candidate is well formed."""
         n = self.cluster.num_devices
-        if c.dp * c.tp * c.pp != n:
-            return f"dp x tp x pp = {c.dp * c.tp * c.pp}, not the {n} devices"
+        if c.dp * c.tp * c.pp * c.cp != n:
+            return f"dp x cp x tp x pp = {c.dp * c.cp * c.tp * c.pp}, not the {n} devices"
+        if c.cp > 1:
+            if self.setup.seq % (2 * c.cp):
+                return (f"cp={c.cp} needs a sequence length divisible by 2 x cp = {2 * c.cp} "
+                        f"(seq={self.setup.seq})")
+            problem = self.model.cp_problem()
+            if problem:
+                return problem
         if self.setup.global_batch % (c.dp * c.micro_batch_size):
             return (f"global batch {self.setup.global_batch} is not divisible by dp x "
                     f"micro-batch = {c.dp * c.micro_batch_size}")
@@ -405,8 +429,8 @@ class CostModel:
         from autopar.planner.stage_partition import PartitionProblem
 
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
-        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp)
-        times = self._layer_times(costs, c.recompute)
+        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+        times = self._layer_times(costs, c.recompute, self.cp_attention(c))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
         largest = working = 0.0
@@ -418,8 +442,9 @@ class CostModel:
             layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
                                      self._activation(i, lc, c.recompute), lc.boundary_bytes))
         w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
-        per_param = (w_bytes / (c.dp if c.zero >= 3 else 1) + g_bytes / (c.dp if c.zero >= 2
-                     else 1) + o_bytes / (c.dp if c.zero >= 1 else 1))
+        n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
+        per_param = (w_bytes / (n if c.zero >= 3 else 1) + g_bytes / (n if c.zero >= 2
+                     else 1) + o_bytes / (n if c.zero >= 1 else 1))
         buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0
         memory = max(self.cluster.device.usable_memory_bytes - buffers - working, 1.0)
         p, v = c.pp, c.virtual_stages
@@ -450,7 +475,8 @@ class CostModel:
         cl = self.cluster
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=float(cl.cores_per_node * cl.nodes),
-                            replicas=c.dp * c.tp, efficiency=cl.oversubscription_efficiency,
+                            replicas=c.dp * c.cp * c.tp,
+                            efficiency=cl.oversubscription_efficiency,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
 
     def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
@@ -461,17 +487,17 @@ class CostModel:
         zero_bubble = c.schedule.spec.splits_backward
         key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
                c.virtual_stages, zero_bubble, c.schedule.spec.placement,
-               tuple(cuts) if cuts else None)
+               tuple(cuts) if cuts else None, c.cp)
         hit = self._staging_cache.get(key)
         if hit is not None:
             return hit
         p, v = c.pp, c.virtual_stages
-        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, p)
-        times = self._layer_times(costs, c.recompute)
+        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, p, c.cp)
+        times = self._layer_times(costs, c.recompute, self.cp_attention(c))
         if cuts is None:
             cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
                               (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
-                               mesh_span(self.cluster, c.dp, p, c.tp, "tp")))
+                               mesh_span(self.cluster, c.dp, p, c.tp, "tp", c.cp), c.cp))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         p2ps = []
         spec = c.schedule.spec
@@ -575,6 +601,17 @@ class CostModel:
                                      GroupSpan(len(ranks), len(nodes), per_node)).seconds
         return total
 
+    def _cp_comm(self, c: Candidate, st: "_Staging", rank: int) -> float:
+        """Exposed seconds of context-parallel K/V exchange in one micro-batch of pipeline rank
+        ``rank`` (part of its stages' tp_comm_s)."""
+        if c.cp == 1:
+            return 0.0
+        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+        kind = self.cp_attention(c)
+        return sum(sum(costs[i].cp_comm.get(kind, (0.0, 0.0)))
+                   for s in st.stages if s.pp_rank == rank
+                   for i in range(s.layers[0], s.layers[1] + 1))
+
     def _stage_node(self, pp_rank: int, tp: int) -> int:
         return (pp_rank * tp) // self.cluster.devices_per_node
 
@@ -618,7 +655,9 @@ class CostModel:
         dtype = setup.dtype
         w_bytes, g_bytes, _ = STATE_BYTES[dtype]
         usable = cl.device.usable_memory_bytes
-        dp_span = mesh_span(cl, c.dp, p, c.tp, "dp") if c.dp > 1 else None
+        # gradients are reduced (and ZeRO shards) over every replica: dp x cp ranks
+        replicas = c.dp * c.cp
+        dp_span = mesh_span(cl, c.dp, p, c.tp, "replica", c.cp) if replicas > 1 else None
         d = cl.device
         interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
         if cl.intra_node.kind is LinkKind.LOOPBACK:
@@ -627,7 +666,7 @@ class CostModel:
         dp_exposed = optimizer_s = slack = 0.0
         for r, rs in enumerate(st.ranks):
             # -- memory
-            states = model_state_bytes(rs.params, c.dp, c.zero, dtype)
+            states = model_state_bytes(rs.params, replicas, c.zero, dtype)
             if rank_acts is not None:
                 acts = rank_acts[r]
             else:
@@ -687,7 +726,7 @@ class CostModel:
                 if c.zero in (1, 2):  # updated weights gathered after the step
                     exposed += coll(Collective.ALL_GATHER, weights, bucket)
                 dp_exposed = max(dp_exposed, exposed)
-            local = rs.params / c.dp if c.zero >= 1 else rs.params
+            local = rs.params / replicas if c.zero >= 1 else rs.params
             # every rank steps at once: on a CPU host they share its cores
             optimizer_s = max(optimizer_s, optimizer_time(cl, local)
                               / cl.compute_share(cl.devices_per_node))
@@ -699,9 +738,11 @@ class CostModel:
         b = st.ranks[pipe.bottleneck_rank]
         unit = b.forward + b.backward
         scale = pipe.busy_s / unit if unit > 0 else 0.0
+        cp_comm = self._cp_comm(c, st, pipe.bottleneck_rank)
         breakdown = {
             "compute_s": (unit - b.recompute - b.tp_comm) * scale,
-            "tp_comm_s": b.tp_comm * scale,
+            "tp_comm_s": (b.tp_comm - cp_comm) * scale,
+            **({"cp_comm_s": cp_comm * scale} if c.cp > 1 else {}),
             "pp_comm_s": pipe.p2p_s,
             "dp_comm_s": dp_exposed,
             "bubble_s": pipe.total_s - pipe.busy_s - pipe.p2p_s,
@@ -722,7 +763,8 @@ class CostModel:
                                                "pipeline": pipe.method}))
         plan = Plan(dp=c.dp, tp=c.tp, pp=p, virtual_stages=v, micro_batch_size=c.micro_batch_size,
                     num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
-                    sequence_parallel=c.sequence_parallel,
+                    sequence_parallel=c.sequence_parallel, cp=c.cp,
+                    cp_attention=self.cp_attention(c),
                     stages=tuple(StagePlan(s.index, s.layers, s.pp_rank, s.chunk)
                                  for s in st.stages))
         extra = {"hfu": hw_flops / (step * n * self.device_peak),
@@ -755,7 +797,7 @@ def lower_bound_step(cm: CostModel, c: Candidate) -> float:
     """A step time no candidate with this (dp, tp, pp, micro-batch, sp) can beat: its compute
     and tensor-parallel communication spread perfectly over the pipeline, without bubble,
     pipeline or data-parallel communication, recompute or optimizer step."""
-    costs = cm.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp)
+    costs = cm.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
     m = cm.setup.global_batch // (c.dp * c.micro_batch_size)
     work = sum(lc.forward_s + lc.backward_s + lc.weight_s + lc.tp_forward_s + lc.tp_backward_s
                for lc in costs)

@@ -44,7 +44,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.ir import BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, op_name
 from autopar.plan_types import GemmSharding
-from autopar.planner.comm import Collective, collective_time
+from autopar.planner.comm import Collective, collective_time, p2p_time
 from autopar.planner.kernels import (ATTENTION_BACKWARD_FACTOR, PRECISION_BYTES,
                                      gemm_time, memory_time, table_rate)
 from autopar.planner.memory import STATE_BYTES
@@ -82,7 +82,8 @@ class _Term:
     weight_grad: bool  # a GEMM whose second operand is a trainable weight
     input_grads: int  # activation inputs that need a gradient (GEMM backward count)
     core: bool
-    #: first of this term's values (GEMM: batch, m, n, k; attention: flops, bytes, s, d;
+    #: first of this term's values (GEMM: batch, m, n, k; attention: flops, bytes, s, d, K/V
+    #: elements;
     #: memory: flops, bytes, elements of its largest float tensor)
     index: int
     #: the op's name in a device's op_table: memory terms; GEMMs with a bias vector have
@@ -398,6 +399,8 @@ class ModelCosts:
                 q = info(node.args[0]).spec
                 add(q.shape[-2])  # sequence
                 add(q.shape[-1])  # head dim
+                k, v_ = info(node.args[1]).spec, info(node.args[2]).spec
+                add(k.numel + v_.numel)  # keys and values: what context parallelism exchanges
                 continue
             dims = gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
@@ -511,6 +514,19 @@ class ModelCosts:
             return str(exc)
         return None
 
+    def cp_problem(self) -> str | None:
+        """Why the sequence cannot be split over context-parallel ranks (None if it can): the
+        transform's refusal (passes/context_parallel.py) on the captured graph, once."""
+        if not hasattr(self, "_cp_problem"):
+            from autopar.passes.context_parallel import context_parallelize
+
+            try:
+                context_parallelize(self.captured.gm)
+                self._cp_problem: str | None = None
+            except AutoparError as exc:
+                self._cp_problem = exc.summary + (f": {exc.found}" if exc.found else "")
+        return self._cp_problem
+
     def split(self, template: _Template, layout: TPLayout | None, tp: int) -> _LayerSplit:
         key = (id(template), id(layout))
         out = self._splits.get(key)
@@ -589,16 +605,27 @@ class LayerCosts:
     core_flops: float
     #: (collective, "forward"/"backward", bytes at the training precision) per call
     tp_calls: tuple[tuple[str, str, float], ...] = ()
+    #: Context parallelism: the exposed time of the K/V exchange of its attention, forward and
+    #: backward, by algorithm ("ring", "allgather"); empty at cp = 1.
+    cp_comm: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype: str, tp: int,
-                b: int, s: int, graph_float_bytes: int, tp_span: Any) -> LayerCosts:
+                b: int, s: int, graph_float_bytes: int, tp_span: Any, cp: int = 1,
+                cp_span: Any = None) -> LayerCosts:
     """One micro-batch of ``b`` sequences of ``s`` through a layer on one tensor-parallel rank
-    (``split`` is the template under the plan's layout: :meth:`ModelCosts.split`)."""
-    v = template.values(b, s)
+    (``split`` is the template under the plan's layout: :meth:`ModelCosts.split`).
+
+    Under context parallelism (``cp`` > 1) the rank holds ``s / cp`` tokens of each sequence:
+    every op is priced at that length but attention, whose queries see the whole sequence's
+    keys (its FLOPs are the whole sequence's over ``cp``: the head-tail layout balances causal
+    work), plus the exchange of keys and values over ``cp_span`` (:func:`cp_exchange`)."""
+    v = template.values(b, s // cp)
+    full = template.values(b, s) if cp > 1 else v
     esize = PRECISION_BYTES[dtype]
     scale = esize / graph_float_bytes
     fwd = bwd = wgt = core = 0.0
+    cp_comm: dict[str, list[float]] = {"ring": [0.0, 0.0], "allgather": [0.0, 0.0]}
     d = cluster.device
     for term, how, div in zip(template.terms, split.gemm, split.divisor):
         i = term.index
@@ -630,6 +657,8 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
                         bwd += gemm_time(cluster, dtype, batch, k, n, m)
             continue
         flops, moved = v[i] / div, v[i + 1] * scale / div
+        if term.kind is _Kind.ATTENTION and cp > 1:
+            flops, moved = full[i] / div / cp, full[i + 1] * scale / div / cp
         if term.kind is _Kind.ATTENTION and d.attention_table and dtype == d.default_dtype:
             seq, head = v[i + 2], v[i + 3]
             rows_f = [(r[0], r[1], r[2]) for r in d.attention_table]
@@ -655,6 +684,11 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
             core += f
         if term.backward:
             bwd += fb
+        if term.kind is _Kind.ATTENTION and cp > 1:
+            kv = v[i + 4] / div  # this rank's keys and values (elements)
+            for kind, (tf, tb) in cp_exchange(cluster, cp, cp_span, kv, esize, f, fb).items():
+                cp_comm[kind][0] += tf
+                cp_comm[kind][1] += tb
     # the host's cost per node (CPU processes: dispatch and autograd, serial with the compute)
     fwd += template.nodes * d.node_overhead_s
     bwd += template.grad_nodes * d.node_backward_overhead_s
@@ -690,4 +724,29 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
         ckpt_bytes=nbytes(template.checkpoint, split.checkpoint),
         boundary_bytes=nbytes(template.boundary, split.boundary),
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
-        tp_calls=tuple(calls))
+        tp_calls=tuple(calls),
+        cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {})
+
+
+def cp_exchange(cluster: Cluster, cp: int, span: Any, kv_elements: float, esize: int,
+                forward_s: float, backward_s: float) -> dict[str, tuple[float, float]]:
+    """Exposed seconds (forward, backward) of one attention's K/V exchange over ``cp`` ranks, by
+    algorithm (autopar/runtime/cp.py), for a rank holding ``kv_elements`` keys and values
+    (``esize`` bytes each) whose attention takes ``forward_s`` / ``backward_s`` in all.
+
+    ``ring``: ``cp - 1`` hops of the block forward, each overlapped with one block's attention
+    (``forward_s / cp``), only the excess exposed; backward the same hops plus ``cp`` hops of the
+    block's dK/dV accumulator (fp32: twice the bytes at bf16), overlapped with the backward's
+    blocks. ``allgather``: the whole sequence's K/V gathered before the attention (exposed) and,
+    backward, gathered again and the dK/dV reduce-scattered (fp32)."""
+    inter = span is not None and span.nodes > 1
+    block_bytes, grad_bytes = kv_elements * esize, kv_elements * 4  # dK/dV accumulate in fp32
+    hop = p2p_time(cluster, block_bytes, inter_node=inter)
+    grad_hop = p2p_time(cluster, grad_bytes, inter_node=inter)
+    fwd_block, bwd_block = forward_s / cp, backward_s / cp
+    ring = ((cp - 1) * max(0.0, hop - fwd_block),
+            (cp - 1) * max(0.0, hop - bwd_block) + cp * max(0.0, grad_hop - bwd_block)
+            + grad_hop)  # the last hop home waits for the last block
+    gather = collective_time(cluster, Collective.ALL_GATHER, block_bytes * cp, span).seconds
+    scatter = collective_time(cluster, Collective.REDUCE_SCATTER, grad_bytes * cp, span).seconds
+    return {"ring": ring, "allgather": (gather, gather + scatter)}

@@ -59,6 +59,7 @@ class SearchSpace:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     virtual_stages: int | None = None
     micro_batch_size: int | None = None
     schedule: ScheduleKind | None = None
@@ -73,7 +74,7 @@ class SearchSpace:
             object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
         if self.recompute is not None:
             object.__setattr__(self, "recompute", RecomputeKind(self.recompute))
-        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size"):
+        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -84,7 +85,7 @@ class SearchSpace:
 
     def pins(self) -> dict[str, object]:
         out = {}
-        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size", "schedule",
+        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "schedule",
                      "recompute", "zero", "sequence_parallel"):
             value = getattr(self, name)
             if value is not None:
@@ -118,7 +119,6 @@ def enumerate_candidates(cm: CostModel, space: SearchSpace = SearchSpace()) -> l
     """Every candidate of the space, in a deterministic order."""
     n = cm.cluster.num_devices
     batch = cm.setup.global_batch
-    layers = cm.model.num_layers
     out: list[Candidate] = []
     pin = space
     for tp in _divisors(n):
@@ -129,41 +129,59 @@ def enumerate_candidates(cm: CostModel, space: SearchSpace = SearchSpace()) -> l
                 continue
             if pin.tp is None and cm.cluster.devices_per_node % tp:
                 break  # tensor parallelism stays inside a node (pin it to see why not)
-            dp = n // (tp * pp)
-            if pin.dp is not None and dp != pin.dp:
+            for cp in _divisors(n // (tp * pp)):
+                if pin.cp is not None and cp != pin.cp:
+                    continue
+                if cp > 1 and pin.cp is None and (cm.setup.seq % (2 * cp)
+                                                  or cm.model.cp_problem() is not None):
+                    continue  # the sequence does not split (pin cp to see why not)
+                dp = n // (tp * pp * cp)
+                if pin.dp is not None and dp != pin.dp:
+                    continue
+                if batch % dp:
+                    continue
+                out.extend(_rest(cm, space, dp, tp, pp, cp))
+    return out
+
+
+def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
+          ) -> list[Candidate]:
+    """The candidates of one mesh: micro-batch, schedule, recompute, ZeRO, sequence parallel."""
+    batch = cm.setup.global_batch
+    layers = cm.model.num_layers
+    pin = space
+    out: list[Candidate] = []
+    mbs_options = [b for b in _divisors(batch // dp) if b <= space.max_micro_batch]
+    if pin.micro_batch_size is not None:
+        mbs_options = [pin.micro_batch_size]
+    for mbs in mbs_options:
+        schedules: list[tuple[ScheduleKind, int]] = []
+        if pp == 1:  # no pipeline: every schedule is the same single stage
+            schedules = [(ScheduleKind.ONE_F_ONE_B, 1)]
+        else:
+            top = min(space.max_virtual_stages, layers // pp)
+            if pin.virtual_stages is not None:
+                top = max(top, pin.virtual_stages)
+            schedules = [(kind, v) for kind, spec in SCHEDULES.items()
+                         for v in spec.virtual_stage_choices(top)]
+        for sched, v in schedules:
+            if pin.schedule is not None and sched is not pin.schedule:
                 continue
-            if batch % dp:
+            if pin.virtual_stages is not None and v != pin.virtual_stages:
                 continue
-            mbs_options = [b for b in _divisors(batch // dp) if b <= space.max_micro_batch]
-            if pin.micro_batch_size is not None:
-                mbs_options = [pin.micro_batch_size]
-            for mbs in mbs_options:
-                schedules: list[tuple[ScheduleKind, int]] = []
-                if pp == 1:  # no pipeline: every schedule is the same single stage
-                    schedules = [(ScheduleKind.ONE_F_ONE_B, 1)]
-                else:
-                    top = min(space.max_virtual_stages, layers // pp)
-                    if pin.virtual_stages is not None:
-                        top = max(top, pin.virtual_stages)
-                    schedules = [(kind, v) for kind, spec in SCHEDULES.items()
-                                 for v in spec.virtual_stage_choices(top)]
-                for sched, v in schedules:
-                    if pin.schedule is not None and sched is not pin.schedule:
-                        continue
-                    if pin.virtual_stages is not None and v != pin.virtual_stages:
-                        continue
-                    for rec in RecomputeKind:
-                        if pin.recompute is not None and rec is not pin.recompute:
-                            continue
-                        zeros = (0, 1, 2, 3) if dp > 1 else (0,)
-                        if pin.zero is not None:
-                            zeros = (pin.zero,)
-                        for zero in zeros:
-                            sps = (False, True) if tp > 1 else (False,)
-                            if pin.sequence_parallel is not None:
-                                sps = (pin.sequence_parallel,)
-                            for sp in sps:
-                                out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp))
+            for rec in RecomputeKind:
+                if pin.recompute is not None and rec is not pin.recompute:
+                    continue
+                zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
+                if pin.zero is not None:
+                    zeros = (pin.zero,)
+                for zero in zeros:
+                    sps = (False, True) if tp > 1 else (False,)
+                    if pin.sequence_parallel is not None:
+                        sps = (pin.sequence_parallel,)
+                    for sp in sps:
+                        out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp,
+                                             cp))
     return out
 
 
@@ -189,7 +207,7 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
             if len(examples) < 4:
                 examples.append((c.label(), problem))
             continue
-        groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel),
+        groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp),
                           []).append(c)
     bounds = {g: lower_bound_step(cm, cs[0]) for g, cs in groups.items()}
     order = sorted(groups, key=lambda g: (bounds[g], g))
@@ -221,7 +239,7 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
                         memory_examples += 1
                         examples.append((c.label(), ev.infeasible))
                     continue
-                mesh = (c.dp, c.tp, c.pp)
+                mesh = (c.dp, c.tp, c.pp, c.cp)
                 if mesh not in best_mesh or _rank_key(ev) < _rank_key(best_mesh[mesh]):
                     best_mesh[mesh] = ev
                 item = (-ev.step_time_s, _neg(c.key()), ev)
