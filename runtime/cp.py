@@ -30,7 +30,7 @@ over the whole sequence returns for them. Two algorithms, chosen by the plan:
 
 Both skip what a causal mask hides: in the head-tail layout an off-diagonal block is half
 visible (whole early-chunk keys, or whole late-chunk queries), and only that half is computed.
-Scores are computed in fp32 whatever the inputs' dtype. Every transfer waits with the mesh's
+Every transfer waits with the mesh's
 timeout (:func:`autopar.runtime.comm.wait_work`): a dead peer is a named error, not a hang.
 """
 
@@ -107,57 +107,87 @@ def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.reshape(*shape[:-3], kv_heads, shape[-3] // kv_heads, *shape[-2:]).sum(-3)
 
 
+def _kind_of(block, local: int) -> str | None:
+    """"full" (every key visible), "causal" (the diagonal block: local order is position
+    order, so the mask is the lower triangle) or None (anything else: the math path)."""
+    rows, cols, mask = block
+    if mask is None:
+        return "full"
+    if rows is None and cols is None and mask.shape == (local, local) and bool(
+            torch.equal(mask, torch.ones_like(mask).tril())):
+        return "causal"
+    return None
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Blocks run through torch's fused CPU attention kernel (flash, with its log-sum-exp)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+
 class _Accumulator:
-    """Online-softmax state of this rank's queries: running max, normalizer, output (fp32)."""
+    """This rank's queries' output and log-sum-exp over the blocks seen so far (fp32), merged
+    as ``lse = logaddexp(lse, lse_b)``, ``out = out e^(lse_old - lse) + out_b e^(lse_b - lse)``."""
 
     def __init__(self, q: torch.Tensor, dv: int) -> None:
         rows = q.shape[:-1]
-        self.m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)
-        self.l = torch.zeros(rows, dtype=torch.float32, device=q.device)
+        self.lse = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)
         self.o = torch.zeros(*rows, dv, dtype=torch.float32, device=q.device)
 
     def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             block) -> None:
         rows, cols, mask = block
-        qb = _take(q, rows).float()
-        s = torch.matmul(qb, _take(k, cols).float().transpose(-2, -1)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        m_old = self.m if rows is None else self.m.index_select(-1, rows)
-        l_old = self.l if rows is None else self.l.index_select(-1, rows)
-        o_old = _take(self.o, rows)
-        m_new = torch.maximum(m_old, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe.unsqueeze(-1))
-        alpha = torch.exp(m_old - m_safe)
-        l_new = l_old * alpha + p.sum(-1)
-        o_new = o_old * alpha.unsqueeze(-1) + torch.matmul(p, _take(v, cols).float())
-        if rows is None:
-            self.m, self.l, self.o = m_new, l_new, o_new
+        qb, kb, vb = _take(q, rows), _take(k, cols), _take(v, cols)
+        kind = _kind_of(block, q.shape[-2])
+        if kind is not None and _fused(q):
+            out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+                qb, kb, vb, 0.0, kind == "causal", scale=scale)
+            out_b, lse_b = out_b.float(), lse_b.float()
         else:
-            self.m = self.m.index_copy(-1, rows, m_new)
-            self.l = self.l.index_copy(-1, rows, l_new)
+            sc = torch.matmul(qb.float(), kb.float().transpose(-2, -1)) * scale
+            if mask is not None:
+                sc = sc.masked_fill(~mask, float("-inf"))
+            lse_b = torch.logsumexp(sc, -1)  # every row kept sees a key (_visible)
+            out_b = torch.matmul(torch.exp(sc - lse_b.unsqueeze(-1)), vb.float())
+        lse_old = self.lse if rows is None else self.lse.index_select(-1, rows)
+        o_old = _take(self.o, rows)
+        lse_new = torch.logaddexp(lse_old, lse_b)
+        o_new = (o_old * torch.exp(lse_old - lse_new).unsqueeze(-1)
+                 + out_b * torch.exp(lse_b - lse_new).unsqueeze(-1))
+        if rows is None:
+            self.lse, self.o = lse_new, o_new
+        else:
+            self.lse = self.lse.index_copy(-1, rows, lse_new)
             self.o = self.o.index_copy(-2, rows, o_new)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp) of every query row."""
-        return self.o / self.l.unsqueeze(-1), self.m + torch.log(self.l)
+        return self.o, self.lse
 
 
-def _block_grads(q, k, v, dout, lse, delta, scale, block):
-    """dQ (over all query rows), dK, dV (over all key rows) of one block, fp32."""
+def _block_grads(q, k, v, dout, out, lse, delta, scale, block):
+    """dQ (over all query rows), dK, dV (over all key rows) of one block, fp32: the blockwise
+    attention backward with the whole output's log-sum-exp (torch's fused CPU kernel takes it
+    as given, as FlashAttention's ring variants pass theirs)."""
     rows, cols, mask = block
-    qb, kb, vb = _take(q, rows).float(), _take(k, cols).float(), _take(v, cols).float()
-    dob = _take(dout, rows)
-    s = torch.matmul(qb, kb.transpose(-2, -1)) * scale
-    p = torch.exp(s - _take(lse.unsqueeze(-1), rows))
-    if mask is not None:
-        p = p.masked_fill(~mask, 0.0)
-    dv_b = torch.matmul(p.transpose(-2, -1), dob)
-    dp = torch.matmul(dob, vb.transpose(-2, -1))
-    ds = p * (dp - _take(delta.unsqueeze(-1), rows)) * scale
-    dq_b = torch.matmul(ds, kb)
-    dk_b = torch.matmul(ds.transpose(-2, -1), qb)
+    kind = _kind_of(block, q.shape[-2])
+    if kind is not None and _fused(q):
+        dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward\
+            .default(_take(dout, rows).to(q.dtype), _take(q, rows), _take(k, cols),
+                     _take(v, cols), _take(out, rows), _take(lse.unsqueeze(-1), rows).squeeze(-1),
+                     0.0, kind == "causal", scale=scale)
+        dq_b, dk_b, dv_b = dq_b.float(), dk_b.float(), dv_b.float()
+    else:
+        qb, kb, vb = _take(q, rows).float(), _take(k, cols).float(), _take(v, cols).float()
+        dob = _take(dout, rows)
+        sc = torch.matmul(qb, kb.transpose(-2, -1)) * scale
+        p = torch.exp(sc - _take(lse.unsqueeze(-1), rows))
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+        dv_b = torch.matmul(p.transpose(-2, -1), dob)
+        dp = torch.matmul(dob, vb.transpose(-2, -1))
+        ds = p * (dp - _take(delta.unsqueeze(-1), rows)) * scale
+        dq_b = torch.matmul(ds, kb)
+        dk_b = torch.matmul(ds.transpose(-2, -1), qb)
 
     def place(part, index, like_rows):
         if index is None:
@@ -245,7 +275,7 @@ class _CPAttention(torch.autograd.Function):
             if block is None:
                 return None
             dq_b, dk_b, dv_b = _block_grads(q, _expand_heads(kb, heads), _expand_heads(vb, heads),
-                                            dout, lse, delta, scale, block)
+                                            dout, out, lse, delta, scale, block)
             return dq_b, _fold_heads(dk_b, kv_heads), _fold_heads(dv_b, kv_heads)
 
         kv = torch.stack([k, v]).contiguous()
