@@ -94,7 +94,6 @@ def worker(seq: int, cp: int, steps: int, kinds: list[str]) -> list[dict]:
 
 def torch_context_parallel(seq: int) -> str:
     """torch's context_parallel on the same model and sequence split: 'ok' or why not."""
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

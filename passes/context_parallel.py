@@ -220,6 +220,8 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             _rewrite_table_slice(graph, node, cp)
         elif node.target is tp_runtime.dropout:
             _mark_dropout(node)
+        elif _mean_loss(node) is not None:
+            _rewrite_mean_loss(graph, node, cp)
         elif node.target is not operator.getitem:
             try:
                 _check_token_wise(node)
@@ -271,6 +273,51 @@ def _rewrite_attention(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.
     with graph.inserting_after(node):
         new = _node(graph, cp_runtime.attention, (cp, q, k, v),
                     {"is_causal": bool(given.get("is_causal") or False), "scale": scale}, node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+#: Token-mean losses: op -> its parameters, in order.
+_LOSSES = {aten.cross_entropy_loss.default: ("self", "target", "weight", "reduction",
+                                             "ignore_index", "label_smoothing"),
+           aten.nll_loss.default: ("self", "target", "weight", "reduction", "ignore_index"),
+           tp_runtime.vocab_parallel_cross_entropy: ("tp", "logits", "target", "reduction",
+                                                     "ignore_index")}
+_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
+
+
+def _bound(node: torch.fx.Node) -> dict[str, Any] | None:
+    """The loss op's arguments by name (defaults filled), or None if ``node`` is not one."""
+    names = _LOSSES.get(node.target)
+    if names is None:
+        return None
+    bound = {n: _DEFAULTS.get(n) for n in names}
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _mean_loss(node: torch.fx.Node) -> dict[str, Any] | None:
+    """A mean-reduced token loss without class weights (its arguments by name), or None."""
+    bound = _bound(node)
+    if bound is None or bound["reduction"] != 1 or bound.get("weight") is not None:
+        return None
+    return bound
+
+
+def _rewrite_mean_loss(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.Node) -> None:
+    """``loss(..., reduction=mean)`` -> ``cp.token_mean(cp, loss(..., reduction=sum), target,
+    ignore_index)``: the mean over every cp rank's counted tokens, not the mean of each rank's
+    means (they differ when ranks count different tokens: ``ignore_index`` targets)."""
+    bound = _bound(node)
+    assert bound is not None
+    names = _LOSSES[node.target]
+    bound["reduction"] = 2  # sum
+    with graph.inserting_before(node):
+        total = _node(graph, node.target, tuple(bound[n] for n in names), {}, node)
+    with graph.inserting_after(node):
+        new = _node(graph, cp_runtime.token_mean,
+                    (cp, total, bound["target"], bound["ignore_index"]), {}, node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 

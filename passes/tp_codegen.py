@@ -27,11 +27,12 @@ import torch.fx
 from autopar.errors import UnsupportedOpError
 from autopar.ir import META_KEY, NodeKind, TensorSpec, info
 from autopar.sharding import Replicate, is_sharded, placement_str, shard_slices
+from autopar.runtime.cp import FUNCTIONS as CP_FUNCTIONS
 from autopar.runtime.tp import FUNCTIONS
 
 __all__ = ["emit_rank_source", "attribute_name", "ParamLayout"]
 
-_RESERVED = {"self", "tp", "device", "torch", "nn", "aten", "operator", "full", "math"}
+_RESERVED = {"self", "tp", "cp", "device", "torch", "nn", "aten", "operator", "full", "math"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,8 @@ def _call(node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         return f"{args[0]} * {args[1]}"
     if FUNCTIONS.get(getattr(target, "__name__", None)) is target:
         return f"tp.{target.__name__}({', '.join(args[1:] + kwargs)})"
+    if CP_FUNCTIONS.get(getattr(target, "__name__", None)) is target:
+        return f"cp.{target.__name__}({', '.join(args[1:] + kwargs)})"
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
         packet = target._schema.name.split("::")[-1]
@@ -157,7 +160,7 @@ def emit_rank_source(gm: torch.fx.GraphModule, *, tp: int, rank: int, title: str
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if info(n).kind is NodeKind.COMMUNICATOR:
-                names[n] = "tp"
+                names[n] = "cp" if n.name == "cp" else "tp"
             elif n.name in by_placeholder:
                 names[n] = f"self.{by_placeholder[n.name].attribute}"
             else:
@@ -166,6 +169,7 @@ def emit_rank_source(gm: torch.fx.GraphModule, *, tp: int, rank: int, title: str
         else:
             names[n] = n.name if n.name not in taken else f"{n.name}_"
     cls = f"TensorParallelRank{rank}"
+    has_cp = any(n.op == "placeholder" and n.name == "cp" for n in gm.graph.nodes)
     out: list[str] = []
     w = out.append
     w(f'"""{title}: tensor-parallel rank {rank} of {tp}.')
@@ -200,7 +204,7 @@ def emit_rank_source(gm: torch.fx.GraphModule, *, tp: int, rank: int, title: str
     w(f"class {cls}(nn.Module):")
     w(f'    """Rank {rank} of {tp}: this rank\'s shards and its share of every step."""')
     w("")
-    w("    def __init__(self, tp, device=None):")
+    w("    def __init__(self, tp, device=None" + (", cp=None):" if has_cp else "):"))
     w("        super().__init__()")
     w("        if (tp.size, tp.rank) != (TP_SIZE, TP_RANK):")
     w("            raise PlanMismatchError(\"this module is one rank of a tensor-parallel program\",")
@@ -208,6 +212,8 @@ def emit_rank_source(gm: torch.fx.GraphModule, *, tp: int, rank: int, title: str
     w("                                    found=f\"size {tp.size}, rank {tp.rank}\",")
     w("                                    fix=\"load the source generated for this rank\")")
     w("        self.tp = tp")
+    if has_cp:
+        w("        self.cp = cp  # autopar.runtime.cp.CPGroup: this rank's tokens, its attention")
     for p in layouts:
         shape = ", ".join(str(d) for d in p.local_shape) + ("," if len(p.local_shape) == 1 else "")
         empty = f"torch.empty(({shape}), dtype={p.dtype}, device=device)"
@@ -227,6 +233,8 @@ def emit_rank_source(gm: torch.fx.GraphModule, *, tp: int, rank: int, title: str
     w("")
     w(f"    def forward(self, {', '.join(inputs)}):")
     w("        tp = self.tp")
+    if has_cp:
+        w("        cp = self.cp")
     if inputs:
         w(f"        device = {inputs[0]}.device")
     layer = None

@@ -381,6 +381,19 @@ class CPGroup:
                                 found=f"{q.shape[-3]} and {k.shape[-3]}")
         return _CPAttention.apply(q, k, v, self, bool(is_causal), scale, self.attention_kind)
 
+    # -- the loss -------------------------------------------------------------------------------
+    def token_mean(self, loss_sum: torch.Tensor, target: torch.Tensor,
+                   ignore_index: int = -100) -> torch.Tensor:
+        """This rank's share of the mean over every cp rank's counted tokens: ``loss_sum``
+        (the sum over this rank's tokens) times ``cp / N``, N the tokens not equal to
+        ``ignore_index`` on all cp ranks. Averaged over the cp ranks (as the data-parallel
+        engine averages replicas) it is one device's mean, whatever each rank counts."""
+        count = (target != ignore_index).sum().to(torch.float64).reshape(1)
+        if self.size > 1:
+            collective(dist.all_reduce, count, group=self.group,
+                       what="context-parallel count of the loss's tokens", timeout=self.timeout)
+        return loss_sum * (self.size / count.to(loss_sum.dtype)).reshape(())
+
     # -- collectives of the allgather algorithm ------------------------------------------------
     def gather_blocks(self, kv: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.size * kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype,
@@ -413,4 +426,10 @@ def take_positions(cp: CPGroup, table: torch.Tensor, dim: int, length: int) -> t
     return cp.take_positions(table, dim, length)
 
 
-FUNCTIONS = {"attention": attention, "positions": positions, "take_positions": take_positions}
+def token_mean(cp: CPGroup, loss_sum: torch.Tensor, target: torch.Tensor,
+               ignore_index: int = -100) -> torch.Tensor:
+    return cp.token_mean(loss_sum, target, ignore_index)
+
+
+FUNCTIONS = {"attention": attention, "positions": positions, "take_positions": take_positions,
+             "token_mean": token_mean}

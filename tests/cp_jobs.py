@@ -86,3 +86,45 @@ def bad_sequence(pins, seq: int):
     finally:
         pm.close()
     return None
+
+
+def ignored_batches(steps: int = 2):
+    """LLaMA batches whose targets ignore (-100) the first 12 of 16 positions of half the rows:
+    the cp ranks count different numbers of tokens."""
+    out = []
+    for inputs, targets in jobs.batches("llama", steps):
+        t = targets[0].clone()
+        t[::2, :12] = -100
+        out.append((inputs, (t,)))
+    return out
+
+
+def ignored_targets(pins_list):
+    """LLaMA trained on :func:`ignored_batches` under each plan: losses, rank 0's state."""
+    out = []
+    for pins in pins_list:
+        model, loss_fn = jobs.make_model("llama")
+        data = ignored_batches()
+        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        losses = [pm.train_step(*d) for d in data]
+        state = pm.state_dict()
+        pm.close()
+        out.append((losses, state if dist.get_rank() == 0 else None))
+    return out
+
+
+def ignored_reference():
+    """One process, the same data and SGD."""
+    torch.manual_seed(0)
+    model, loss_fn = jobs.make_model("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for inputs, targets in ignored_batches():
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), *targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -191,6 +191,9 @@ def test_context_parallel_training_equals_one_process():
                                  sequence_parallel=True)], timeout_s=600)
         bad = pool.run(cp_jobs.bad_sequence, dict(dp=2, cp=2, tp=1, pp=1, micro_batch_size=4),
                        18, timeout_s=300)
+        ignored = pool.run(cp_jobs.ignored_targets,
+                           [dict(dp=1, tp=1, pp=1, cp=4, micro_batch_size=8),
+                            dict(dp=1, tp=2, pp=1, cp=2, micro_batch_size=8)], timeout_s=600)
     # attention: fp32 rounding of a different summation order (measured <= 1.5e-6)
     for rank_errors in errors:
         for case, err in zip(ATTENTION, rank_errors):
@@ -210,6 +213,104 @@ def test_context_parallel_training_equals_one_process():
         assert losses == pytest.approx(base_losses, rel=1e-6)
         for key, want in base_state.items():
             torch.testing.assert_close(state[key], want, rtol=0, atol=1e-5)
+    # targets ignored unevenly: the ranks count 0 to 4 tokens per row; the loss is still one
+    # device's mean over the counted tokens (SGD: every parameter, no Adam noise amplification)
+    ref_losses, ref_state = cp_jobs.ignored_reference()
+    for losses, state in ignored[0]:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for key, want in ref_state.items():
+            if torch.is_floating_point(want):
+                torch.testing.assert_close(state[key], want, rtol=0, atol=1e-5)
     for result in bad:
         assert result is not None and result[0] == "ShardingError"
         assert "divisible by 2 x cp = 4" in result[1] and "length 18" in result[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated code and the planner
+# ---------------------------------------------------------------------------------------------
+
+def test_generated_source_runs_the_context_parallel_program(tiny_models, tmp_path):
+    """`autopar codegen --cp 2`: the module compiles, names cp's ops, and on a cp group of one
+    (the same program) computes the captured loss."""
+    from types import SimpleNamespace
+
+    from autopar.cli import main
+
+    assert main(["codegen", "llama", "--layers", "2", "--hidden", "64", "--heads", "4",
+                 "--kv-heads", "2", "--ffn-hidden", "96", "--vocab", "128", "--tp", "1",
+                 "--cp", "2", "--out", str(tmp_path)]) == 0
+    source = (tmp_path / "rank0.py").read_text()
+    assert "cp.attention(" in source and "cp.positions(" in source
+    namespace: dict = {}
+    exec(compile(source, "rank0.py", "exec"), namespace)  # noqa: S102 - our generated code
+    model, loss_fn, inputs, targets, _ = tiny_models["llama"]
+    module = namespace["TensorParallelRank0"](SimpleNamespace(size=1, rank=0), cp=CPGroup())
+    full = dict(model.named_parameters())
+    full.update(model.named_buffers())
+    module.load_full_state_dict(full)
+    with torch.no_grad():
+        got = module(*inputs, *targets)
+        want = loss_fn(model(*inputs), *targets)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_cp_costs_attention_at_the_whole_sequence_and_the_rest_at_a_part(tiny_models):
+    """A block priced at cp = 2 over s tokens: activations, GEMMs and boundary are those of
+    s / 2 tokens at cp = 1 (exactly: the same expressions at s / 2); attention is the whole
+    sequence's over cp, so the forward grows by the attention's half; the exchange is
+    cp_exchange's closed form."""
+    from autopar.cluster import Cluster
+    from autopar.planner.cost_model import ModelCosts
+    from autopar.planner.layer_costs import cp_exchange, price_layer
+
+    captured = tiny_models["llama"][-1]
+    costs = ModelCosts(captured)
+    cluster = Cluster.load("h100-80g").with_devices(8)
+    block = next(i for i, k in enumerate(costs.layer_kinds) if k.value == "block")
+    tmpl = costs.template(block)
+    split = costs.split(tmpl, None, 1)
+    s = 4096
+
+    def price(seq, cp):
+        from autopar.planner.comm import GroupSpan
+
+        return price_layer(tmpl, split, cluster, "bf16", 1, 2, seq, costs.graph_float_bytes,
+                           None, cp, GroupSpan(cp, 1, cp) if cp > 1 else None)
+
+    half, split2, whole = price(s // 2, 1), price(s, 2), price(s, 1)
+    assert split2.act_bytes == half.act_bytes and split2.boundary_bytes == half.boundary_bytes
+    assert split2.act_bytes == pytest.approx(whole.act_bytes / 2, rel=0.01)
+    assert half.forward_s < split2.forward_s < whole.forward_s
+    assert set(split2.cp_comm) == {"ring", "allgather"} and not half.cp_comm
+    # the closed form, by hand: one hop of this rank's K/V (2 x 2 sequences x 2 KV heads x
+    # 2048 tokens x 16 dims, bf16) against one block of attention
+    from autopar.planner.comm import GroupSpan, p2p_time
+
+    kv = 2 * 2 * 2 * (s // 2) * 16
+    hop = p2p_time(cluster, kv * 2, inter_node=False)
+    grad_hop = p2p_time(cluster, kv * 4, inter_node=False)
+    ring_f, ring_b = cp_exchange(cluster, 2, GroupSpan(2, 1, 2), kv, 2, 1e-9, 1e-9)["ring"]
+    assert ring_f == pytest.approx(hop - 0.5e-9)
+    assert ring_b == pytest.approx((hop - 0.5e-9) + 2 * (grad_hop - 0.5e-9) + grad_hop)
+    hidden_f, _ = cp_exchange(cluster, 2, GroupSpan(2, 1, 2), kv, 2, 10.0, 10.0)["ring"]
+    assert hidden_f == 0.0  # a block's attention longer than a hop hides it
+
+
+def test_search_splits_a_long_sequence_and_explains_it(capsys, tmp_path):
+    """The issue's example: LLaMA-7B, 64 H100s, 64 sequences of 131072 tokens: the plan has
+    cp > 1, fits, and `explain` says why (against the best plan without cp)."""
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama-7b", "--cluster", "h100-80g", "--gpus", "64",
+                 "--global-batch", "64", "--seq", "131072", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.cp > 1 and plan.cp_attention in ("ring", "allgather")
+    assert plan.dp * plan.cp * plan.tp * plan.pp == 64
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"cp={plan.cp} splits every 131072-token sequence" in text
+    assert "best plan without cp" in text or "no plan without cp" in text

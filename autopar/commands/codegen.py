@@ -20,6 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--sequence-parallel", "--sp", dest="sequence_parallel", action="store_true",
                    help="shard the norm and dropout regions along the sequence")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: the program of one rank holding 1/cp of each "
+                        "sequence (attention exchanges keys and values; the same source on "
+                        "every cp rank)")
     p.add_argument("--batch", type=int, default=1, help="micro-batch size costs are priced at")
     p.add_argument("--seq", type=int, help="sequence length costs are priced at "
                                            "(default: the model's maximum)")
@@ -48,10 +52,37 @@ def run(args: argparse.Namespace) -> int:
 
         raise InvalidInputError("--rank is outside the tensor-parallel group",
                                 expected=f"0 <= rank < {args.tp}", found=str(args.rank))
-    paths = program.write(args.out, ranks)
-    print(f"{work.name}: tp={args.tp}")
+    if args.cp > 1:
+        paths = _write_context_parallel(program, args.cp, args.out, ranks, work.name)
+    else:
+        paths = program.write(args.out, ranks)
+    print(f"{work.name}: tp={args.tp}" + (f", cp={args.cp}" if args.cp > 1 else ""))
     for line in program.summary(timing=True):
         print(line)
     for path in paths:
         print(f"wrote {path}")
     return 0
+
+
+def _write_context_parallel(program, cp: int, out: str, ranks, name: str):
+    """Each tp rank's module after the sequence-split transform (passes/context_parallel.py)."""
+    from pathlib import Path
+
+    from autopar.errors import InvalidInputError
+    from autopar.passes.context_parallel import context_parallelize
+    from autopar.passes.tp_codegen import emit_rank_source
+
+    if cp < 1:
+        raise InvalidInputError("--cp must be positive", found=str(cp))
+    gm = context_parallelize(program.gm)
+    summary = list(program.summary()) + [
+        f"Context parallel: cp={cp}; each rank holds chunks r and {2 * cp - 1} - r of the "
+        f"{2 * cp} chunks of every sequence; the cp group (forward's `cp`) carries the rank."]
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in (range(program.tp) if ranks is None else ranks):
+        path = folder / f"rank{r}.py"
+        path.write_text(emit_rank_source(gm, tp=program.tp, rank=r, title=name, summary=summary))
+        paths.append(path)
+    return paths

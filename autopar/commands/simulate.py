@@ -37,7 +37,7 @@ def simulate_document(doc):
                         tuple(s.p2p_s for s in stages[:-1]),
                         cores=float(doc["cluster"].get("cores_per_node", 0)
                                     * doc["cluster"]["nodes"]),
-                        replicas=plan["dp"] * plan["tp"],
+                        replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
                         efficiency=doc["cluster"].get("oversubscription_efficiency", 1.0))
     return simulate_pipeline(work), stages
 
@@ -55,7 +55,9 @@ def chrome_trace(doc, sim, stages) -> dict:
     plan, pred = doc["plan"], doc["prediction"]
     us = 1e6
     out = [{"name": "process_name", "ph": "M", "pid": 0,
-            "args": {"name": f"{doc['model']['name']} dp={plan['dp']} tp={plan['tp']} "
+            "args": {"name": f"{doc['model']['name']} dp={plan['dp']}"
+                             + (f" cp={plan['cp']}" if plan.get("cp", 1) > 1 else "")
+                             + f" tp={plan['tp']} "
                              f"pp={plan['pp']} {plan['schedule']}"}}]
     for r in range(plan["pp"]):
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 2 * r,
@@ -115,7 +117,8 @@ def gantt(doc, sim, path: str, max_micro_batches: int | None = None) -> None:
     ax.set_yticklabels([f"pp {p - 1 - i}" for i in range(p)])
     ax.set_xlabel("seconds")
     ax.set_xlim(0, end * 1.01)
-    ax.set_title(f"{doc['model']['name']}: {plan['schedule']}, pp={p}, "
+    cp = f"cp={plan['cp']} ({plan.get('cp_attention', 'ring')}), " if plan.get("cp", 1) > 1 else ""
+    ax.set_title(f"{doc['model']['name']}: {cp}{plan['schedule']}, pp={p}, "
                  f"v={plan['virtual_stages']}, {plan['num_micro_batches']} micro-batches "
                  f"(pipeline {sim.step_time:.3g} s of a {doc['prediction']['step_time_s']:.3g} s "
                  f"step)")
@@ -144,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
         gantt(doc, sim, args.png, args.max_micro_batches)
     end = sim.step_time
     pred = doc["prediction"]
+    plan = doc["plan"]
+    if plan.get("cp", 1) > 1:  # its exchange is inside each stage's forward and backward
+        console().print(f"context parallel: cp={plan['cp']} ({plan.get('cp_attention', 'ring')} "
+                        f"attention), exposed K/V exchange "
+                        f"{fmt_seconds(pred['breakdown'].get('cp_comm_s', 0))} of the stages' "
+                        f"time (bottleneck rank)", markup=False, highlight=False)
     console().print(f"simulated pipeline {fmt_seconds(end)} + data-parallel "
                     f"{fmt_seconds(pred['breakdown'].get('dp_comm_s', 0))} + optimizer "
                     f"{fmt_seconds(pred['breakdown'].get('optimizer_s', 0))}; predicted step "
