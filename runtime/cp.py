@@ -72,26 +72,25 @@ def _what(name: str, x: torch.Tensor) -> str:
 # One block of attention: queries against one block of keys, in fp32
 # ---------------------------------------------------------------------------------------------
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
-    """(rows, cols, mask) of the part of a block a causal mask leaves visible: index tensors (or
-    None for all) and the boolean mask over them (None: all visible); None if nothing is."""
+def _visible(rank: int, src: int, size: int, local: int, causal: bool):
+    """(rows, cols, mask) of the part of rank ``rank``'s queries against rank ``src``'s keys
+    that a causal mask leaves visible, in the head-tail layout (closed form, nothing scanned):
+    the diagonal block is causal over local order (which is position order); against an
+    earlier rank every query sees its first chunk's keys; against a later rank only the second
+    chunk's queries see its keys, all of them. ``rows`` / ``cols``: slices (None: all);
+    ``mask``: "causal" or None (all visible)."""
     if not causal:
         return None, None, None
-    mask = q_pos[:, None] >= k_pos[None, :]
-    if not bool(mask.any()):
-        return None
-    rows_any, cols_any = mask.any(1), mask.any(0)
-    rows = None if bool(rows_any.all()) else rows_any.nonzero().flatten()
-    cols = None if bool(cols_any.all()) else cols_any.nonzero().flatten()
-    if rows is not None:
-        mask = mask[rows]
-    if cols is not None:
-        mask = mask[:, cols]
-    return rows, cols, (None if bool(mask.all()) else mask)
+    if src == rank:
+        return None, None, "causal"
+    c = local // 2
+    if src < rank:
+        return None, slice(0, c), None
+    return slice(c, local), None, None
 
 
-def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    return x if index is None else x.index_select(-2, index)
+def _take(x: torch.Tensor, index: slice | None) -> torch.Tensor:
+    return x if index is None else x[..., index, :]
 
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -107,16 +106,13 @@ def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.reshape(*shape[:-3], kv_heads, shape[-3] // kv_heads, *shape[-2:]).sum(-3)
 
 
-def _kind_of(block, local: int) -> str | None:
-    """"full" (every key visible), "causal" (the diagonal block: local order is position
-    order, so the mask is the lower triangle) or None (anything else: the math path)."""
-    rows, cols, mask = block
-    if mask is None:
-        return "full"
-    if rows is None and cols is None and mask.shape == (local, local) and bool(
-            torch.equal(mask, torch.ones_like(mask).tril())):
-        return "causal"
-    return None
+def _kind_of(block, local: int) -> str:
+    """"full" (every key visible) or "causal" (the diagonal block)."""
+    return "causal" if block[2] == "causal" else "full"
+
+
+def _causal_mask(rows: int, cols: int, device: Any) -> torch.Tensor:
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).tril()
 
 
 def _fused(q: torch.Tensor) -> bool:
@@ -138,17 +134,18 @@ class _Accumulator:
         rows, cols, mask = block
         qb, kb, vb = _take(q, rows), _take(k, cols), _take(v, cols)
         kind = _kind_of(block, q.shape[-2])
-        if kind is not None and _fused(q):
+        if _fused(q):
             out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
                 qb, kb, vb, 0.0, kind == "causal", scale=scale)
             out_b, lse_b = out_b.float(), lse_b.float()
         else:
             sc = torch.matmul(qb.float(), kb.float().transpose(-2, -1)) * scale
             if mask is not None:
-                sc = sc.masked_fill(~mask, float("-inf"))
+                sc = sc.masked_fill(~_causal_mask(sc.shape[-2], sc.shape[-1], sc.device),
+                                    float("-inf"))
             lse_b = torch.logsumexp(sc, -1)  # every row kept sees a key (_visible)
             out_b = torch.matmul(torch.exp(sc - lse_b.unsqueeze(-1)), vb.float())
-        lse_old = self.lse if rows is None else self.lse.index_select(-1, rows)
+        lse_old = self.lse if rows is None else self.lse[..., rows]
         o_old = _take(self.o, rows)
         lse_new = torch.logaddexp(lse_old, lse_b)
         o_new = (o_old * torch.exp(lse_old - lse_new).unsqueeze(-1)
@@ -156,8 +153,8 @@ class _Accumulator:
         if rows is None:
             self.lse, self.o = lse_new, o_new
         else:
-            self.lse = self.lse.index_copy(-1, rows, lse_new)
-            self.o = self.o.index_copy(-2, rows, o_new)
+            self.lse[..., rows] = lse_new
+            self.o[..., rows, :] = o_new
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp) of every query row."""
@@ -170,7 +167,7 @@ def _block_grads(q, k, v, dout, out, lse, delta, scale, block):
     as given, as FlashAttention's ring variants pass theirs)."""
     rows, cols, mask = block
     kind = _kind_of(block, q.shape[-2])
-    if kind is not None and _fused(q):
+    if _fused(q):
         dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward\
             .default(_take(dout, rows).to(q.dtype), _take(q, rows), _take(k, cols),
                      _take(v, cols), _take(out, rows), _take(lse.unsqueeze(-1), rows).squeeze(-1),
@@ -182,7 +179,7 @@ def _block_grads(q, k, v, dout, out, lse, delta, scale, block):
         sc = torch.matmul(qb, kb.transpose(-2, -1)) * scale
         p = torch.exp(sc - _take(lse.unsqueeze(-1), rows))
         if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
+            p = p.masked_fill(~_causal_mask(p.shape[-2], p.shape[-1], p.device), 0.0)
         dv_b = torch.matmul(p.transpose(-2, -1), dob)
         dp = torch.matmul(dob, vb.transpose(-2, -1))
         ds = p * (dp - _take(delta.unsqueeze(-1), rows)) * scale
@@ -194,7 +191,8 @@ def _block_grads(q, k, v, dout, out, lse, delta, scale, block):
             return part
         full = torch.zeros(*part.shape[:-2], like_rows, part.shape[-1], dtype=part.dtype,
                            device=part.device)
-        return full.index_copy(-2, index, part)
+        full[..., index, :] = part
+        return full
 
     return (place(dq_b, rows, q.shape[-2]), place(dk_b, cols, k.shape[-2]),
             place(dv_b, cols, v.shape[-2]))
@@ -231,7 +229,7 @@ class _CPAttention(torch.autograd.Function):
         heads = q.shape[-3]
         size, rank = cp.size, cp.rank
         local = q.shape[-2]
-        q_pos = head_tail_positions(rank, size, local, q.device)
+        head_tail_positions(rank, size, local)  # two chunks per rank, or a named error
         acc = _Accumulator(q, v.shape[-1])
         kv = torch.stack([k, v]).contiguous()
         if kind == "ring":
@@ -239,7 +237,7 @@ class _CPAttention(torch.autograd.Function):
             for step in range(size):
                 src = (rank - step) % size
                 pending = ring.start(kv) if step < size - 1 else None
-                block = _visible(q_pos, head_tail_positions(src, size, local, q.device), causal)
+                block = _visible(rank, src, size, local, causal)
                 if block is not None:
                     acc.add(q, _expand_heads(kv[0], heads), _expand_heads(kv[1], heads), scale,
                             block)
@@ -248,7 +246,7 @@ class _CPAttention(torch.autograd.Function):
         else:
             gathered = cp.gather_blocks(kv)
             for src in range(size):
-                block = _visible(q_pos, head_tail_positions(src, size, local, q.device), causal)
+                block = _visible(rank, src, size, local, causal)
                 if block is not None:
                     acc.add(q, _expand_heads(gathered[src][0], heads),
                             _expand_heads(gathered[src][1], heads), scale, block)
@@ -265,13 +263,12 @@ class _CPAttention(torch.autograd.Function):
         heads, kv_heads = q.shape[-3], k.shape[-3]
         size, rank = cp.size, cp.rank
         local = q.shape[-2]
-        q_pos = head_tail_positions(rank, size, local, q.device)
         dout = dout.float()
         delta = (dout * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def grads_of(src, kb, vb):
-            block = _visible(q_pos, head_tail_positions(src, size, local, q.device), causal)
+            block = _visible(rank, src, size, local, causal)
             if block is None:
                 return None
             dq_b, dk_b, dv_b = _block_grads(q, _expand_heads(kb, heads), _expand_heads(vb, heads),

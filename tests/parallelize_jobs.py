@@ -176,7 +176,7 @@ def train(configs, steps: int = 3):
             local_params=sum(slot.numel for b in pm.data_parallel.buckets if b.requires_grad
                              for slot in b.slots),
             coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
-            regions=recomputed_regions(pm),
+            regions=recomputed_regions(pm), plan=pm.plan.to_json(),
             shard_size=pm.data_parallel.groups.shard_size, held_bytes=held_bytes,
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))
         pm.close()

@@ -164,7 +164,14 @@ TRAIN = [
     ("own_gpt", dict(cp=2, dp=2, micro_batch_size=4, zero=3, cp_attention="allgather"), {}),
     ("gpt", dict(cp=2, dp=2, micro_batch_size=2, zero=3, recompute="selective"), {}),
     ("llama", dict(cp=2, dp=2, micro_batch_size=4, zero=1), dict(mixed_precision=True)),
+    ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="interleaved-1f1b",
+                 virtual_stages=2), {}),
+    ("llama", dict(cp=2, pp=2, num_micro_batches=2, schedule="zb-v", virtual_stages=2,
+                   zero=0), {}),
+    ("own_gpt", dict(cp=2, dp=2, micro_batch_size=2, zero=2), {}),
 ]
+#: Only cp pinned: the search decides the rest (dp, tp, pp, micro-batch, schedule, ...).
+SEARCHED = ("llama", dict(cp=2), {})
 
 
 def _full_pins(pins):
@@ -176,7 +183,7 @@ def _full_pins(pins):
 
 @pytest.mark.distributed
 def test_context_parallel_training_equals_one_process():
-    configs = [(name, _full_pins(pins), options) for name, pins, options in TRAIN]
+    configs = [(name, _full_pins(pins), options) for name, pins, options in TRAIN] + [SEARCHED]
     refs = {name: jobs.reference(name) for name in {c[0] for c in configs}}
     mixed = {(n, p["dp"] * p.get("num_micro_batches", 1)):
              jobs.reference_mixed(n, p["dp"] * p.get("num_micro_batches", 1))
@@ -201,6 +208,8 @@ def test_context_parallel_training_equals_one_process():
     for k, (name, pins, options) in enumerate(configs):
         what = f"{name} {pins} {options}"
         result = per_rank[0][k]
+        if pins is SEARCHED[1]:  # the searched plan kept the pinned cp
+            assert per_rank[0][k]["plan"]["cp"] == 2, per_rank[0][k]["plan"]
         if options.get("mixed_precision"):
             m = pins["dp"] * pins.get("num_micro_batches", 1)
             _compare_mixed(result, mixed[(name, m)], refs[name], what)

@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 __all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring",
            "measure_cuda", "calibrate_cuda_cluster", "cuda_cluster"]
@@ -36,7 +36,7 @@ TABLE_MAX_MACS = 2**31
 #: of q, k, v ATTENTION_OPERAND_BYTES (out of a core's cache, as in a step: batch 8 x 8 heads of
 #: 128 x 32 is 1 MiB per operand; measured on 64 KiB operands, the table priced the small GPT's
 #: attention at 6.5 ms of a forward where it took 8.7).
-ATTENTION_SEQ = (64, 256, 1024)
+ATTENTION_SEQ = (64, 256, 1024, 4096)
 ATTENTION_HEAD = (32, 64, 128)
 ATTENTION_OPERAND_BYTES = 2 * 2**20
 AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
@@ -264,9 +264,22 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
                 table.append([m, n, k, 2 * m * n * k / t])
     out["gemm_table"] = table
     # fused attention by sequence and head size, forward and backward
+    att = measure_attention_table(ATTENTION_SEQ, ATTENTION_HEAD, repeat)
+    out["attention_table"] = att
+    return out
+
+
+def measure_attention_table(seqs: Sequence[int], heads: Sequence[int], repeat: int
+                            ) -> list[list[float]]:
+    """Rows ``[s, d, forward FLOP/s, backward FLOP/s]`` of causal fused attention (fp32; batch x
+    heads fills ATTENTION_OPERAND_BYTES, at least 8): forward timed alone, backward as
+    forward + backward minus forward, its FLOPs 2.5 x the forward's (FlashAttention's count)."""
+    import torch
+    import torch.nn.functional as F
+
     att = []
-    for s in ATTENTION_SEQ:
-        for d in ATTENTION_HEAD:
+    for s in seqs:
+        for d in heads:
             bh = max(8, ATTENTION_OPERAND_BYTES // (s * d * 4))
             q = torch.randn(1, bh, s, d, requires_grad=True)
             flops = 4 * bh * s * s * d
@@ -281,8 +294,7 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
 
             t_fb = _best_time(fwd_bwd, repeat)
             att.append([s, d, flops / t_f, 2.5 * flops / max(t_fb - t_f, 1e-9)])
-    out["attention_table"] = att
-    return out
+    return att
 
 
 def _rank_compute(quick: bool) -> dict[str, float]:
