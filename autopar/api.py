@@ -56,7 +56,7 @@ __all__ = ["parallelize", "PINNABLE"]
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
             "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
-            "cp_attention")
+            "cp_attention", "cp_innermost")
 
 
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
@@ -181,6 +181,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                               sizes={"b": chosen.micro_batch_size,
                                      "s": max(1, seq // chosen.cp)})  # as planned
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp,
+                        cp_innermost=chosen.cp_innermost,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
     # the capture and the compile leave cyclic garbage (fx graphs, fake tensors): free it before
@@ -552,6 +553,10 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                expected="an integer >= 2 dividing dp (or None: the whole dp group)",
                                found=repr(k), fix="pin zero_shard_size to the data-parallel ranks "
                                                   "of one node, or leave it out")
+    if "cp_innermost" in pins and not isinstance(pins["cp_innermost"], bool):
+        raise InvalidPlanError("pin cp_innermost must be True or False",
+                               expected="a bool", found=repr(pins["cp_innermost"]),
+                               fix="pin cp_innermost=True (cp peers adjacent) or False")
     if "sequence_parallel" in pins and not isinstance(pins["sequence_parallel"], bool):
         raise InvalidPlanError("pin sequence_parallel must be True or False",
                                expected="a bool", found=repr(pins["sequence_parallel"]),

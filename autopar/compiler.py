@@ -90,7 +90,8 @@ class StagedProgram:
         plan = self.planned.plan
         if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
             raise InvalidInputError(f"rank must be in [0, {plan.world_size})", found=str(rank))
-        _, cp_rank, pp_rank, tp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp)
+        _, cp_rank, pp_rank, tp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp,
+                                                    plan.cp_innermost)
         if plan.cp > 1:
             mesh = (f"dp x cp x pp x tp = {plan.dp} x {plan.cp} x {plan.pp} x {plan.tp}; "
                     f"context-parallel rank {cp_rank} (tokens of chunks {cp_rank} and "
@@ -358,7 +359,8 @@ def lower_to_rank(staged: StagedProgram, rank: int, *, device: torch.device) -> 
     from autopar.runtime.mesh import coordinates4
 
     plan = staged.planned.plan
-    dp_rank, cp_rank, pp_rank, tp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp)
+    dp_rank, cp_rank, pp_rank, tp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp,
+                                                      plan.cp_innermost)
     local = staged.schedule.stages_of(pp_rank)
     read: set[str] = set()
     for s in local:

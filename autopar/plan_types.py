@@ -129,11 +129,17 @@ class Plan:
     cp: int = 1
     #: How context-parallel attention exchanges K/V: "ring" or "allgather".
     cp_attention: str = "ring"
+    #: Rank layout of the two inner axes: False, tp peers adjacent and cp peers strided by tp
+    #: (Megatron-LM's order); True, cp peers adjacent and tp strided by cp (runtime/mesh.py).
+    cp_innermost: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size",
                      "num_micro_batches"):
             _positive(name, getattr(self, name))
+        if not isinstance(self.cp_innermost, bool):
+            raise InvalidPlanError("cp_innermost must be True or False", expected="a bool",
+                                   found=repr(self.cp_innermost), fix="set it to True or False")
         if self.cp_attention not in CP_ATTENTION_KINDS:
             raise InvalidPlanError(f"cp_attention must be one of {CP_ATTENTION_KINDS}, got "
                                    f"{self.cp_attention!r}", expected=str(CP_ATTENTION_KINDS),
@@ -236,7 +242,8 @@ class Plan:
             "model_fingerprint": self.model_fingerprint,
             # written only when set, so plans without hybrid sharding read as before
             **({"zero_shard_size": self.zero_shard_size} if self.zero_shard_size else {}),
-            **({"cp": self.cp, "cp_attention": self.cp_attention} if self.cp > 1 else {}),
+            **({"cp": self.cp, "cp_attention": self.cp_attention,
+                "cp_innermost": self.cp_innermost} if self.cp > 1 else {}),
         }
 
     @classmethod

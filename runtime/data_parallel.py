@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import InvalidInputError, PlanMismatchError
-from autopar.runtime.mesh import ParallelMesh, coordinates
+from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.optim import MixedPrecision, OptimizerFactory, clip_coefficient, global_grad_norm
 from autopar.runtime.zero import (FlatBucket, ParamUnit, ShardGroups, UnitOrder, ZeroStage,
                                   iter_unique_storages, wait_work)
@@ -221,7 +221,7 @@ class TiedGroups:
                                         f"in shape", expected="one shape",
                                         found=str(sorted(shapes_seen)),
                                         fix="tie only parameters of the same shape")
-            dps = {coordinates(r, mesh.replicas, mesh.pp, mesh.tp)[0] for r in ranks}
+            dps = {mesh.replica_of(r) for r in ranks}
             if len(dps) != 1:
                 raise InvalidInputError(f"tied copies on ranks {ranks} belong to different "
                                         f"data-parallel replicas",

@@ -1,17 +1,24 @@
-"""The device mesh: process groups over (dp, cp, pp, tp), tp innermost, a timeout on every group.
+"""The device mesh: process groups over (dp, pp, cp, tp), tp innermost, a timeout on every group.
 
-``ParallelMesh(dp, pp, tp, cp=1)`` is called on every rank after ``init_process_group``. Rank r
-has coordinates ``(r // (pp*tp), (r // tp) % pp, r % tp)`` over (replica, pp, tp):
-tensor-parallel peers are adjacent ranks (one node, NVLink), pipeline stages stride by tp, the
-replicas of the parameters are outermost. A replica is a data-parallel rank, or with context
-parallelism one of a data-parallel rank's ``cp`` ranks: replica ``d * cp + c`` holds data-parallel
-coordinate ``d`` and context-parallel coordinate ``c``. Gradients are reduced, and ZeRO shards,
-over the replicas (``replica_group``: dp x cp ranks); the batch splits over dp
-(``dp_rank``) and each sequence over cp (``cp_group``, whose ranks stride by pp x tp).
+``ParallelMesh(dp, pp, tp, cp=1)`` is called on every rank after ``init_process_group``. Ranks
+are laid out ``((d * pp + p) * cp + c) * tp + t``: tensor-parallel peers are adjacent ranks
+(one node, NVLink), context-parallel peers next (stride tp: inside the node while tp x cp fits
+it, as Megatron-LM places cp), pipeline stages stride by cp x tp, data-parallel replicas are
+outermost. With ``cp_innermost=True`` the two inner axes swap (cp peers adjacent, tp peers
+stride cp): the planner picks it when the ring's traffic outweighs tensor parallelism's.
+Without context parallelism (cp = 1) this is ``(r // (pp*tp), (r // tp) % pp, r % tp)``.
+
+A *replica* is a data-parallel rank, or with context parallelism one of a data-parallel rank's
+``cp`` ranks: replica ``d * cp + c`` holds data-parallel coordinate ``d`` and context-parallel
+coordinate ``c``. Gradients are reduced, and ZeRO shards, over the replicas (``replica_group``:
+dp x cp ranks); the batch splits over dp (``dp_rank``) and each sequence over cp
+(``cp_group``). Code that needs another rank's global rank asks the mesh
+(:meth:`ParallelMesh.rank_at`): nothing outside this module assumes an order.
 
 The groups come from one ``torch.distributed.device_mesh.DeviceMesh`` with dims named
-``("dp", "pp", "tp")`` (``("dp", "cp", "pp", "tp")`` with ``dp_cp`` flattened from the first two
-under context parallelism): ``mesh.tp_group`` is ``mesh.device_mesh.get_group("tp")``, so DTensor,
+``("dp", "pp", "tp")`` (``("dp", "pp", "cp", "tp")``, or ``("dp", "pp", "tp", "cp")``, with
+``dp_cp`` flattened from dp and cp under context parallelism): ``mesh.tp_group`` is
+``mesh.device_mesh.get_group("tp")``, so DTensor,
 FSDP2 and autopar's own collectives run on the same groups. Every dim is given backend options
 carrying the mesh's timeout (``backend_override``; DeviceMesh passes the options' ``_timeout`` to
 ``new_group``), because a group created without one waits torch's default 30 minutes (10 for
@@ -31,7 +38,8 @@ import torch.distributed as dist
 from autopar.errors import PlanMismatchError
 from autopar.runtime.comm import DEFAULT_TIMEOUT_S, default_timeout, set_rank_label
 
-__all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4"]
+__all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4",
+           "rank_grid"]
 
 
 def coordinates(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
@@ -40,10 +48,21 @@ def coordinates(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
     return rank // (pp * tp), (rank // tp) % pp, rank % tp
 
 
-def coordinates4(rank: int, dp: int, cp: int, pp: int, tp: int) -> tuple[int, int, int, int]:
-    """(dp, cp, pp, tp) coordinates of ``rank`` in a dp x cp x pp x tp mesh, tp innermost."""
-    replica, p, t = coordinates(rank, dp * cp, pp, tp)
-    return replica // cp, replica % cp, p, t
+def rank_grid(dp: int, cp: int, pp: int, tp: int, cp_innermost: bool = False) -> torch.Tensor:
+    """Global rank at each (dp, cp, pp, tp) coordinate: the one place the layout is decided."""
+    if cp_innermost:
+        return torch.arange(dp * pp * tp * cp).reshape(dp, pp, tp, cp).permute(0, 3, 1, 2)
+    return torch.arange(dp * pp * cp * tp).reshape(dp, pp, cp, tp).permute(0, 2, 1, 3)
+
+
+def coordinates4(rank: int, dp: int, cp: int, pp: int, tp: int,
+                 cp_innermost: bool = False) -> tuple[int, int, int, int]:
+    """(dp, cp, pp, tp) coordinates of ``rank`` (:func:`rank_grid`'s layout)."""
+    if cp == 1:
+        d, p, t = coordinates(rank, dp, pp, tp)
+        return d, 0, p, t
+    where = (rank_grid(dp, cp, pp, tp, cp_innermost) == rank).nonzero()[0]
+    return tuple(int(x) for x in where)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,8 @@ class ParallelMesh:
     """Process groups for one dp x cp x pp x tp layout of the current world."""
 
     def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1,
-                 timeout: timedelta | None = None, device_type: str | None = None) -> None:
+                 cp_innermost: bool = False, timeout: timedelta | None = None,
+                 device_type: str | None = None) -> None:
         if not dist.is_initialized():
             raise PlanMismatchError("torch.distributed is not initialized",
                                     fix="call torch.distributed.init_process_group first, or "
@@ -73,22 +93,23 @@ class ParallelMesh:
                                     fix="launch with --nproc matching the plan, or re-plan for "
                                         "this world")
         self.dp, self.cp, self.pp, self.tp = dp, cp, pp, tp
+        self.cp_innermost = bool(cp_innermost and cp > 1)
         self.replicas = dp * cp
         self.timeout = timeout or default_timeout()
         self.rank = dist.get_rank()
         self.world_size = world
         self.device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-        self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank = coordinates4(self.rank, dp, cp,
-                                                                              pp, tp)
+        self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank = coordinates4(
+            self.rank, dp, cp, pp, tp, self.cp_innermost)
         self.replica_rank = self.dp_rank * cp + self.cp_rank
         # errors from any collective name this process by its coordinates (runtime/comm.py)
         cp_label = f", cp {self.cp_rank}" if cp > 1 else ""
         set_rank_label(f"rank {self.rank} (dp {self.dp_rank}{cp_label}, pp {self.pp_rank}, "
                        f"tp {self.tp_rank})")
-        grid = torch.arange(world).reshape(dp, cp, pp, tp)
-        self._grid = grid.reshape(dp * cp, pp, tp)  # replica-major, as coordinates() reads it
+        grid = rank_grid(dp, cp, pp, tp, self.cp_innermost)  # [d, c, p, t] -> global rank
+        self._grid = grid.reshape(dp * cp, pp, tp)  # [replica, p, t] -> global rank
         # collective: every rank creates every group
-        self._device_mesh = _device_mesh(self.device_type, grid if cp > 1 else self._grid,
+        self._device_mesh = _device_mesh(self.device_type, dp, cp, pp, tp, self.cp_innermost,
                                          self.timeout)
         d, c, p, t = self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank
         r = self.replica_rank
@@ -146,6 +167,20 @@ class ParallelMesh:
         column."""
         return int(self._grid[self.replica_rank, pp_rank, self.tp_rank])
 
+    def rank_at(self, replica: int, pp_rank: int, tp_rank: int) -> int:
+        """The global rank at (replica, pp, tp) coordinates."""
+        return int(self._grid[replica, pp_rank, tp_rank])
+
+    def replica_of(self, rank: int) -> int:
+        """The replica coordinate (dp x cp) of global rank ``rank``."""
+        return int((self._grid == rank).nonzero()[0][0])
+
+    def replica_rank_lists(self) -> list[list[int]]:
+        """The global ranks of every replica group (one per (pp, tp) coordinate), in replica
+        order: what every rank must create, in the same order."""
+        return [[int(r) for r in self._grid[:, p, t]] for p in range(self.pp)
+                for t in range(self.tp)]
+
     @property
     def device_mesh(self):
         """The torch DeviceMesh (dims named dp, pp, tp; dp, cp, pp, tp and the flattened dp_cp
@@ -172,15 +207,23 @@ def _group_options(timeout: timedelta):
     return C10dBackend.Options(backend.split(":")[-1], timeout)
 
 
-def _device_mesh(device_type: str, grid: torch.Tensor, timeout: timedelta):
-    """A DeviceMesh over ``grid`` (dims dp, pp, tp; or dp, cp, pp, tp, with dp and cp flattened
-    into dp_cp) whose every group has ``timeout``. Collective: every rank creates every group,
-    in the same order."""
+def _device_mesh(device_type: str, dp: int, cp: int, pp: int, tp: int, cp_innermost: bool,
+                 timeout: timedelta):
+    """A DeviceMesh of the layout (dims dp, pp, tp; or dp, pp, cp, tp / dp, pp, tp, cp, with dp
+    and cp flattened into dp_cp) whose every group has ``timeout``. Collective: every rank
+    creates every group, in the same order."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    names = ("dp", "pp", "tp") if grid.dim() == 3 else ("dp", "cp", "pp", "tp")
-    mesh = DeviceMesh(device_type, grid, mesh_dim_names=names,
+    if cp == 1:
+        names: tuple[str, ...] = ("dp", "pp", "tp")
+        shape: tuple[int, ...] = (dp, pp, tp)
+    elif cp_innermost:
+        names, shape = ("dp", "pp", "tp", "cp"), (dp, pp, tp, cp)
+    else:
+        names, shape = ("dp", "pp", "cp", "tp"), (dp, pp, cp, tp)
+    world = dp * cp * pp * tp
+    mesh = DeviceMesh(device_type, torch.arange(world).reshape(shape), mesh_dim_names=names,
                       backend_override=tuple((None, _group_options(timeout)) for _ in names))
-    if grid.dim() == 4:
+    if cp > 1:
         mesh["dp", "cp"]._flatten("dp_cp", backend_override=(None, _group_options(timeout)))
     return mesh

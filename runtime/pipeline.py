@@ -60,7 +60,6 @@ from autopar.errors import (
     ScheduleError,
 )
 from autopar.runtime.comm import wait_work
-from autopar.runtime.mesh import coordinates
 from autopar.runtime.schedules import (
     Action,
     ActionKind,
@@ -280,7 +279,7 @@ class PipelineExecutor:
         mine = None
         for d in range(mesh.replicas):
             for t in range(mesh.tp):
-                ranks = [d * mesh.pp * mesh.tp + q * mesh.tp + t for q in range(mesh.pp)]
+                ranks = [mesh.rank_at(d, q, t) for q in range(mesh.pp)]
                 group = dist.new_group(ranks, timeout=self.timeout)
                 if mesh.rank in ranks:
                     mine = group
@@ -322,10 +321,10 @@ class PipelineExecutor:
         for pp_ranks, fqns in sorted(by_ranks.items()):
             for d in range(mesh.replicas):
                 for t in range(mesh.tp):
-                    ranks = [d * mesh.pp * mesh.tp + q * mesh.tp + t for q in pp_ranks]
+                    ranks = [mesh.rank_at(d, q, t) for q in pp_ranks]
                     group = dist.new_group(ranks, timeout=self.timeout)
                     if mesh.rank in ranks:
-                        assert coordinates(mesh.rank, mesh.replicas, mesh.pp, mesh.tp)[1] in pp_ranks
+                        assert mesh.pp_rank in pp_ranks
                         mine.append((tuple(f for f in fqns if f in self.params), group))
         return mine
 

@@ -52,7 +52,7 @@ from autopar.runtime.comm import wait_work  # noqa: F401  (re-exported: the shar
 from autopar.runtime.optim import MixedPrecision
 
 __all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "ParamUnit", "UnitOrder",
-           "wait_work", "dp_rank_lists"]
+           "wait_work"]
 
 
 #: A stage-3 "gather" with a shard group of one: a local copy, nothing to wait for.
@@ -66,11 +66,6 @@ class ZeroStage(enum.IntEnum):
     OPTIMIZER = 1
     GRADIENTS = 2
     PARAMETERS = 3
-
-
-def dp_rank_lists(dp: int, pp: int, tp: int) -> list[list[int]]:
-    """Global ranks of every data-parallel group of a dp x pp x tp mesh (tp innermost)."""
-    return [[d * pp * tp + p * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +115,7 @@ class ShardGroups:
                        mesh.replica_rank, None, 1, 0)
         shard_group = replicate_group = None
         rank = mesh.rank
-        for ranks in dp_rank_lists(dp, mesh.pp, mesh.tp):  # every rank creates every group
+        for ranks in mesh.replica_rank_lists():  # every rank creates every group
             for r in range(replicate):
                 block = ranks[r * shard_size:(r + 1) * shard_size]
                 g = dist.new_group(block, timeout=timeout) if len(block) > 1 else None

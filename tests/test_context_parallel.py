@@ -133,6 +133,59 @@ def test_token_mixing_and_masks_are_refused_by_name():
         context_parallelize(_program(captured))
 
 
+def test_rank_layout_places_tp_then_cp_inside_pp_and_dp():
+    from autopar.runtime.mesh import coordinates4, rank_grid
+
+    g = rank_grid(2, 2, 2, 2)  # [d, c, p, t]
+    assert g[0, 0, 0].tolist() == [0, 1]  # tp peers adjacent
+    assert g[0, :, 0, 0].tolist() == [0, 2]  # cp strides by tp
+    assert g[0, 0, :, 0].tolist() == [0, 4]  # pp strides by cp x tp
+    assert g[:, 0, 0, 0].tolist() == [0, 8]  # dp outermost
+    inner = rank_grid(2, 2, 2, 2, cp_innermost=True)
+    assert inner[0, :, 0, 0].tolist() == [0, 1] and inner[0, 0, 0].tolist() == [0, 2]
+    for layout in (False, True):
+        grid = rank_grid(2, 2, 2, 2, layout)
+        assert sorted(grid.flatten().tolist()) == list(range(16))
+        for r in range(16):
+            assert grid[coordinates4(r, 2, 2, 2, 2, layout)].item() == r
+
+
+def test_planner_places_cp_inside_the_node_when_cheaper():
+    """tp 8 x cp 2 on nodes of 8: one of the two axes must leave the node. The planner prices
+    both layouts (each group's placement as the runtime lays it out) and keeps the cheaper;
+    against brute force over the two."""
+    from autopar.cluster import Cluster
+    from autopar.models.workload import load_workload
+    from autopar.planner.comm import mesh_span
+    from autopar.planner.cost_model import CostModel, TrainingSetup
+    from autopar.planner.planning import capture_workload_costs
+    from autopar.planner.search import SearchSpace, search
+
+    cluster = Cluster.load("h100-80g").with_devices(16)
+    assert mesh_span(cluster, 1, 1, 8, "cp", 2).nodes == 2
+    assert mesh_span(cluster, 1, 1, 8, "tp", 2).nodes == 1
+    assert mesh_span(cluster, 1, 1, 8, "cp", 2, True).nodes == 1
+    assert mesh_span(cluster, 1, 1, 8, "tp", 2, True).nodes == 2
+    work = load_workload("llama", overrides=dict(layers=2, hidden=1024, heads=8, kv_heads=8,
+                                                 ffn_hidden=2816, vocab=32000))
+    costs, _, _ = capture_workload_costs(work)
+    chosen = set()
+    # 4096 tokens: every transfer is latency-bound and the ring crossing nodes costs most;
+    # 131072: the ring hides behind attention, tp's collectives do not: tp keeps the node
+    for seq in (4096, 131072):
+        cm = CostModel(costs, cluster, TrainingSetup(1, seq, "bf16"))
+        space = dict(dp=1, tp=8, pp=1, cp=2, micro_batch_size=1, recompute="full", zero=0,
+                     sequence_parallel=True)
+        each = {inner: search(cm, SearchSpace(**space, cp_innermost=inner), top_k=1).best
+                for inner in (False, True)}
+        best = search(cm, SearchSpace(**space), top_k=1).best
+        want = min(each.values(), key=lambda ev: ev.step_time_s)
+        assert best.plan.cp_innermost == want.plan.cp_innermost
+        assert best.step_time_s == pytest.approx(want.step_time_s)
+        chosen.add(best.plan.cp_innermost)
+    assert chosen == {False, True}  # the prices decide, not a fixed rule
+
+
 def test_plan_carries_cp():
     plan = Plan(dp=2, cp=2, tp=2, micro_batch_size=2, cp_attention="allgather")
     assert plan.world_size == 8 and plan.replicas == 4 and plan.global_batch == 4
@@ -158,6 +211,7 @@ TRAIN = [
     ("llama", dict(cp=4, micro_batch_size=8), {}),
     ("bert", dict(cp=4, micro_batch_size=8, cp_attention="allgather"), {}),
     ("llama", dict(cp=2, tp=2, micro_batch_size=8), {}),
+    ("llama", dict(cp=2, tp=2, micro_batch_size=8, cp_innermost=True), {}),
     ("gpt", dict(cp=2, tp=2, micro_batch_size=8, sequence_parallel=True), {}),
     ("llama", dict(cp=2, pp=2, num_micro_batches=4, schedule="1f1b"), {}),
     ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="zb-h1", recompute="full"), {}),

@@ -145,11 +145,13 @@ def _reasons(doc) -> list[str]:
                       f"{best['prediction']['step_time_s'] / t - 1:+.1%}")
         else:
             versus = "no plan without cp fits the devices' memory"
+        placed = ("cp peers are adjacent ranks, tp peers stride by cp" if plan.get("cp_innermost")
+                  else f"cp peers stride by tp={plan['tp']}")
         out.append(f"cp={cp} splits every {seq}-token sequence over {cp} ranks ({seq // cp} "
                    f"tokens each, two chunks from both ends so causal attention work is equal), "
                    f"dividing activations by {cp}; {plan.get('cp_attention', 'ring')} attention "
                    f"exchanges keys and values, {b.get('cp_comm_s', 0) / t:.1%} of the step "
-                   f"exposed; {versus}")
+                   f"exposed ({placed}); {versus}")
     if plan["pp"] > 1:
         out.append(f"pp={plan['pp']} cuts the layers into {len(plan['stages'])} stages; "
                    f"{plan['num_micro_batches']} micro-batches keep the bubble at "

@@ -98,7 +98,8 @@ def print_plan(doc) -> None:
     mesh.add_row(*(str(plan[k]) for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
                                           "num_micro_batches", "schedule", "recompute", "zero")),
                  "yes" if plan["sequence_parallel"] else "no",
-                 *((f"{cp} ({plan.get('cp_attention', 'ring')})",) if cp > 1 else ()))
+                 *((f"{cp} ({plan.get('cp_attention', 'ring')}"
+                     f"{', innermost' if plan.get('cp_innermost') else ''})",) if cp > 1 else ()))
     out.print(mesh)
 
     stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")

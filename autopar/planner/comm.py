@@ -160,28 +160,28 @@ def p2p_time(cluster: Cluster, nbytes: float, *, inter_node: bool) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1
-           ) -> dict[str, GroupSpan]:
+def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1,
+           cp_innermost: bool = False) -> dict[str, GroupSpan]:
+    from autopar.runtime.mesh import rank_grid
+
     def span(ranks: list[int]) -> GroupSpan:
         per: dict[int, int] = {}
         for r in ranks:
             per[r // devices_per_node] = per.get(r // devices_per_node, 0) + 1
         return GroupSpan(len(ranks), len(per), max(per.values()))
 
+    # ranks as the runtime lays them out (runtime/mesh.py: one function decides)
+    g = rank_grid(dp, cp, pp, tp, cp_innermost).tolist()  # [d][c][p][t]
+    D, C, P, T = range(dp), range(cp), range(pp), range(tp)
+    groups = {
+        "tp": [[g[d][c][p][t] for t in T] for d in D for c in C for p in P],
+        "pp": [[g[d][c][p][t] for p in P] for d in D for c in C for t in T],
+        "dp": [[g[d][c][p][t] for d in D] for c in C for p in P for t in T],
+        "cp": [[g[d][c][p][t] for c in C] for d in D for p in P for t in T],
+        "replica": [[g[d][c][p][t] for d in D for c in C] for p in P for t in T],
+    }
     worst: dict[str, GroupSpan] = {}
     # every group of an axis, keep the worst placed (most nodes, then fewest per node)
-    # ranks as the runtime lays them out (runtime/mesh.py): replica r = d * cp + c outermost
-    rep = dp * cp
-    groups = {
-        "tp": [[(r * pp + p) * tp + t for t in range(tp)] for r in range(rep) for p in range(pp)],
-        "pp": [[(r * pp + p) * tp + t for p in range(pp)] for r in range(rep) for t in range(tp)],
-        "dp": [[((d * cp + c) * pp + p) * tp + t for d in range(dp)]
-               for c in range(cp) for p in range(pp) for t in range(tp)],
-        "cp": [[((d * cp + c) * pp + p) * tp + t for c in range(cp)]
-               for d in range(dp) for p in range(pp) for t in range(tp)],
-        "replica": [[(r * pp + p) * tp + t for r in range(rep)]
-                    for p in range(pp) for t in range(tp)],
-    }
     for axis, lists in groups.items():
         seen: set[tuple[int, int, int]] = set()
         for ranks in lists:
@@ -192,7 +192,8 @@ def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1
     return worst
 
 
-def mesh_span(cluster: Cluster, dp: int, pp: int, tp: int, axis: str, cp: int = 1) -> GroupSpan:
+def mesh_span(cluster: Cluster, dp: int, pp: int, tp: int, axis: str, cp: int = 1,
+              cp_innermost: bool = False) -> GroupSpan:
     """Placement of the ``axis`` groups ("dp", "pp", "tp", "cp", or "replica": dp x cp) of a
-    dp x cp x pp x tp mesh on ``cluster`` (the worst-placed group of the axis)."""
-    return _spans(cluster.devices_per_node, dp, pp, tp, cp)[axis]
+    dp x pp x cp x tp mesh on ``cluster`` (the worst-placed group of the axis)."""
+    return _spans(cluster.devices_per_node, dp, pp, tp, cp, cp_innermost)[axis]

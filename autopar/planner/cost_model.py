@@ -98,17 +98,22 @@ class Candidate(NamedTuple):
     sequence_parallel: bool
     #: Context parallelism: ranks each sequence is split over.
     cp: int = 1
+    #: cp peers adjacent ranks, tp strided by cp (runtime/mesh.py).
+    cp_innermost: bool = False
+    #: The K/V exchange ("ring", "allgather"); None: the cheaper.
+    cp_attention: str | None = None
 
     def key(self) -> tuple:
         """Deterministic order for ties."""
         return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
                 self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
-                self.cp)
+                self.cp, self.cp_innermost, self.cp_attention or "")
 
     def label(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = (f" cp={self.cp}{' (inner)' if self.cp_innermost else ''}"
+              f"{' ' + self.cp_attention if self.cp_attention else ''}" if self.cp > 1 else "")
         return (f"dp={self.dp}{cp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
                 f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
 
@@ -265,10 +270,10 @@ class CostModel:
                                  sizes=self.tp_sizes(micro_batch_size))
 
     # -- per-layer ---------------------------------------------------------------------------
-    def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1, cp: int = 1
-                    ) -> list[LayerCosts]:
-        span = mesh_span(self.cluster, dp, pp, tp, "tp", cp)
-        cp_span = mesh_span(self.cluster, dp, pp, tp, "cp", cp) if cp > 1 else None
+    def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1, cp: int = 1,
+                    cp_innermost: bool = False) -> list[LayerCosts]:
+        span = mesh_span(self.cluster, dp, pp, tp, "tp", cp, cp_innermost)
+        cp_span = mesh_span(self.cluster, dp, pp, tp, "cp", cp, cp_innermost) if cp > 1 else None
         key = (tp, sp, mbs, span, cp, cp_span)
         out = self._layer_cache.get(key)
         if out is None:
@@ -286,6 +291,11 @@ class CostModel:
                 out.append(lc)
             self._layer_cache[key] = out
         return out
+
+    def _costs(self, c: Candidate) -> list[LayerCosts]:
+        """Per-layer costs of a candidate's mesh (cached by :meth:`layer_costs`)."""
+        return self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp,
+                                c.cp_innermost)
 
     def _layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
                      cp_attention: str = "ring"
@@ -309,7 +319,9 @@ class CostModel:
         """The K/V exchange a cp candidate uses: the one whose exposed time is smaller."""
         if c.cp == 1:
             return "ring"
-        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+        if c.cp_attention is not None:
+            return c.cp_attention
+        costs = self._costs(c)
         total = {k: sum(sum(lc.cp_comm[k]) for lc in costs if lc.cp_comm)
                  for k in ("ring", "allgather")}
         return min(total, key=lambda k: (total[k], k != "ring"))
@@ -429,7 +441,7 @@ class CostModel:
         from autopar.planner.stage_partition import PartitionProblem
 
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
-        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+        costs = self._costs(c)
         times = self._layer_times(costs, c.recompute, self.cp_attention(c))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
@@ -448,7 +460,7 @@ class CostModel:
         buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0
         memory = max(self.cluster.device.usable_memory_bytes - buffers - working, 1.0)
         p, v = c.pp, c.virtual_stages
-        nodes = {self._stage_node(r, c.tp) for r in range(p)}
+        nodes = {self._stage_node(r, c.tp * c.cp) for r in range(p)}
         latency, bandwidth = p2p_link(self.cluster, inter_node=len(nodes) > 1)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
                                 bandwidth, latency)
@@ -487,23 +499,24 @@ class CostModel:
         zero_bubble = c.schedule.spec.splits_backward
         key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
                c.virtual_stages, zero_bubble, c.schedule.spec.placement,
-               tuple(cuts) if cuts else None, c.cp)
+               tuple(cuts) if cuts else None, c.cp, c.cp_innermost, self.cp_attention(c))
         hit = self._staging_cache.get(key)
         if hit is not None:
             return hit
         p, v = c.pp, c.virtual_stages
-        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, p, c.cp)
+        costs = self._costs(c)
         times = self._layer_times(costs, c.recompute, self.cp_attention(c))
         if cuts is None:
             cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
                               (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
-                               mesh_span(self.cluster, c.dp, p, c.tp, "tp", c.cp), c.cp))
+                               mesh_span(self.cluster, c.dp, p, c.tp, "tp", c.cp,
+                                         c.cp_innermost), c.cp))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         p2ps = []
         spec = c.schedule.spec
         for s, (first, last) in enumerate(cuts[:-1]):
-            inter = self._stage_node(spec.stage_to_rank(s, p), c.tp) != \
-                self._stage_node(spec.stage_to_rank(s + 1, p), c.tp)
+            inter = self._stage_node(spec.stage_to_rank(s, p), c.tp * c.cp) != \
+                self._stage_node(spec.stage_to_rank(s + 1, p), c.tp * c.cp)
             p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
         # Local processes (a loopback link): a transfer is a copy through the kernel that both
         # ends' cores make, so each stage's forward and backward also spend the time of the
@@ -593,8 +606,8 @@ class CostModel:
             ranks = {rank_of[i] for i in layers}
             if len(ranks) < 2:
                 continue
-            nodes = {self._stage_node(r, c.tp) for r in ranks}
-            per_node = max(sum(1 for r in ranks if self._stage_node(r, c.tp) == node)
+            nodes = {self._stage_node(r, c.tp * c.cp) for r in ranks}
+            per_node = max(sum(1 for r in ranks if self._stage_node(r, c.tp * c.cp) == node)
                            for node in nodes)
             nbytes = numel / (c.tp if fqn in split else 1) * g_bytes
             total += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
@@ -606,13 +619,15 @@ class CostModel:
         ``rank`` (part of its stages' tp_comm_s)."""
         if c.cp == 1:
             return 0.0
-        costs = self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+        costs = self._costs(c)
         kind = self.cp_attention(c)
         return sum(sum(costs[i].cp_comm.get(kind, (0.0, 0.0)))
                    for s in st.stages if s.pp_rank == rank
                    for i in range(s.layers[0], s.layers[1] + 1))
 
     def _stage_node(self, pp_rank: int, tp: int) -> int:
+        """The node of pipeline rank ``pp_rank``'s first rank; ``tp``: the ranks of one stage
+        (tp x cp: pipeline stages stride by both, runtime/mesh.py)."""
         return (pp_rank * tp) // self.cluster.devices_per_node
 
     def _layer_params(self, i: int, layout: TPLayout | None, tp: int) -> float:
@@ -657,7 +672,8 @@ class CostModel:
         usable = cl.device.usable_memory_bytes
         # gradients are reduced (and ZeRO shards) over every replica: dp x cp ranks
         replicas = c.dp * c.cp
-        dp_span = mesh_span(cl, c.dp, p, c.tp, "replica", c.cp) if replicas > 1 else None
+        dp_span = (mesh_span(cl, c.dp, p, c.tp, "replica", c.cp, c.cp_innermost)
+                   if replicas > 1 else None)
         d = cl.device
         interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
         if cl.intra_node.kind is LinkKind.LOOPBACK:
@@ -764,7 +780,7 @@ class CostModel:
         plan = Plan(dp=c.dp, tp=c.tp, pp=p, virtual_stages=v, micro_batch_size=c.micro_batch_size,
                     num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
                     sequence_parallel=c.sequence_parallel, cp=c.cp,
-                    cp_attention=self.cp_attention(c),
+                    cp_attention=self.cp_attention(c), cp_innermost=c.cp_innermost,
                     stages=tuple(StagePlan(s.index, s.layers, s.pp_rank, s.chunk)
                                  for s in st.stages))
         extra = {"hfu": hw_flops / (step * n * self.device_peak),
@@ -797,7 +813,7 @@ def lower_bound_step(cm: CostModel, c: Candidate) -> float:
     """A step time no candidate with this (dp, tp, pp, micro-batch, sp) can beat: its compute
     and tensor-parallel communication spread perfectly over the pipeline, without bubble,
     pipeline or data-parallel communication, recompute or optimizer step."""
-    costs = cm.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp)
+    costs = cm._costs(c)
     m = cm.setup.global_batch // (c.dp * c.micro_batch_size)
     work = sum(lc.forward_s + lc.backward_s + lc.weight_s + lc.tp_forward_s + lc.tp_backward_s
                for lc in costs)

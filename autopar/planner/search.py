@@ -66,6 +66,8 @@ class SearchSpace:
     recompute: RecomputeKind | None = None
     zero: int | None = None
     sequence_parallel: bool | None = None
+    cp_innermost: bool | None = None
+    cp_attention: str | None = None
     max_virtual_stages: int = 8
     max_micro_batch: int = 32
 
@@ -86,7 +88,7 @@ class SearchSpace:
     def pins(self) -> dict[str, object]:
         out = {}
         for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "schedule",
-                     "recompute", "zero", "sequence_parallel"):
+                     "recompute", "zero", "sequence_parallel", "cp_innermost", "cp_attention"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = getattr(value, "value", value)
@@ -151,6 +153,10 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
     layers = cm.model.num_layers
     pin = space
     out: list[Candidate] = []
+    # which inner axis gets adjacent ranks (runtime/mesh.py); one layout unless both are > 1
+    inners = (False, True) if cp > 1 and tp > 1 else (False,)
+    if pin.cp_innermost is not None:
+        inners = (pin.cp_innermost and cp > 1,)
     mbs_options = [b for b in _divisors(batch // dp) if b <= space.max_micro_batch]
     if pin.micro_batch_size is not None:
         mbs_options = [pin.micro_batch_size]
@@ -180,8 +186,9 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
                     if pin.sequence_parallel is not None:
                         sps = (pin.sequence_parallel,)
                     for sp in sps:
-                        out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp,
-                                             cp))
+                        for inner in inners:
+                            out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp,
+                                                 cp, inner, pin.cp_attention))
     return out
 
 
@@ -207,8 +214,8 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
             if len(examples) < 4:
                 examples.append((c.label(), problem))
             continue
-        groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp),
-                          []).append(c)
+        groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp,
+                           c.cp_innermost), []).append(c)
     bounds = {g: lower_bound_step(cm, cs[0]) for g, cs in groups.items()}
     order = sorted(groups, key=lambda g: (bounds[g], g))
     k = max(top_k, refine, 1)
@@ -239,7 +246,7 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
                         memory_examples += 1
                         examples.append((c.label(), ev.infeasible))
                     continue
-                mesh = (c.dp, c.tp, c.pp, c.cp)
+                mesh = (c.dp, c.tp, c.pp, c.cp, c.cp_innermost)
                 if mesh not in best_mesh or _rank_key(ev) < _rank_key(best_mesh[mesh]):
                     best_mesh[mesh] = ev
                 item = (-ev.step_time_s, _neg(c.key()), ev)
