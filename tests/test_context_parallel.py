@@ -204,26 +204,31 @@ def test_plan_carries_cp():
 ATTENTION = [(size, kind, causal, hq, hkv) for size in (2, 4) for kind in ("ring", "allgather")
              for causal in (True, False) for hq, hkv in ((4, 4), (4, 2))]
 
-#: (model, pins, options): cp alone and with each axis; causal (LLaMA, GPT-2, own GPT) and
-#: bidirectional (BERT); ring and all-gather attention; ZeRO-3 over dp x cp; every recompute;
-#: a zero-bubble schedule; mixed precision.
+#: (model, pins, options) on four processes: every model at cp 2 x tp 2, cp 2 x pp 2 and cp 2 x
+#: dp 2 with ZeRO-3; causal (LLaMA, GPT-2, own GPT) and bidirectional (BERT); ring and all-gather
+#: attention; both rank layouts; ZeRO 1-3 over dp x cp; every recompute; every schedule; bf16.
 TRAIN = [
-    ("llama", dict(cp=4, micro_batch_size=8), {}),
-    ("bert", dict(cp=4, micro_batch_size=8, cp_attention="allgather"), {}),
     ("llama", dict(cp=2, tp=2, micro_batch_size=8), {}),
     ("llama", dict(cp=2, tp=2, micro_batch_size=8, cp_innermost=True), {}),
-    ("gpt", dict(cp=2, tp=2, micro_batch_size=8, sequence_parallel=True), {}),
     ("llama", dict(cp=2, pp=2, num_micro_batches=4, schedule="1f1b"), {}),
-    ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="zb-h1", recompute="full"), {}),
-    ("own_gpt", dict(cp=2, dp=2, micro_batch_size=4, zero=3, cp_attention="allgather"), {}),
-    ("gpt", dict(cp=2, dp=2, micro_batch_size=2, zero=3, recompute="selective"), {}),
+    ("llama", dict(cp=2, dp=2, micro_batch_size=4, zero=3), {}),
+    ("llama", dict(cp=4, micro_batch_size=4, recompute="selective"), {}),
     ("llama", dict(cp=2, dp=2, micro_batch_size=4, zero=1), dict(mixed_precision=True)),
+    ("llama", dict(cp=2, pp=2, num_micro_batches=2, schedule="zb-v", virtual_stages=2), {}),
+    ("gpt", dict(cp=2, tp=2, micro_batch_size=8, sequence_parallel=True), {}),
+    ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="zb-h1", recompute="full"), {}),
     ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="interleaved-1f1b",
                  virtual_stages=2), {}),
-    ("llama", dict(cp=2, pp=2, num_micro_batches=2, schedule="zb-v", virtual_stages=2,
-                   zero=0), {}),
+    ("gpt", dict(cp=2, dp=2, micro_batch_size=2, zero=3, recompute="selective"), {}),
+    ("own_gpt", dict(cp=2, tp=2, micro_batch_size=8), {}),
+    ("own_gpt", dict(cp=2, pp=2, num_micro_batches=2, schedule="gpipe"), {}),
+    ("own_gpt", dict(cp=2, dp=2, micro_batch_size=4, zero=3, cp_attention="allgather"), {}),
     ("own_gpt", dict(cp=2, dp=2, micro_batch_size=2, zero=2), {}),
+    ("bert", dict(cp=4, micro_batch_size=8, cp_attention="allgather"), {}),
 ]
+#: cp 2 alone, on two processes.
+TRAIN2 = [(name, dict(cp=2, micro_batch_size=8), {}) for name in ("llama", "gpt", "own_gpt",
+                                                                   "bert")]
 #: Only cp pinned: the search decides the rest (dp, tp, pp, micro-batch, schedule, ...).
 SEARCHED = ("llama", dict(cp=2), {})
 
@@ -238,10 +243,13 @@ def _full_pins(pins):
 @pytest.mark.distributed
 def test_context_parallel_training_equals_one_process():
     configs = [(name, _full_pins(pins), options) for name, pins, options in TRAIN] + [SEARCHED]
-    refs = {name: jobs.reference(name) for name in {c[0] for c in configs}}
+    refs = {name: jobs.reference(name) for name in {c[0] for c in configs} | {"bert"}}
     mixed = {(n, p["dp"] * p.get("num_micro_batches", 1)):
              jobs.reference_mixed(n, p["dp"] * p.get("num_micro_batches", 1))
              for n, p, o in configs if o.get("mixed_precision")}
+    alone = [(name, _full_pins(pins), options) for name, pins, options in TRAIN2]
+    with LocalPool(2, timeout_s=600) as pool:
+        per_rank2 = pool.run(jobs.train, alone, timeout_s=900)
     with LocalPool(4, timeout_s=600) as pool:
         errors = pool.run(cp_jobs.attention_errors, ATTENTION, timeout_s=300)
         per_rank = pool.run(jobs.train, configs, timeout_s=900)
@@ -271,6 +279,8 @@ def test_context_parallel_training_equals_one_process():
             _compare(result, refs[name], what)
         for r in per_rank:  # every rank reports the same loss
             assert r[k]["losses"] == per_rank[0][k]["losses"], what
+    for k, (name, pins, options) in enumerate(alone):
+        _compare(per_rank2[0][k], refs[name], f"{name} {pins} on 2 processes")
     (base_losses, base_state), *others = dropout[0]
     for losses, state in others:  # the same masks whatever the plan
         assert losses == pytest.approx(base_losses, rel=1e-6)
