@@ -313,6 +313,7 @@ class CPGroup:
     def __init__(self, group: Any = None, *, timeout: timedelta | float | None = None,
                  attention: str = "ring") -> None:
         self.group = group
+        self.ranks: tuple[int, ...]
         if group is None:
             self.rank, self.size, self.ranks = 0, 1, (0,)
         else:

@@ -42,18 +42,18 @@ counts recomputation (what Narayanan et al. 2021 report as "achieved teraFLOP/s"
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, GroupSpan, LinkKind
 from autopar.errors import AutoparError
 from autopar.ir import LayerKind
-from autopar.plan_types import Plan, Prediction, RecomputeKind, ScheduleKind, StagePlan
+from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link, p2p_time
-from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, PRECISION_BYTES, gemm_time,
+from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
                                      memory_time, optimizer_time, wave_efficiency)
 from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_layer
+from autopar.planner.candidates import (Candidate, Evaluation, RankSums, Staging, StageCost,
+                                        TrainingSetup)
 from autopar.planner.memory import STATE_BYTES, RankMemory, model_state_bytes
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
@@ -82,142 +82,6 @@ COMPONENTS = {
 
 
 
-# ---------------------------------------------------------------------------------------------
-# Candidates and their evaluation
-# ---------------------------------------------------------------------------------------------
-
-class Candidate(NamedTuple):
-    dp: int
-    tp: int
-    pp: int
-    virtual_stages: int
-    micro_batch_size: int
-    schedule: ScheduleKind
-    recompute: RecomputeKind
-    zero: int
-    sequence_parallel: bool
-    #: Context parallelism: ranks each sequence is split over.
-    cp: int = 1
-    #: cp peers adjacent ranks, tp strided by cp (runtime/mesh.py).
-    cp_innermost: bool = False
-    #: The K/V exchange ("ring", "allgather"); None: the cheaper.
-    cp_attention: str | None = None
-
-    def key(self) -> tuple:
-        """Deterministic order for ties."""
-        return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
-                self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
-                self.cp, self.cp_innermost, self.cp_attention or "")
-
-    def label(self) -> str:
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        sp = " sp" if self.sequence_parallel else ""
-        cp = (f" cp={self.cp}{' (inner)' if self.cp_innermost else ''}"
-              f"{' ' + self.cp_attention if self.cp_attention else ''}" if self.cp > 1 else "")
-        return (f"dp={self.dp}{cp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
-                f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
-
-
-@dataclass(frozen=True, slots=True)
-class StageCost:
-    """One stage, one micro-batch (what the schedule model and `simulate` consume)."""
-
-    index: int
-    layers: tuple[int, int]
-    pp_rank: int
-    chunk: int
-    forward_s: float  # compute + TP communication
-    backward_s: float  # input gradients + recomputation + TP communication
-    weight_s: float
-    recompute_s: float
-    tp_comm_s: float
-    p2p_s: float  # send to the next stage
-    activation_bytes: float  # per micro-batch
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "layers": list(self.layers), "pp_rank": self.pp_rank,
-                "chunk": self.chunk, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "weight_s": self.weight_s, "recompute_s": self.recompute_s,
-                "tp_comm_s": self.tp_comm_s, "p2p_s": self.p2p_s,
-                "activation_bytes": self.activation_bytes}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "StageCost":
-        return cls(index=d["index"], layers=tuple(d["layers"]), pp_rank=d["pp_rank"],
-                   chunk=d["chunk"], forward_s=d["forward_s"], backward_s=d["backward_s"],
-                   weight_s=d["weight_s"], recompute_s=d["recompute_s"],
-                   tp_comm_s=d["tp_comm_s"], p2p_s=d["p2p_s"],
-                   activation_bytes=d["activation_bytes"])
-
-
-@dataclass(frozen=True, slots=True)
-class _RankSums:
-    params: float
-    largest_layer_params: float
-    layers: int
-    activations: float  # per micro-batch, at the recompute setting
-    working: float  # one block re-materialized (recompute)
-    forward: float
-    backward: float
-    backward_chunk0: float
-    recompute: float
-    tp_comm: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Staging:
-    stages: tuple[StageCost, ...]
-    ranks: tuple[_RankSums, ...]
-    forward: tuple[float, ...]
-    backward: tuple[float, ...]
-    weight: tuple[float, ...]
-    p2p: tuple[float, ...]
-    recompute_flops: float  # per micro-batch
-    cuts: tuple[tuple[int, int], ...] = ()
-    #: per stage, the part of forward / backward waiting on tensor-parallel peers (a0 per call)
-    forward_wait: tuple[float, ...] = ()
-    backward_wait: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    candidate: Candidate
-    #: None when the candidate fits; else why not (kept by the search).
-    infeasible: str | None
-    plan: Plan | None = None
-    prediction: Prediction | None = None
-    ranks: tuple[RankMemory, ...] = ()
-    stages: tuple[StageCost, ...] = ()
-    extra: Mapping[str, float] = field(default_factory=dict)
-    #: Priced by :meth:`CostModel.refine` (stage ILP + simulator), not the first pass.
-    refined: bool = False
-
-    @property
-    def feasible(self) -> bool:
-        return self.infeasible is None
-
-    @property
-    def step_time_s(self) -> float:
-        return self.prediction.step_time_s if self.prediction else math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class TrainingSetup:
-    """What the user fixed: the global batch (sequences), the sequence length, precision."""
-
-    global_batch: int
-    seq: int
-    dtype: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
-        if self.seq < 1:
-            raise ValueError(f"seq must be >= 1, got {self.seq}")
-        if self.dtype not in PRECISION_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(PRECISION_BYTES)}, got {self.dtype!r}")
-
-
 class CostModel:
     """Prices candidates of one model on one cluster at one global batch."""
 
@@ -234,7 +98,7 @@ class CostModel:
         self.tp_cost = tp_cost_spec(cluster, setup.dtype)
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
-        self._staging_cache: dict[tuple, _Staging] = {}
+        self._staging_cache: dict[tuple, Staging] = {}
         self._params_cache: dict[tuple, tuple[float, float]] = {}
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
         # a repeated block's template names its representative's weights, so it is left out
@@ -465,7 +329,7 @@ class CostModel:
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
                                 bandwidth, latency)
 
-    def _schedule_activations(self, c: Candidate, problem: Any, st: "_Staging") -> list[float]:
+    def _schedule_activations(self, c: Candidate, problem: Any, st: "Staging") -> list[float]:
         """Per pipeline rank: the peak over its action list of the activations its in-flight
         micro-batches hold, per local stage (what the stage ILP constrains), plus a recomputed
         block's working set."""
@@ -483,7 +347,7 @@ class CostModel:
             out.append(peak + rs.working)
         return out
 
-    def _work(self, c: Candidate, m: int, st: "_Staging") -> PipelineWork:
+    def _work(self, c: Candidate, m: int, st: "Staging") -> PipelineWork:
         cl = self.cluster
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=float(cl.cores_per_node * cl.nodes),
@@ -492,7 +356,7 @@ class CostModel:
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
 
     def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
-                 ) -> "_Staging":
+                 ) -> "Staging":
         """Stage cut (the first pass's unless ``cuts`` are given) and per-stage, per-rank sums
         of a candidate (cached: many candidates share them; only m, ZeRO and the schedule's
         shape differ)."""
@@ -552,7 +416,7 @@ class CostModel:
                         if self.is_block[i]:
                             working = max(working, costs[i].act_bytes
                                           - self._activation(i, costs[i], c.recompute))
-            ranks.append(_RankSums(
+            ranks.append(RankSums(
                 params=held, largest_layer_params=largest,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
                 activations=sum(st.activation_bytes for st in mine), working=working,
@@ -582,14 +446,14 @@ class CostModel:
                     b_calls += f  # the forward re-run inside the backward
             fwd_wait.append(a0 * f_calls)
             bwd_wait.append(a0 * b_calls)
-        out = _Staging(tuple(stages), tuple(ranks),
+        out = Staging(tuple(stages), tuple(ranks),
                        tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
                        tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
                        rec_flops, tuple(cuts), tuple(fwd_wait), tuple(bwd_wait))
         self._staging_cache[key] = out
         return out
 
-    def _tied_sum_time(self, c: Candidate, st: "_Staging") -> float:
+    def _tied_sum_time(self, c: Candidate, st: "Staging") -> float:
         """Seconds of summing the gradients of weights tied across pipeline ranks (a GPT's
         embedding on the first stage and its LM head on the last): one all-reduce per tied
         weight over the ranks holding it, after their data-parallel reduction and before the
@@ -614,7 +478,7 @@ class CostModel:
                                      GroupSpan(len(ranks), len(nodes), per_node)).seconds
         return total
 
-    def _cp_comm(self, c: Candidate, st: "_Staging", rank: int) -> float:
+    def _cp_comm(self, c: Candidate, st: "Staging", rank: int) -> float:
         """Exposed seconds of context-parallel K/V exchange in one micro-batch of pipeline rank
         ``rank`` (part of its stages' tp_comm_s)."""
         if c.cp == 1:
@@ -662,7 +526,7 @@ class CostModel:
         return out
 
 
-    def _finish(self, c: Candidate, m: int, st: "_Staging", pipe: PipelineTime,
+    def _finish(self, c: Candidate, m: int, st: "Staging", pipe: PipelineTime,
                 rank_acts: Sequence[float] | None = None,
                 partition: Mapping[str, Any] | None = None) -> Evaluation:
         cl, setup = self.cluster, self.setup

@@ -1,0 +1,151 @@
+"""What the search prices and what it gets back: a candidate plan, its per-stage costs, its
+evaluation, and the training setup they are priced at (the vocabulary of
+:mod:`autopar.planner.cost_model` and :mod:`autopar.planner.search`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple
+
+from autopar.plan_types import Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.planner.kernels import PRECISION_BYTES
+from autopar.planner.memory import RankMemory
+
+__all__ = ["Candidate", "StageCost", "RankSums", "Staging", "Evaluation", "TrainingSetup"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates and their evaluation
+# ---------------------------------------------------------------------------------------------
+
+class Candidate(NamedTuple):
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    micro_batch_size: int
+    schedule: ScheduleKind
+    recompute: RecomputeKind
+    zero: int
+    sequence_parallel: bool
+    #: Context parallelism: ranks each sequence is split over.
+    cp: int = 1
+    #: cp peers adjacent ranks, tp strided by cp (runtime/mesh.py).
+    cp_innermost: bool = False
+    #: The K/V exchange ("ring", "allgather"); None: the cheaper.
+    cp_attention: str | None = None
+
+    def key(self) -> tuple:
+        """Deterministic order for ties."""
+        return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
+                self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
+                self.cp, self.cp_innermost, self.cp_attention or "")
+
+    def label(self) -> str:
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        sp = " sp" if self.sequence_parallel else ""
+        cp = (f" cp={self.cp}{' (inner)' if self.cp_innermost else ''}"
+              f"{' ' + self.cp_attention if self.cp_attention else ''}" if self.cp > 1 else "")
+        return (f"dp={self.dp}{cp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
+                f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One stage, one micro-batch (what the schedule model and `simulate` consume)."""
+
+    index: int
+    layers: tuple[int, int]
+    pp_rank: int
+    chunk: int
+    forward_s: float  # compute + TP communication
+    backward_s: float  # input gradients + recomputation + TP communication
+    weight_s: float
+    recompute_s: float
+    tp_comm_s: float
+    p2p_s: float  # send to the next stage
+    activation_bytes: float  # per micro-batch
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "layers": list(self.layers), "pp_rank": self.pp_rank,
+                "chunk": self.chunk, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "weight_s": self.weight_s, "recompute_s": self.recompute_s,
+                "tp_comm_s": self.tp_comm_s, "p2p_s": self.p2p_s,
+                "activation_bytes": self.activation_bytes}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "StageCost":
+        return cls(index=d["index"], layers=tuple(d["layers"]), pp_rank=d["pp_rank"],
+                   chunk=d["chunk"], forward_s=d["forward_s"], backward_s=d["backward_s"],
+                   weight_s=d["weight_s"], recompute_s=d["recompute_s"],
+                   tp_comm_s=d["tp_comm_s"], p2p_s=d["p2p_s"],
+                   activation_bytes=d["activation_bytes"])
+
+
+@dataclass(frozen=True, slots=True)
+class RankSums:
+    params: float
+    largest_layer_params: float
+    layers: int
+    activations: float  # per micro-batch, at the recompute setting
+    working: float  # one block re-materialized (recompute)
+    forward: float
+    backward: float
+    backward_chunk0: float
+    recompute: float
+    tp_comm: float
+
+
+@dataclass(frozen=True, slots=True)
+class Staging:
+    stages: tuple[StageCost, ...]
+    ranks: tuple[RankSums, ...]
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    p2p: tuple[float, ...]
+    recompute_flops: float  # per micro-batch
+    cuts: tuple[tuple[int, int], ...] = ()
+    #: per stage, the part of forward / backward waiting on tensor-parallel peers (a0 per call)
+    forward_wait: tuple[float, ...] = ()
+    backward_wait: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    candidate: Candidate
+    #: None when the candidate fits; else why not (kept by the search).
+    infeasible: str | None
+    plan: Plan | None = None
+    prediction: Prediction | None = None
+    ranks: tuple[RankMemory, ...] = ()
+    stages: tuple[StageCost, ...] = ()
+    extra: Mapping[str, float] = field(default_factory=dict)
+    #: Priced by :meth:`CostModel.refine` (stage ILP + simulator), not the first pass.
+    refined: bool = False
+
+    @property
+    def feasible(self) -> bool:
+        return self.infeasible is None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.step_time_s if self.prediction else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSetup:
+    """What the user fixed: the global batch (sequences), the sequence length, precision."""
+
+    global_batch: int
+    seq: int
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.seq < 1:
+            raise ValueError(f"seq must be >= 1, got {self.seq}")
+        if self.dtype not in PRECISION_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(PRECISION_BYTES)}, got {self.dtype!r}")
