@@ -3,8 +3,7 @@
 Under context parallelism every rank runs the same program on its own tokens of each sequence
 (the head-tail layout of :mod:`autopar.runtime.cp`). Most of a transformer is token-wise and
 runs unchanged on a piece of the sequence: GEMMs over features, norms over the hidden dim,
-element-wise ops, the embedding lookup, the token-level loss. Three things are not, and
-:func:`context_parallelize` rewrites them:
+element-wise ops, the embedding lookup. What is not, :func:`context_parallelize` rewrites:
 
 - ``scaled_dot_product_attention`` becomes ``cp.attention(cp, q, k, v, is_causal, scale)``:
   exact attention over the whole sequence's keys and values (ring or all-gather);
@@ -14,7 +13,12 @@ element-wise ops, the embedding lookup, the token-level loss. Three things are n
   sequence and this rank's tokens kept, so every plan drops what one device drops;
 - a slice ``table[..., 0:s]`` of a parameter, buffer or constant along a sequence-long dim (BERT's
   ``position_ids`` buffer, a rotary cos/sin cache) becomes ``cp.take_positions(cp, table, dim,
-  s)``: the rows at the true positions.
+  s)``: the rows at the true positions;
+- a token-mean loss (``cross_entropy`` / ``nll_loss`` / the vocabulary-parallel cross-entropy,
+  ``reduction="mean"``, no class weights) becomes ``cp.token_mean(cp, loss(reduction="sum"),
+  target, ignore_index)``: this rank's sum times ``cp / N`` (N: the counted tokens of all cp
+  ranks), so the data-parallel engine's average over replicas is one device's mean even when
+  ranks count different tokens (``ignore_index``).
 
 Everything else that would mix tokens across the sequence is refused by name
 (:class:`autopar.errors.ShardingError`), never run on a piece: attention written out by hand
@@ -22,9 +26,7 @@ Everything else that would mix tokens across the sequence is refused by name
 attention mask (data-dependent: the attention-mask simplification turns causal and all-true
 masks into ``is_causal``), attention dropout, a slice, gather, concatenation or cumulative op
 along the sequence (BERT's pooler reading token 0), a reduction over the sequence that is not the
-whole-tensor loss. The loss is each rank's mean over its tokens; the data-parallel engine averages
-replicas (dp x cp), which is the mean over all tokens when every rank's tokens count equally (no
-``ignore_index`` targets: docs/context-parallel.md).
+whole-tensor loss.
 
 Which dims are the sequence is read from the captured specs: every tensor's shape is symbolic in
 ``b`` and ``s`` (autopar/ir.py), and a dim whose size involves ``s`` holds tokens.

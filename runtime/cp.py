@@ -106,7 +106,7 @@ def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.reshape(*shape[:-3], kv_heads, shape[-3] // kv_heads, *shape[-2:]).sum(-3)
 
 
-def _kind_of(block, local: int) -> str:
+def _kind_of(block) -> str:
     """"full" (every key visible) or "causal" (the diagonal block)."""
     return "causal" if block[2] == "causal" else "full"
 
@@ -133,7 +133,7 @@ class _Accumulator:
             block) -> None:
         rows, cols, mask = block
         qb, kb, vb = _take(q, rows), _take(k, cols), _take(v, cols)
-        kind = _kind_of(block, q.shape[-2])
+        kind = _kind_of(block)
         if _fused(q):
             out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
                 qb, kb, vb, 0.0, kind == "causal", scale=scale)
@@ -166,7 +166,7 @@ def _block_grads(q, k, v, dout, out, lse, delta, scale, block):
     attention backward with the whole output's log-sum-exp (torch's fused CPU kernel takes it
     as given, as FlashAttention's ring variants pass theirs)."""
     rows, cols, mask = block
-    kind = _kind_of(block, q.shape[-2])
+    kind = _kind_of(block)
     if _fused(q):
         dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward\
             .default(_take(dout, rows).to(q.dtype), _take(q, rows), _take(k, cols),
@@ -229,7 +229,8 @@ class _CPAttention(torch.autograd.Function):
         heads = q.shape[-3]
         size, rank = cp.size, cp.rank
         local = q.shape[-2]
-        head_tail_positions(rank, size, local)  # two chunks per rank, or a named error
+        if local % 2:  # two chunks per rank (CPGroup.split refuses such a sequence first)
+            head_tail_positions(rank, size, local)  # raises the named error
         acc = _Accumulator(q, v.shape[-1])
         kv = torch.stack([k, v]).contiguous()
         if kind == "ring":

@@ -49,26 +49,36 @@ def attention_errors(cases):
     return out
 
 
-def dropout_runs(pins_list, steps: int = 2):
-    """GPT with hidden dropout 0.1 (attention dropout 0: refused under cp) under each plan, seed
-    5: losses and rank 0's final state. Masks are a function of (seed, step, sample, element),
-    never of the plan, so every plan must give the same numbers."""
+def _runs(build, data, pins_list, optimizer, **kwargs):
+    """``build()`` a fresh (model, loss_fn), parallelize it under each plan and train on
+    ``data``: per plan, the losses and rank 0's final state."""
     out = []
     for pins in pins_list:
-        zm = build_tiny("gpt", dropout=0.1)
-        for m in zm.model.modules():
-            if type(m).__name__ == "GPT2Attention":
-                m.attn_dropout.p = 0.0
-        data = jobs.batches("gpt", steps)
-        pm = autopar.parallelize(zm.model, example_inputs=data[0][0], example_targets=data[0][1],
-                                 loss_fn=zm.loss_fn, plan=dict(pins), tp_cost=TINY_COST, seed=5,
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=jobs.LR,
-                                                             eps=jobs.EPS))
+        model, loss_fn = build()
+        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                                 optimizer=optimizer, **kwargs)
         losses = [pm.train_step(*d) for d in data]
         state = pm.state_dict()
         pm.close()
         out.append((losses, state if dist.get_rank() == 0 else None))
     return out
+
+
+def _gpt_with_dropout():
+    zm = build_tiny("gpt", dropout=0.1)
+    for m in zm.model.modules():
+        if type(m).__name__ == "GPT2Attention":
+            m.attn_dropout.p = 0.0
+    return zm.model, zm.loss_fn
+
+
+def dropout_runs(pins_list, steps: int = 2):
+    """GPT with hidden dropout 0.1 (attention dropout 0: refused under cp) under each plan, seed
+    5: losses and rank 0's final state. Masks are a function of (seed, step, sample, element),
+    never of the plan, so every plan must give the same numbers."""
+    return _runs(_gpt_with_dropout, jobs.batches("gpt", steps), pins_list,
+                 functools.partial(torch.optim.AdamW, lr=jobs.LR, eps=jobs.EPS), seed=5)
 
 
 def bad_sequence(pins, seq: int):
@@ -101,18 +111,8 @@ def ignored_batches(steps: int = 2):
 
 def ignored_targets(pins_list):
     """LLaMA trained on :func:`ignored_batches` under each plan: losses, rank 0's state."""
-    out = []
-    for pins in pins_list:
-        model, loss_fn = jobs.make_model("llama")
-        data = ignored_batches()
-        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                                 optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-        losses = [pm.train_step(*d) for d in data]
-        state = pm.state_dict()
-        pm.close()
-        out.append((losses, state if dist.get_rank() == 0 else None))
-    return out
+    return _runs(lambda: jobs.make_model("llama"), ignored_batches(), pins_list,
+                 functools.partial(torch.optim.SGD, lr=0.1))
 
 
 def ignored_reference():

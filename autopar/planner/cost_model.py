@@ -99,6 +99,7 @@ class CostModel:
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, Staging] = {}
+        self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
         self._params_cache: dict[tuple, tuple[float, float]] = {}
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
         # a repeated block's template names its representative's weights, so it is left out
@@ -185,10 +186,14 @@ class CostModel:
             return "ring"
         if c.cp_attention is not None:
             return c.cp_attention
-        costs = self._costs(c)
-        total = {k: sum(sum(lc.cp_comm[k]) for lc in costs if lc.cp_comm)
-                 for k in ("ring", "allgather")}
-        return min(total, key=lambda k: (total[k], k != "ring"))
+        key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp, c.cp_innermost)
+        kind = self._cp_kind.get(key)
+        if kind is None:
+            costs = self._costs(c)
+            total = {k: sum(sum(lc.cp_comm[k]) for lc in costs if lc.cp_comm)
+                     for k in ("ring", "allgather")}
+            kind = self._cp_kind[key] = min(total, key=lambda k: (total[k], k != "ring"))
+        return kind
 
     def _activation(self, i: int, lc: LayerCosts, recompute: RecomputeKind) -> float:
         """Saved bytes of layer ``i`` per micro-batch at the recompute setting."""

@@ -255,6 +255,9 @@ def _is_weight(a: Any) -> bool:
         and info(a).requires_grad
 
 
+_UNKNOWN = object()
+
+
 class ModelCosts:
     """A captured model's costs as per-layer templates (repeated blocks share one), and its
     tensor-parallel layouts (solved on demand, cached).
@@ -271,6 +274,8 @@ class ModelCosts:
 
         self.captured = captured
         self.profile = profile if profile is not None else analyze(captured)
+        #: Why the sequence cannot be split over cp ranks (None: it can), found on first use.
+        self._cp_problem: object = _UNKNOWN
         self.name = name
         self.graph_float_bytes = self.profile.layers[0].graph_float_bytes
         layers = captured.layers
@@ -517,15 +522,15 @@ class ModelCosts:
     def cp_problem(self) -> str | None:
         """Why the sequence cannot be split over context-parallel ranks (None if it can): the
         transform's refusal (passes/context_parallel.py) on the captured graph, once."""
-        if not hasattr(self, "_cp_problem"):
+        if self._cp_problem is _UNKNOWN:
             from autopar.passes.context_parallel import context_parallelize
 
             try:
                 context_parallelize(self.captured.gm)
-                self._cp_problem: str | None = None
+                self._cp_problem = None
             except AutoparError as exc:
                 self._cp_problem = exc.summary + (f": {exc.found}" if exc.found else "")
-        return self._cp_problem
+        return self._cp_problem  # type: ignore[return-value]
 
     def split(self, template: _Template, layout: TPLayout | None, tp: int) -> _LayerSplit:
         key = (id(template), id(layout))
