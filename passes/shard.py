@@ -70,6 +70,7 @@ import sympy
 import torch
 import torch.fx
 
+from autopar import solver
 from autopar.errors import InfeasiblePlanError, UnsupportedOpWarning
 from autopar.ir import (BATCH, META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, dtype_bytes, info,
                         op_name)
@@ -271,6 +272,20 @@ class ShardingSolution:
     #: Float ops that had no rule and ran replicated.
     unruled: tuple[str, ...] = ()
     sizes: Mapping[str, int] = field(default_factory=dict)
+    #: Per GEMM of the program, whether the roofline priced it compute-bound at ``sizes``
+    #: (else bandwidth-bound). Every term of the objective is affine in each size within one
+    #: roofline regime, which is what lets a solution serve the sizes between two solves that
+    #: agree (autopar/planner/layer_costs.py, ``ModelCosts.prepare_layouts``).
+    roofline: Mapping[str, bool] = field(default_factory=dict)
+    #: The ILP's objective coefficients (microseconds) and the solved point, by variable name
+    #: (nonzero values only). The constraints do not depend on the sizes, so a point solved at
+    #: one size can be priced at another: ``Σ coefficients[k] * point[k]``.
+    coefficients: Mapping[str, float] = field(default_factory=dict)
+    point: Mapping[str, float] = field(default_factory=dict)
+
+    def objective_at(self, other: "ShardingSolution") -> float:
+        """The objective (microseconds) of ``other``'s solved point in this solution's program."""
+        return sum(self.coefficients.get(k, 0.0) * v for k, v in other.point.items())
 
     def gemm_sharding(self, graph: torch.fx.Graph) -> dict[str, GemmSharding]:
         out = {}
@@ -430,14 +445,12 @@ def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
         warnings.warn(UnsupportedOpWarning(f"no sharding rule for {names}: these ops run "
                                            f"replicated on every tensor-parallel rank"),
                       stacklevel=3)
-    prob, x, stats = _build_ilp(gm, nodes, rep, strategies, tp, cost, sizes, extra)
+    prob, x, stats, roofline = _build_ilp(gm, nodes, rep, strategies, tp, cost, sizes, extra)
     build_s = time.perf_counter() - start
-    t0 = time.perf_counter()
-    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1))
-    solve_s = time.perf_counter() - t0
-    status = pulp.LpStatus[prob.status]
-    if status != "Optimal":
-        raise InfeasiblePlanError(f"the sharding ILP ended {status}",
+    answer = solver.solve(prob, time_limit_s=time_limit_s)
+    solve_s = answer.seconds
+    if answer.status != "optimal":
+        raise InfeasiblePlanError(f"the sharding ILP ended {answer.status} ({answer.backend})",
                                   expected="an optimal placement",
                                   fix="raise the memory limit, drop pins, or change tp"
                                   if cost.memory_limit or pins else "report this graph as a bug")
@@ -450,11 +463,14 @@ def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
         r = rep[n]
         if r.name in chosen:
             full[n.name] = chosen[r.name]
+    point = {var.name: var.varValue for var in prob.variables() if var.varValue}
+    coefficients = {var.name: coef for var, coef in prob.objective.items()}
     return ShardingSolution(
         strategies=full, representative={n.name: rep[n].name for n in gm.graph.nodes},
         objective_s=float(pulp.value(prob.objective) or 0.0) * 1e-6, solve_s=solve_s,
         build_s=build_s, num_variables=stats[0], num_constraints=stats[1],
-        unruled=tuple(sorted(rctx.unruled)), sizes=dict(sizes))
+        unruled=tuple(sorted(rctx.unruled)), sizes=dict(sizes), roofline=roofline,
+        coefficients=coefficients, point=point)
 
 
 def _extra_block_copies(layers: list[Any], depth: int | None) -> tuple[str, int]:
@@ -486,6 +502,7 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
     x: dict[torch.fx.Node, list[Any]] = {}
     objective: list[Any] = []
     memory: list[Any] = []
+    roofline: dict[str, bool] = {}
     n_constraints = 0
     for v in nodes:
         i = index[v]
@@ -503,6 +520,7 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
             if meta.is_gemm:
                 flops = _ev(meta.flops, sizes)
                 moved = (_ev(meta.bytes_read, sizes) + _ev(meta.bytes_written, sizes)) * precision
+                roofline[v.name] = flops / cost.peak_flops >= moved / cost.hbm_bandwidth
                 base = (1 + cost.backward_factor) * max(flops / cost.peak_flops,
                                                         moved / cost.hbm_bandwidth)
             elif cost.price_memory_bound_ops:  # views move no bytes, so cost nothing
@@ -603,7 +621,7 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
         prob += pulp.lpSum(memory) <= cost.memory_limit, "memory"
         n_constraints += 1
     prob += pulp.lpSum(objective)
-    return prob, x, (len(prob.variables()), n_constraints)
+    return prob, x, (len(prob.variables()), n_constraints), roofline
 
 
 @graph_pass(requires=("analyzed", "gemm_bias_split"), ensures=("placements",))

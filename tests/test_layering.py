@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Source folder -> the package it installs as (setup.py's package-dir).
 PACKAGES = {"autopar": "autopar", "passes": "autopar.passes", "runtime": "autopar.runtime"}
 
-LEAF = ("autopar.errors", "autopar.ir", "autopar.sharding", "autopar.plan_types", "autopar.units",
+LEAF = ("autopar.errors", "autopar.ir", "autopar.solver", "autopar.sharding", "autopar.plan_types", "autopar.units",
         "autopar.cluster", "autopar.captured",
         "autopar._version", "autopar.runtime.schedules")
 PLANNER_API_CLI = ("autopar.planner", "autopar.api", "autopar.cli", "autopar.commands",

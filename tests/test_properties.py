@@ -27,6 +27,7 @@ from autopar.planner.stage_partition import (
     LayerCosts,
     PartitionProblem,
     brute_force_partition,
+    min_max_split,
     partition_stages,
 )
 
@@ -126,3 +127,67 @@ def test_stage_ilp_equals_brute_force(kind, data):
     assert result.lp_bound <= result.step_time * (1 + 1e-7)
     assert max(result.rank_memory) <= problem.device_memory * (1 + 1e-9)
     assert sum(result.layers_per_stage) == len(problem.layers)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+@settings(max_examples=16, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.differing_executors])
+@given(data=st.data())
+def test_stage_ilp_from_a_start_on_either_solver_equals_brute_force(backend, data):
+    """The ILP on HiGHS (the default) and on CBC (the fallback), started from any partition or
+    from none: the brute-force optimum either way (a start only seeds the incumbent)."""
+    from autopar import solver
+    from autopar.planner.stage_partition import even_partition
+
+    kind = data.draw(st.sampled_from(KINDS))
+    problem = data.draw(partition_problems(kind))
+    start = data.draw(st.sampled_from([None, "even", "min-max"]))
+    initial = None
+    if start == "even":
+        initial = even_partition(len(problem.layers), problem.num_stages)
+    elif start == "min-max":
+        initial = min_max_split([x.forward + x.backward for x in problem.layers],
+                                problem.num_stages)
+    saved = solver._HIGHS
+    solver._HIGHS = backend == "highs"
+    try:
+        try:
+            reference = brute_force_partition(problem)
+        except InfeasiblePlanError:
+            with pytest.raises(InfeasiblePlanError, match="fits"):
+                partition_stages(problem, initial=initial)
+            return
+        result = partition_stages(problem, initial=initial)
+    finally:
+        solver._HIGHS = saved
+    assert result.extra["solver"] == backend
+    assert result.status == "optimal"
+    assert result.step_time == pytest.approx(reference.step_time, rel=1e-7)
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None)
+@given(blocks=st.integers(1, 40), block=st.floats(0.01, 10), ends=st.lists(
+    st.floats(0, 30), min_size=2, max_size=2), stages=st.integers(1, 12))
+def test_min_max_split_on_repeated_blocks_is_the_optimum(blocks, block, ends, stages):
+    """An embedding, equal blocks and a head (the case the breakpoint snapping is for, where a
+    plain bisection stalls on prefix sums equal up to rounding): the largest stage equals the
+    optimum, found by trying every count of blocks next to the ends."""
+    times = [ends[0], *[block] * blocks, ends[1]]
+    if stages > len(times):
+        return
+    cut = min_max_split(times, stages)
+    worst = max(sum(times[a:b + 1]) for a, b in cut)
+    # the optimum: the smallest X a greedy packing fits in `stages` stages, X among stage sums
+    sums = sorted({sum(times[a:b + 1]) for a in range(len(times)) for b in range(a, len(times))})
+    def fits(x):
+        count, acc = 1, 0.0
+        for t in times:
+            if t > x * (1 + 1e-12):
+                return False
+            if acc + t > x * (1 + 1e-12):
+                count, acc = count + 1, t
+            else:
+                acc += t
+        return count <= stages
+    best = next(x for x in sums if fits(x))
+    assert worst == pytest.approx(best, rel=1e-9)

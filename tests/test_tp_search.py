@@ -486,3 +486,28 @@ def test_baddbmm_splits_like_a_batched_gemm():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsupportedOpWarning)
         tensor_parallelize(captured, 2, cost=TINY_COST)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_layouts_shared_across_micro_batches_are_optimal_at_each(full_size, sp):
+    """ModelCosts.prepare_layouts solves the smallest and largest micro-batch and bisects only
+    where the solved points disagree. Reference: the sharding ILP solved directly at every
+    micro-batch. The shared layout's point, priced in the direct program of its micro-batch,
+    costs its optimum (rel 1e-9), so the sharing loses nothing. Fewer ILPs are solved."""
+    from autopar.cluster import Cluster
+    from autopar.planner.layer_costs import ModelCosts
+    from autopar.planner.tp_layout import tp_cost_spec
+
+    cost = tp_cost_spec(Cluster.load("a100-80g"), "bf16")
+    sizes = [{"b": b, "s": 4096} for b in (1, 2, 3, 4, 6, 8, 12, 16)]
+    shared = ModelCosts(full_size["gpt2-small"], depth=12)
+    shared.prepare_layouts(4, sp, cost=cost, sizes=sizes)
+    direct = ModelCosts(full_size["gpt2-small"], depth=12)
+    solved = 0
+    for sz in sizes:
+        mine = shared.layout(4, sp, cost=cost, sizes=sz)
+        ref = direct.layout(4, sp, cost=cost, sizes=sz)
+        solved += mine.solved_at is None
+        best = ref.solution.objective_at(ref.solution)
+        assert ref.solution.objective_at(mine.solution) == pytest.approx(best, rel=1e-9), sz
+    assert solved < len(sizes)

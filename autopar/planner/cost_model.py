@@ -42,6 +42,7 @@ counts recomputation (what Narayanan et al. 2021 report as "achieved teraFLOP/s"
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, GroupSpan, LinkKind
@@ -54,11 +55,11 @@ from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
 from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, RankSums, Staging, StageCost,
                                         TrainingSetup)
-from autopar.planner.memory import STATE_BYTES, RankMemory, model_state_bytes
+from autopar.planner.memory import STATE_BYTES, RankMemory
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
                                             closed_form_pipeline_time, in_flight_micro_batches,
-                                            simulated_pipeline_time)
+                                            simulate_pipeline, simulated_pipeline_time)
 from autopar.planner.tp_layout import TPLayout, tp_cost_spec
 
 __all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "StageCost",
@@ -82,6 +83,22 @@ COMPONENTS = {
 
 
 
+@dataclasses.dataclass(frozen=True)
+class _LayerTable:
+    """One mesh's per-layer costs at one recompute setting, as prefix sums over the layers:
+    column j's sum over layers [a, b] is ``prefix[j][b + 1] - prefix[j][a]``. Columns: forward,
+    backward, weight gradient, recompute, tensor-parallel time; saved activation bytes; forward
+    and backward tensor-parallel calls."""
+
+    costs: Sequence[LayerCosts]
+    times: Sequence[tuple[float, float, float, float, float]]
+    prefix: tuple[tuple[float, ...], ...]
+    #: per layer, the bytes a recomputed block re-materializes beyond what it keeps
+    working: tuple[float, ...]
+    #: FLOPs recomputed per micro-batch over the whole model
+    recompute_flops: float
+
+
 class CostModel:
     """Prices candidates of one model on one cluster at one global batch."""
 
@@ -99,6 +116,8 @@ class CostModel:
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, Staging] = {}
+        self._table_cache: dict[tuple, _LayerTable] = {}
+        self._in_flight_cache: dict[tuple, list[float]] = {}
         self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
         self._params_cache: dict[tuple, tuple[float, float]] = {}
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
@@ -133,6 +152,13 @@ class CostModel:
         """The sharding search's layout at this micro-batch (None at tp=1)."""
         return self.model.layout(tp, sequence_parallel, cost=self.tp_cost,
                                  sizes=self.tp_sizes(micro_batch_size))
+
+    def prepare_layouts(self, tp: int, sequence_parallel: bool,
+                        micro_batch_sizes: Sequence[int]) -> None:
+        """Solve the layouts of these micro-batches with as few sharding ILPs as stay exact
+        (:meth:`ModelCosts.prepare_layouts`)."""
+        self.model.prepare_layouts(tp, sequence_parallel, cost=self.tp_cost,
+                                   sizes=[self.tp_sizes(b) for b in micro_batch_sizes])
 
     # -- per-layer ---------------------------------------------------------------------------
     def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1, cp: int = 1,
@@ -251,13 +277,25 @@ class CostModel:
         problem = spec.shape_problem(c.pp, c.virtual_stages, m)
         return problem[0] if problem is not None else None
 
-    def evaluate(self, c: Candidate) -> Evaluation:
-        """The first pass: min-max stage split and closed-form pipeline time (fast)."""
+    def evaluate(self, c: Candidate, *, memory_first: bool = False) -> Evaluation:
+        """The first pass: min-max stage split and closed-form pipeline time (fast).
+
+        ``memory_first``: a candidate over the device's memory is returned with its memory
+        (``ranks``) and the reason only, without pricing its time (the search's screen: most
+        of a large space does not fit)."""
         problem = self.check(c)
         if problem:
             return Evaluation(c, problem)
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         st = self._staging(c)
+        if memory_first:
+            ranks = self._rank_memory(c, m, st)
+            reason = self._out_of_memory(ranks)
+            if reason is not None:
+                return Evaluation(c, reason, ranks=tuple(ranks), stages=st.stages,
+                                  extra={"memory_limit_bytes":
+                                         self.cluster.device.usable_memory_bytes,
+                                         "peak_memory_bytes": max(r.total for r in ranks)})
         return self._finish(c, m, st, closed_form_pipeline_time(self._work(c, m, st)))
 
     def refine(self, ev: Evaluation) -> Evaluation:
@@ -276,7 +314,8 @@ class CostModel:
         problem = self.partition_problem(c)
         first_cut = self._staging(c).cuts
         try:
-            part = partition_stages(problem, time_limit_s=self.ilp_time_limit_s)
+            part = partition_stages(problem, time_limit_s=self.ilp_time_limit_s,
+                                    initial=first_cut)
         except AutoparError as exc:
             found = f" ({exc.found})" if exc.found else ""
             out = Evaluation(c, f"stage ILP: {exc.summary}{found}")
@@ -284,6 +323,16 @@ class CostModel:
             return out
         st = self._staging(c, part.ranges)
         pipe, _ = simulated_pipeline_time(self._work(c, m, st))
+        # The ILP's objective models the schedule (its optimum often ties: it sees only the
+        # bottleneck); the simulator is the reference for a partition. The first pass's cut, when
+        # it fits the ILP's memory model, is simulated too and kept if it runs faster.
+        chosen, first_sim = "ilp", None
+        if tuple(first_cut) != tuple(part.ranges) and part.extra.get("initial_fits"):
+            first_st = self._staging(c)
+            first_sim = simulate_pipeline(self._work(c, m, first_st)).step_time
+            if first_sim < pipe.total_s * (1 - 1e-9):
+                chosen, st = "first pass", first_st
+                pipe, _ = simulated_pipeline_time(self._work(c, m, st))
         acts = self._schedule_activations(c, problem, st)
         lp = part.lp_bound if part.lp_bound is not None else part.step_time
         gap = part.gap
@@ -294,7 +343,8 @@ class CostModel:
                      max(0.0, (part.step_time - lp) / part.step_time) if part.step_time else 0.0),
                  "integer_variables": part.num_variables,
                  "first_pass_objective_s": modeled_step_time(problem, first_cut),
-                 "simulated_pipeline_s": pipe.total_s}
+                 "simulated_pipeline_s": pipe.total_s, "chosen": chosen,
+                 **({"first_pass_simulated_s": first_sim} if first_sim is not None else {})}
         out = self._finish(c, m, st, pipe, rank_acts=acts, partition=info_)
         out = dataclasses.replace(out, refined=True,
                                   extra={**out.extra, "stage_ilp_solve_s": part.solve_seconds})
@@ -360,6 +410,38 @@ class CostModel:
                             efficiency=cl.oversubscription_efficiency,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
 
+    def _layer_table(self, c: Candidate) -> "_LayerTable":
+        """Prefix sums over the layers of ``c``'s per-layer costs at its recompute setting (cached:
+        a stage's sums are then two lookups, whatever its length)."""
+        costs = self._costs(c)
+        cp_attention = self.cp_attention(c)
+        key = (id(costs), c.recompute, cp_attention)
+        hit = self._table_cache.get(key)
+        if hit is None:
+            times = self._layer_times(costs, c.recompute, cp_attention)
+            acts = [self._activation(i, lc, c.recompute) for i, lc in enumerate(costs)]
+            working = [lc.act_bytes - a if block and c.recompute is not RecomputeKind.NONE
+                       else 0.0 for lc, a, block in zip(costs, acts, self.is_block)]
+            f_calls, b_calls = [], []
+            for lc, block in zip(costs, self.is_block):
+                f = sum(1 for _, direction, _ in lc.tp_calls if direction == "forward")
+                b = sum(1 for _, direction, _ in lc.tp_calls if direction == "backward")
+                if block and c.recompute is RecomputeKind.FULL:
+                    b += f  # the forward re-run inside the backward
+                f_calls.append(f)
+                b_calls.append(b)
+            rec_flops = 0.0
+            for lc, block in zip(costs, self.is_block):
+                if block and c.recompute is RecomputeKind.FULL:
+                    rec_flops += lc.gemm_flops
+                elif block and c.recompute is RecomputeKind.SELECTIVE:
+                    rec_flops += lc.core_flops
+            columns = [[t[j] for t in times] for j in range(5)] + [acts, f_calls, b_calls]
+            hit = _LayerTable(costs, times, tuple(tuple(itertools.accumulate(col, initial=0))
+                                                  for col in columns), tuple(working), rec_flops)
+            self._table_cache[key] = hit
+        return hit
+
     def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
                  ) -> "Staging":
         """Stage cut (the first pass's unless ``cuts`` are given) and per-stage, per-rank sums
@@ -373,88 +455,64 @@ class CostModel:
         if hit is not None:
             return hit
         p, v = c.pp, c.virtual_stages
-        costs = self._costs(c)
-        times = self._layer_times(costs, c.recompute, self.cp_attention(c))
+        table = self._layer_table(c)
+        costs, times = table.costs, table.times
         if cuts is None:
             cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
                               (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
                                mesh_span(self.cluster, c.dp, p, c.tp, "tp", c.cp,
                                          c.cp_innermost), c.cp))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
-        p2ps = []
         spec = c.schedule.spec
+        rank_of = [spec.stage_to_rank(s, p) for s in range(len(cuts))]
+        p2ps = []
         for s, (first, last) in enumerate(cuts[:-1]):
-            inter = self._stage_node(spec.stage_to_rank(s, p), c.tp * c.cp) != \
-                self._stage_node(spec.stage_to_rank(s + 1, p), c.tp * c.cp)
+            inter = self._stage_node(rank_of[s], c.tp * c.cp) != \
+                self._stage_node(rank_of[s + 1], c.tp * c.cp)
             p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
         # Local processes (a loopback link): a transfer is a copy through the kernel that both
         # ends' cores make, so each stage's forward and backward also spend the time of the
         # transfers it receives and sends (measured: docs/cost-model.md).
         host_copies = self.cluster.intra_node.kind is LinkKind.LOOPBACK
+        F, B, W, R, T, A, FC, BC = table.prefix
+        chunks = {r: spec.stages_of_rank(r, p, v) for r in range(p)}
         stages: list[StageCost] = []
         for s, (first, last) in enumerate(cuts):
-            rng = range(first, last + 1)
-            f = sum(times[i][0] for i in rng)
-            b = sum(times[i][1] for i in rng)
-            w = sum(times[i][2] for i in rng)
-            r = sum(times[i][3] for i in rng)
-            tpc = sum(times[i][4] for i in rng)
+            lo, hi = first, last + 1
+            f, b, w = F[hi] - F[lo], B[hi] - B[lo], W[hi] - W[lo]
             if not zero_bubble:
                 b, w = b + w, 0.0
-            act = sum(self._activation(i, costs[i], c.recompute) for i in rng)
             p2p = p2ps[s] if s < len(cuts) - 1 else 0.0
             if host_copies:
                 copies = p2p + (p2ps[s - 1] if s > 0 else 0.0)
                 f, b = f + copies, b + copies
-            rank = spec.stage_to_rank(s, p)
-            stages.append(StageCost(s, (first, last), rank,
-                                    spec.stages_of_rank(rank, p, v).index(s), f, b, w, r, tpc,
-                                    p2p, act))
+            rank = rank_of[s]
+            stages.append(StageCost(s, (first, last), rank, chunks[rank].index(s), f, b, w,
+                                    R[hi] - R[lo], T[hi] - T[lo], p2p, A[hi] - A[lo]))
         ranks = []
         for rank in range(p):
-            mine = [st for st in stages if st.pp_rank == rank]
+            mine = [stages[s] for s in chunks[rank]]
             held, largest = self._rank_params(tuple(st.layers for st in mine), layout, c.tp)
-            working = 0.0
-            if c.recompute is not RecomputeKind.NONE:  # one block re-materialized at a time
-                for st in mine:
-                    for i in range(st.layers[0], st.layers[1] + 1):
-                        if self.is_block[i]:
-                            working = max(working, costs[i].act_bytes
-                                          - self._activation(i, costs[i], c.recompute))
+            working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
+                          default=0.0) if c.recompute is not RecomputeKind.NONE else 0.0
             ranks.append(RankSums(
                 params=held, largest_layer_params=largest,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
-                activations=sum(st.activation_bytes for st in mine), working=working,
+                activations=sum(st.activation_bytes for st in mine), working=max(working, 0.0),
                 forward=sum(st.forward_s for st in mine),
                 backward=sum(st.backward_s + st.weight_s for st in mine),
                 backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
                 recompute=sum(st.recompute_s for st in mine),
                 tp_comm=sum(st.tp_comm_s for st in mine)))
-        rec_flops = 0.0
-        for lc, block in zip(costs, self.is_block):
-            if block and c.recompute is RecomputeKind.FULL:
-                rec_flops += lc.gemm_flops
-            elif block and c.recompute is RecomputeKind.SELECTIVE:
-                rec_flops += lc.core_flops
         # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
         # not computing: on shared cores it takes no core (runtime/simulator.py)
         a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
-        fwd_wait, bwd_wait = [], []
-        for first, last in cuts:
-            f_calls = b_calls = 0
-            for i in range(first, last + 1):
-                calls = costs[i].tp_calls
-                f = sum(1 for _, direction, _ in calls if direction == "forward")
-                f_calls += f
-                b_calls += sum(1 for _, direction, _ in calls if direction == "backward")
-                if self.is_block[i] and c.recompute is RecomputeKind.FULL:
-                    b_calls += f  # the forward re-run inside the backward
-            fwd_wait.append(a0 * f_calls)
-            bwd_wait.append(a0 * b_calls)
+        fwd_wait = tuple(a0 * (FC[last + 1] - FC[first]) for first, last in cuts)
+        bwd_wait = tuple(a0 * (BC[last + 1] - BC[first]) for first, last in cuts)
         out = Staging(tuple(stages), tuple(ranks),
-                       tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
-                       tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
-                       rec_flops, tuple(cuts), tuple(fwd_wait), tuple(bwd_wait))
+                      tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
+                      tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
+                      table.recompute_flops, tuple(cuts), fwd_wait, bwd_wait)
         self._staging_cache[key] = out
         return out
 
@@ -547,21 +605,9 @@ class CostModel:
         interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
         if cl.intra_node.kind is LinkKind.LOOPBACK:
             interference = 1.0  # local processes: gloo runs on the cores the compute uses
-        ranks: list[RankMemory] = []
+        ranks = self._rank_memory(c, m, st, rank_acts)
         dp_exposed = optimizer_s = slack = 0.0
         for r, rs in enumerate(st.ranks):
-            # -- memory
-            states = model_state_bytes(rs.params, replicas, c.zero, dtype)
-            if rank_acts is not None:
-                acts = rank_acts[r]
-            else:
-                acts = rs.activations * in_flight_micro_batches(c.schedule, p, v, m, r) \
-                    + rs.working
-            # ZeRO-3: the gathered weights of the layer running and of the one prefetched, and
-            # the unsharded gradients of the layer computed and of the one reduce-scattered
-            buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
-            ranks.append(RankMemory(r, states.weights, states.gradients, states.optimizer, acts,
-                                    buffers))
             # -- data-parallel communication, overlapped with the last micro-batch's backward;
             #    rank r's backward ends `slack` before rank 0's (the drain of the pipeline)
             grads, weights = rs.params * g_bytes, rs.params * w_bytes
@@ -656,15 +702,48 @@ class CostModel:
                  "hardware_tflops_per_gpu": hw_flops / step / n / 1e12,
                  "model_flops_per_step": model_flops, "memory_limit_bytes": usable,
                  "tokens_per_s_per_gpu": tokens / step / n}
-        infeasible = None
-        if peak_rank.total > usable:
-            infeasible = (f"needs {peak_rank.total / 2**30:.1f} GiB on pp rank "
-                          f"{peak_rank.pp_rank} (weights {peak_rank.weights / 2**30:.1f}, "
-                          f"grads {peak_rank.gradients / 2**30:.1f}, optimizer "
-                          f"{peak_rank.optimizer / 2**30:.1f}, activations "
-                          f"{peak_rank.activations / 2**30:.1f}); {usable / 2**30:.1f} GiB "
-                          f"usable")
-        return Evaluation(c, infeasible, plan, prediction, tuple(ranks), st.stages, extra)
+        return Evaluation(c, self._out_of_memory(ranks), plan, prediction, tuple(ranks),
+                          st.stages, extra)
+
+    def _rank_memory(self, c: Candidate, m: int, st: "Staging",
+                     rank_acts: Sequence[float] | None = None) -> list[RankMemory]:
+        """Peak bytes of each pipeline rank: model state at the ZeRO stage
+        (:func:`autopar.planner.memory.model_state_bytes`, inlined: the search calls this for
+        every rank of every candidate), the activations of the micro-batches the schedule keeps
+        in flight (``rank_acts`` when the caller counted them), ZeRO-3's gathered buffers."""
+        w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
+        n = c.dp * c.cp  # replicas
+        w_per = w_bytes / (n if c.zero >= 3 else 1)
+        g_per = g_bytes / (n if c.zero >= 2 else 1)
+        o_per = o_bytes / (n if c.zero >= 1 else 1)
+        if rank_acts is None:
+            key = (c.schedule, c.pp, c.virtual_stages, m)
+            flight = self._in_flight_cache.get(key)
+            if flight is None:
+                flight = self._in_flight_cache[key] = [
+                    in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r)
+                    for r in range(c.pp)]
+        ranks: list[RankMemory] = []
+        for r, rs in enumerate(st.ranks):
+            acts = rank_acts[r] if rank_acts is not None else \
+                rs.activations * flight[r] + rs.working
+            # ZeRO-3: the gathered weights of the layer running and of the one prefetched, and
+            # the unsharded gradients of the layer computed and of the one reduce-scattered
+            buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
+            ranks.append(RankMemory(r, w_per * rs.params, g_per * rs.params,
+                                    o_per * rs.params, acts, buffers))
+        return ranks
+
+    def _out_of_memory(self, ranks: Sequence[RankMemory]) -> str | None:
+        """Why the busiest rank does not fit the device (None when every rank does)."""
+        usable = self.cluster.device.usable_memory_bytes
+        peak = max(ranks, key=lambda x: x.total)
+        if peak.total <= usable:
+            return None
+        return (f"needs {peak.total / 2**30:.1f} GiB on pp rank {peak.pp_rank} (weights "
+                f"{peak.weights / 2**30:.1f}, grads {peak.gradients / 2**30:.1f}, optimizer "
+                f"{peak.optimizer / 2**30:.1f}, activations {peak.activations / 2**30:.1f}); "
+                f"{usable / 2**30:.1f} GiB usable")
 
     def with_sharding(self, ev: Evaluation) -> Evaluation:
         """``ev`` with its plan's per-GEMM tensor-parallel choices (the sharding search's, by

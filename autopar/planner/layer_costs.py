@@ -32,10 +32,11 @@ tensor-parallel group; Megatron-LM does not overlap it, neither does this model.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 import torch.fx
@@ -509,6 +510,51 @@ class ModelCosts:
         if isinstance(hit, str):
             raise _LayoutProblem(hit)
         return hit
+
+    def prepare_layouts(self, tp: int, sequence_parallel: bool, *, cost: Any,
+                        sizes: Sequence[Mapping[str, int]], vary: str = "b") -> None:
+        """Solve the layouts of ``sizes`` (which differ only in ``vary``, the micro-batch) with
+        as few sharding ILPs as exactness allows, and cache them for :meth:`layout`.
+
+        Within one roofline regime of every GEMM, each term of the sharding ILP's objective
+        is affine in the micro-batch b for a fixed placement x: f_b(x) = A(x) b + C(x) (compute
+        and traffic grow with b, a collective's latency and the parameters' state do not). The
+        optimum g(b) = min_x f_b(x) is then concave, so a placement x* optimal at b1 and at b2
+        has f_b(x*) = g(b) on [b1, b2]: the chord of a concave function lies below it, and
+        f_b(x*) is that chord. Hence: solve the smallest and largest b; when the smallest's
+        solved point, priced in the largest's program, is optimal there too (the
+        constraints do not depend on b) and every GEMM keeps its roofline regime, every b
+        between takes that point; otherwise bisect. Ties are common (a cast placed sharded or
+        replicated at equal cost), so the test is on the objective, not on the placements.
+        A memory limit in the ILP makes the feasible set depend on b: then every size is
+        solved."""
+        if tp == 1 or getattr(cost, "memory_limit", None) is not None:
+            return
+        points = sorted({tuple(sorted(sz.items())): dict(sz) for sz in sizes}.values(),
+                        key=lambda sz: sz[vary])
+
+        def solved(i: int) -> TPLayout | None:
+            try:
+                return self.layout(tp, sequence_parallel, cost=cost, sizes=points[i])
+            except _LayoutProblem:
+                return None
+
+        def fill(lo: int, hi: int) -> None:
+            if hi - lo < 2:
+                return
+            a, b = solved(lo), solved(hi)
+            if a is not None and b is not None and a.optimal_at(b):
+                for i in range(lo + 1, hi):
+                    key = (tp, sequence_parallel, cost, tuple(sorted(points[i].items())))
+                    self._layouts.setdefault(key, dataclasses.replace(
+                        a, sizes=dict(points[i]), solve_s=0.0, solved_at=dict(a.sizes)))
+                return
+            mid = (lo + hi) // 2
+            fill(lo, mid)
+            fill(mid, hi)
+
+        if points:
+            fill(0, len(points) - 1)
 
     def tp_problem(self, tp: int, sequence_parallel: bool, *, cost: Any,
                    sizes: Mapping[str, int]) -> str | None:

@@ -192,6 +192,10 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
     return out
 
 
+def _peak(ev: Evaluation) -> float:
+    return ev.extra["peak_memory_bytes"]
+
+
 def _rank_key(ev: Evaluation) -> tuple:
     return (ev.step_time_s, ev.candidate.key())
 
@@ -216,6 +220,11 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
             continue
         groups.setdefault((c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp,
                            c.cp_innermost), []).append(c)
+    sizes: dict[tuple[int, bool], set[int]] = {}
+    for tp, _, _, mbs, sp, _, _ in groups:
+        sizes.setdefault((tp, sp), set()).add(mbs)
+    for (tp, sp), mbs_values in sorted(sizes.items()):
+        cm.prepare_layouts(tp, sp, sorted(mbs_values))
     bounds = {g: lower_bound_step(cm, cs[0]) for g, cs in groups.items()}
     order = sorted(groups, key=lambda g: (bounds[g], g))
     k = max(top_k, refine, 1)
@@ -234,13 +243,12 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
                 pruned["bound"] += len(groups[g])
                 continue
             for c in groups[g]:
-                ev = cm.evaluate(c)
+                ev = cm.evaluate(c, memory_first=True)
                 evaluated += 1
                 if not ev.feasible:
                     pruned["memory"] += 1
-                    if ev.prediction is not None and (leanest is None or
-                                                      ev.prediction.peak_memory_bytes <
-                                                      leanest.prediction.peak_memory_bytes):
+                    if "peak_memory_bytes" in ev.extra and (leanest is None or
+                                                            _peak(ev) < _peak(leanest)):
                         leanest = ev
                     if memory_examples < 8:
                         memory_examples += 1

@@ -113,6 +113,7 @@ from typing import Any, Sequence
 import networkx as nx
 import pulp
 
+from autopar import solver
 from autopar.errors import InfeasiblePlanError, InvalidInputError
 from autopar.plan_types import ScheduleKind, StagePlan
 from autopar.runtime.schedules import ScheduleSpec, StageILPForm, build_schedule
@@ -415,10 +416,14 @@ def _result(problem, ranges, lp_bound, seconds, status, vectors, num_vars) -> St
 def min_max_split(layer_times: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
     """Contiguous non-empty stages minimising the largest stage sum of ``layer_times``.
 
-    Bisection on the answer with the greedy feasibility test (pack layers left to right while
-    the stage stays within X: feasible iff at most ``num_stages`` stages), to a relative
-    1e-12; the greedy packing at the smallest feasible X is refined to exactly ``num_stages``
-    stages by splitting the widest ones (which never raises the maximum)."""
+    Bisection on the answer X with the greedy feasibility test (pack layers left to right while
+    the stage stays within X: feasible iff at most ``num_stages`` stages), snapped to the values
+    where the test can change: a feasible X moves the upper end down to the largest stage sum
+    the greedy packing made (that packing stays feasible there), an infeasible X moves the
+    lower end up to the smallest sum a closed stage would have with its next layer (below it
+    every stage closes where it did, so the packing and its count are the same). The ends meet
+    at the optimum exactly; the greedy packing there is refined to exactly ``num_stages`` stages
+    by splitting the widest ones (which never raises the maximum)."""
     n = len(layer_times)
     if not 1 <= num_stages <= n:
         raise InfeasiblePlanError(f"cannot cut {n} layers into {num_stages} non-empty stages",
@@ -426,18 +431,20 @@ def min_max_split(layer_times: Sequence[float], num_stages: int) -> tuple[tuple[
                                   fix="reduce pp or the virtual stages")
     costs = [max(float(c), 0.0) for c in layer_times]
     prefix = [0.0, *itertools.accumulate(costs)]
-    lo, hi = max(costs), prefix[-1]
-    if len(_greedy(prefix, lo, num_stages)) > num_stages:
-        for _ in range(200):
-            if hi - lo <= 1e-12 * hi:
-                break
-            mid = (lo + hi) / 2
-            if len(_greedy(prefix, mid, num_stages)) <= num_stages:
-                hi = mid
-            else:
-                lo = mid
-    else:
-        hi = lo
+    # the optimum X* lies in [max(largest, total / S), that + largest]: at the upper end every
+    # greedy stage but the last closes above X - largest >= total / S, so at most S stages
+    lo = max(max(costs), prefix[-1] / num_stages)
+    hi = min(prefix[-1], lo + max(costs))
+    hi = max(prefix[b + 1] - prefix[a] for a, b in _greedy(prefix, hi))
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:  # the greedy test's own tolerance
+            break
+        mid = max((lo + hi) / 2, lo)
+        stages = _greedy(prefix, mid, num_stages)
+        if len(stages) <= num_stages:
+            hi = max(prefix[b + 1] - prefix[a] for a, b in stages)
+        else:  # the next limit at which some closed stage takes one more layer
+            lo = max(mid, min(prefix[b + 2] - prefix[a] for a, b in stages[:-1]))
     stages = _greedy(prefix, hi)
     while len(stages) < num_stages:  # split the widest splittable stage
         i = max((j for j, (a, b) in enumerate(stages) if b > a),
@@ -665,11 +672,8 @@ def _build(problem: PartitionProblem, relaxed: bool, vectors) -> _Model:
     _add_memory(model, stage, vectors)
     model.position = position
     model.transfer = transfer
+    model.stage = stage
     return model
-
-
-def optimal_status(model: _Model) -> bool:
-    return model.lp.sol_status == pulp.LpSolutionOptimal
 
 
 #: Seconds for the interleaved schedule's tie-breaking second solve (see partition_stages).
@@ -688,9 +692,24 @@ def _objective_value(expr: Any) -> float:
     return total
 
 
+def _start_point(model: _Model, ranges: Sequence[tuple[int, int]]) -> dict[Any, float]:
+    """The cut variables (u, k) of a given partition: cut s after its stage's last layer l,
+    in the segment holding l at offset l - α_g."""
+    out: dict[Any, float] = {}
+    for s, (_, last) in enumerate(ranges[:-1]):
+        for g, (first, length) in enumerate(model.segments):
+            inside = first <= last < first + length
+            out[model.u[s, g]] = 1.0 if inside else 0.0
+            out[model.k[s, g]] = float(last - first) if inside else 0.0
+    return out
+
+
 def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
-                     lp_bound: bool = True) -> StagePartition:
-    """Solve the ILP (CBC); also the LP relaxation for a lower bound on the optimum."""
+                     lp_bound: bool = True,
+                     initial: Sequence[tuple[int, int]] | None = None) -> StagePartition:
+    """Solve the ILP (HiGHS, or CBC: :mod:`autopar.solver`); also the LP relaxation for a lower
+    bound on the optimum. ``initial``: a partition (layer ranges per stage) to begin from, used
+    when it fits the memory (the plan search's first-pass cut)."""
     _check_sizes(problem)
     start = time.perf_counter()
     vectors = in_flight_vectors(problem)
@@ -703,31 +722,40 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
         return _result(problem, ranges, value, time.perf_counter() - start, "trivial", vectors, 0)
     model = _build(problem, relaxed=False, vectors=vectors)
     bound = None
-    if lp_bound:  # the LP relaxation of the same program (CBC without integrality)
-        model.lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False))
-        if model.lp.status == pulp.LpStatusOptimal:
+    if lp_bound:  # the LP relaxation of the same program (no integrality)
+        if solver.solve(model.lp, time_limit_s=time_limit_s, mip=False).status == "optimal":
             bound = _objective_value(model.lp.objective)
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
-    model.lp.solve(solver)
-    status = pulp.LpStatus[model.lp.status]
-    if status == "Infeasible":
+    first = None
+    if initial is not None and len(initial) == S and \
+            max(rank_memory(problem, initial, vectors)) <= problem.device_memory:
+        first = _start_point(model, initial)
+    answer = solver.solve(model.lp, time_limit_s=time_limit_s, gap_rel=0.0, start=first)
+    if answer.status == "infeasible":
         raise _infeasible(problem, vectors)
-    if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise InfeasiblePlanError(f"the stage partition solver found no solution ({status})",
-                                  found=f"CBC status {status} after {time_limit_s:.0f} s",
-                                  fix="raise time_limit_s or use fewer stages")
+    if not answer.has_solution:
+        raise InfeasiblePlanError(
+            f"the stage partition solver found no solution ({answer.status})",
+            found=f"{answer.backend} stopped after {time_limit_s:.0f} s without a partition",
+            fix="raise time_limit_s or use fewer stages")
     cuts = [int(round(pulp.value(model.position(s)))) for s in range(S - 1)]
-    optimal = optimal_status(model)
+    optimal = answer.status == "optimal"
     objective = _objective_value(model.lp.objective)
     tie_break = None
-    if problem.spec.ilp_form is StageILPForm.INTERLEAVED and optimal:
-        # among the optima, the one whose busiest rank is least busy (the objective has ties);
-        # a heuristic refinement with its own short time limit: it only picks among optima
+    form = problem.spec.ilp_form
+    secondary = None
+    if form is StageILPForm.INTERLEAVED:  # the busiest rank least busy
+        secondary = model.Y_F
+    if secondary is not None and optimal:
+        # among the optima (the objective has ties: it sees only the bottleneck), the one the
+        # secondary criterion prefers; a heuristic refinement with its own short time limit,
+        # started from the first answer: it only picks among optima
+        here = {var: var.varValue for var in model.lp.variables() if var.varValue is not None}
         model.lp += _objective(model, model.transfer) <= objective * (1 + 1e-7), "optimum"
-        model.lp.setObjective(model.Y_F)
-        model.lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=min(TIE_BREAK_S, time_limit_s)))
-        tie_break = "optimal" if optimal_status(model) else "time limit"
-        if model.lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        model.lp.setObjective(secondary)
+        second_answer = solver.solve(model.lp, time_limit_s=min(TIE_BREAK_S, time_limit_s),
+                                     gap_rel=0.0, start=here)
+        tie_break = "optimal" if second_answer.status == "optimal" else "time limit"
+        if second_answer.has_solution:
             second = [int(round(pulp.value(model.position(s)))) for s in range(S - 1)]
             if modeled_step_time(problem, _stage_ranges(second, L)) <= \
                     modeled_step_time(problem, _stage_ranges(cuts, L)) * (1 + 1e-9):
@@ -742,6 +770,8 @@ def partition_stages(problem: PartitionProblem, *, time_limit_s: float = 60.0,
                      model.num_integer_vars())
     result.extra["ilp_objective"] = objective
     result.extra["segments"] = len(model.segments)
+    result.extra["solver"] = answer.backend
+    result.extra["initial_fits"] = first is not None
     if tie_break is not None:
         result.extra["tie_break"] = tie_break
     return result

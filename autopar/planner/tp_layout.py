@@ -80,6 +80,24 @@ class TPLayout:
     num_variables: int = 0
     #: Float ops without a sharding rule (they run replicated).
     unruled: tuple[str, ...] = ()
+    #: Per GEMM, compute-bound (True) or bandwidth-bound in the ILP's roofline at ``sizes``.
+    roofline: Mapping[str, bool] = field(default_factory=dict)
+    #: The sharding search's answer (its objective and point; None for a hand-made layout).
+    solution: Any = field(default=None, compare=False, repr=False)
+    #: The solved size this layout was taken from, when it was not solved at ``sizes``
+    #: (``ModelCosts.prepare_layouts``); None when solved here.
+    solved_at: Mapping[str, int] | None = None
+
+    def optimal_at(self, other: "TPLayout") -> bool:
+        """Whether this layout's solved point is also optimal in ``other``'s program: priced with
+        ``other``'s objective it costs no more than ``other``'s optimum (the constraints are the
+        same at every size), and every GEMM is in the same roofline regime at both sizes (so
+        each objective term keeps one affine form in the sizes between them)."""
+        mine, theirs = self.solution, other.solution
+        if mine is None or theirs is None or self.roofline != other.roofline:
+            return False
+        best = theirs.objective_at(theirs)
+        return mine is theirs or theirs.objective_at(mine) <= best * (1 + 1e-9) + 1e-9
 
     def sharded(self, node: str) -> bool:
         """Whether the per-rank copy of ``node``'s value is 1/tp of it."""
@@ -172,4 +190,5 @@ def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
                     placements=placements, input_placements=inputs,
                     sharded_params=frozenset(sharded_params), comm=comm,
                     sizes=dict(sizes), solve_s=time.perf_counter() - start,
-                    num_variables=solution.num_variables, unruled=tuple(solution.unruled))
+                    num_variables=solution.num_variables, unruled=tuple(solution.unruled),
+                    roofline=dict(solution.roofline), solution=solution)
