@@ -157,7 +157,8 @@ def _reads_input(node: Any) -> bool:
 def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: bool = False,
                        cost: TPCostSpec | None = None, sizes: Mapping[str, int] | None = None,
                        pins: Mapping[str, GemmSharding | str] | None = None,
-                       strict: bool = True, depth: int | None = None) -> "TPProgram":
+                       strict: bool = True, depth: int | None = None,
+                       warn_unruled: bool = True) -> "TPProgram":
     """Shard ``captured`` over ``tp`` ranks.
 
     Args:
@@ -170,6 +171,8 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
         strict: raise when heads or vocabulary do not divide by tp (False: run them replicated).
         depth: the real model's number of blocks when ``captured`` is a shallower copy (the
             planner captures two): the search weighs the blocks as the real model has them.
+        warn_unruled: warn (``UnsupportedOpWarning``) about ops without a sharding rule (the
+            planner lists them in its layout instead).
     """
     from autopar.passes.analyze import analyze
     from autopar.passes.infra import PassContext, PassManager
@@ -193,7 +196,7 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
                       options={"tp": tp, "sequence_parallel": sequence_parallel,
                                "cost": cost or TPCostSpec(), "sizes": sizes,
                                "pins": {k: GemmSharding(v) for k, v in (pins or {}).items()},
-                               "depth": depth})
+                               "depth": depth, "warn_unruled": warn_unruled})
     # split_gemm_bias and shard_graph annotate the copy in place; insert_collectives returns a
     # new per-rank graph, so the copy stays the global sharded graph
     local = PassManager([split_gemm_bias, shard_graph, insert_collectives]).run(gm, ctx)

@@ -416,7 +416,8 @@ def _generate(nodes: list[torch.fx.Node], rep: Mapping, rctx: RuleContext,
 def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
                       sequence_parallel: bool = False, cost: TPCostSpec | None = None,
                       sizes: Mapping[str, int], pins: Mapping[str, GemmSharding] | None = None,
-                      depth: int | None = None, time_limit_s: float = 120.0) -> ShardingSolution:
+                      depth: int | None = None, time_limit_s: float = 120.0,
+                      warn_unruled: bool = True) -> ShardingSolution:
     """Solve the ILP of the module docstring for ``gm`` (with biases split off).
 
     ``depth``: the number of repeated blocks of the real model when ``gm`` is a shallower
@@ -440,7 +441,7 @@ def search_placements(gm: torch.fx.GraphModule, layers: list[Any], tp: int, *,
                                       expected="the same sharding in every repeated block",
                                       found=f"{pinned[r].value} and {GemmSharding(kind).value}")
     strategies = _generate(nodes, rep, rctx, pinned)
-    if tp > 1 and rctx.unruled:
+    if tp > 1 and rctx.unruled and warn_unruled:
         names = ", ".join(f"{op} ({len(ns)}x, e.g. {ns[0]})" for op, ns in sorted(rctx.unruled.items()))
         warnings.warn(UnsupportedOpWarning(f"no sharding rule for {names}: these ops run "
                                            f"replicated on every tensor-parallel rank"),
@@ -632,7 +633,8 @@ def shard_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     opts = ctx.options
     solution = search_placements(
         gm, ctx.captured.layers, opts["tp"], sequence_parallel=opts.get("sequence_parallel", False),
-        cost=opts.get("cost"), sizes=opts["sizes"], pins=opts.get("pins"), depth=opts.get("depth"))
+        cost=opts.get("cost"), sizes=opts["sizes"], pins=opts.get("pins"), depth=opts.get("depth"),
+        warn_unruled=opts.get("warn_unruled", True))
     for n in gm.graph.nodes:
         meta = info(n)
         s = solution.strategies.get(n.name)

@@ -61,6 +61,10 @@ def test_branch_and_bound_equals_exhaustive(costs, name, cluster, n, batch, seq)
     assert full.evaluated > fast.evaluated or fast.pruned["bound"] == 0
     # and exhaustive search is the minimum over every candidate, priced one by one
     priced = [cm.evaluate(c) for c in enumerate_candidates(cm)]
+    # the per-candidate bound the search prunes with never exceeds the first pass's price
+    for e in priced:
+        if e.prediction is not None:
+            assert cm.lower_bound(e.candidate) <= e.prediction.step_time_s * (1 + 1e-12), e
     feasible = [e for e in priced if e.feasible]
     best = min(feasible, key=lambda e: (e.step_time_s, e.candidate.key()))
     assert full.best.candidate == best.candidate

@@ -118,6 +118,7 @@ class CostModel:
         self._staging_cache: dict[tuple, Staging] = {}
         self._table_cache: dict[tuple, _LayerTable] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
+        self._check_cache: dict[tuple, str | None] = {}
         self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
         self._params_cache: dict[tuple, tuple[float, float]] = {}
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
@@ -240,8 +241,28 @@ class CostModel:
         return out
 
     # -- a candidate ---------------------------------------------------------------------------
+    def well_formed_but_for_layout(self, c: Candidate) -> bool:
+        """:meth:`check` without the sharding search: whether ``c`` is well formed if tp
+        splits the model (which layouts to solve)."""
+        key = (c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch_size, c.schedule,
+               c.sequence_parallel, c.cp, c.cp_innermost, "without layout")
+        if key not in self._check_cache:
+            self._check_cache[key] = self._check(c, layout=False)
+        return self._check_cache[key] is None
+
     def check(self, c: Candidate) -> str | None:
-        """Structural problems (no pricing needed); None if the candidate is well formed."""
+        """Structural problems (no pricing needed); None if the candidate is well formed.
+        (Cached: recompute and ZeRO play no part, and the search asks for each of their
+        combinations.)"""
+        key = (c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch_size, c.schedule,
+               c.sequence_parallel, c.cp, c.cp_innermost)
+        if key not in self._check_cache:
+            self._check_cache[key] = self._check(c)
+        return self._check_cache[key]
+
+    def _check(self, c: Candidate, layout: bool = True) -> str | None:
+        """``layout=False`` leaves out whether the sharding search can split the model at
+        ``c.tp`` (it solves a layout)."""
         n = self.cluster.num_devices
         if c.dp * c.tp * c.pp * c.cp != n:
             return f"dp x cp x tp x pp = {c.dp * c.cp * c.tp * c.pp}, not the {n} devices"
@@ -261,7 +282,7 @@ class CostModel:
                     f"{self.cluster.devices_per_node} devices")
         if c.sequence_parallel and (c.tp == 1 or self.setup.seq % c.tp):
             return f"sequence parallel needs tp > 1 dividing seq={self.setup.seq}"
-        if c.tp > 1:
+        if c.tp > 1 and layout:
             key = (c.tp, c.sequence_parallel)
             if key not in self._tp_problems:
                 self._tp_problems[key] = self.model.tp_problem(  # divisibility: any micro-batch
@@ -298,6 +319,20 @@ class CostModel:
                                          "peak_memory_bytes": max(r.total for r in ranks)})
         return self._finish(c, m, st, closed_form_pipeline_time(self._work(c, m, st)))
 
+    def lower_bound(self, c: Candidate) -> float:
+        """A step time the first pass cannot price ``c`` below. With T the whole per-micro-batch
+        work (compute, recompute, tensor- and context-parallel communication) and W the busiest
+        rank's share (W >= T / p), the first pass prices m W of busy time plus, for a schedule
+        that does not split the backward, a bubble of (T - W) / v (``ScheduleSpec.fill_drain``);
+        m W + (T - W) / v grows with W, so it is at least T (m + (p - 1) / v) / p. A split
+        backward's bubble is only bounded by 0. Transfers, data-parallel communication and the
+        optimizer step only add. ``c`` must be well formed (:meth:`check`)."""
+        prefix = self._layer_table(c).prefix
+        m = self.setup.global_batch // (c.dp * c.micro_batch_size)
+        total = prefix[0][-1] + prefix[1][-1] + prefix[2][-1]
+        fill = 0.0 if c.schedule.spec.splits_backward else (c.pp - 1) / c.virtual_stages
+        return total * (m + fill) / c.pp
+
     def refine(self, ev: Evaluation) -> Evaluation:
         """``ev``'s candidate priced for real: stages from the stage ILP, pipeline time from the
         runtime's simulator, activation memory from the schedule's in-flight micro-batches
@@ -322,17 +357,18 @@ class CostModel:
             self._refined[c] = out
             return out
         st = self._staging(c, part.ranges)
-        pipe, _ = simulated_pipeline_time(self._work(c, m, st))
+        sim = simulate_pipeline(self._work(c, m, st))
         # The ILP's objective models the schedule (its optimum often ties: it sees only the
         # bottleneck); the simulator is the reference for a partition. The first pass's cut, when
         # it fits the ILP's memory model, is simulated too and kept if it runs faster.
         chosen, first_sim = "ilp", None
         if tuple(first_cut) != tuple(part.ranges) and part.extra.get("initial_fits"):
             first_st = self._staging(c)
-            first_sim = simulate_pipeline(self._work(c, m, first_st)).step_time
-            if first_sim < pipe.total_s * (1 - 1e-9):
-                chosen, st = "first pass", first_st
-                pipe, _ = simulated_pipeline_time(self._work(c, m, st))
+            other = simulate_pipeline(self._work(c, m, first_st))
+            first_sim = other.step_time
+            if first_sim < sim.step_time * (1 - 1e-9):
+                chosen, st, sim = "first pass", first_st, other
+        pipe, _ = simulated_pipeline_time(self._work(c, m, st), sim)
         acts = self._schedule_activations(c, problem, st)
         lp = part.lp_bound if part.lp_bound is not None else part.step_time
         gap = part.gap

@@ -24,7 +24,7 @@ from autopar.cluster import Cluster
 from autopar.errors import InvalidInputError
 from autopar.models.workload import Workload
 from autopar.planner.cost_model import CostModel, Evaluation, ModelCosts, TrainingSetup
-from autopar.planner.search import SearchResult, SearchSpace, search
+from autopar.planner.search import SearchResult, SearchSpace, few_collections, search
 from autopar.plan_types import Plan, Prediction
 
 __all__ = ["PlanReport", "plan", "plan_workload", "capture_workload_costs", "plan_model",
@@ -210,9 +210,12 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
     positions)."""
     from autopar.models.workload import load_workload
 
-    work = load_workload(name, seq=seq, attention=attention, overrides=overrides, pad_vocab=True)
-    return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
-                         space=space, top_k=top_k, progress=progress, model_costs=model_costs)
+    with few_collections():  # building and capturing the model allocate as much
+        work = load_workload(name, seq=seq, attention=attention, overrides=overrides,
+                             pad_vocab=True)
+        return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
+                             space=space, top_k=top_k, progress=progress,
+                             model_costs=model_costs)
 
 
 def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: Any,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from autopar.plan_types import ScheduleKind
 
@@ -185,11 +186,12 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     return simulate(schedule, durations)
 
 
-def simulated_pipeline_time(work: PipelineWork):
+def simulated_pipeline_time(work: PipelineWork, sim: Any = None):
     """(:class:`PipelineTime`, the simulation) of ``work``: the step is the simulator's; the
     point-to-point share is what the transfers add (a second run without them), the bubble the
-    rest of the bottleneck rank's idle time."""
-    sim = simulate_pipeline(work)
+    rest of the bottleneck rank's idle time. ``sim``: ``simulate_pipeline(work)`` when the
+    caller has run it already."""
+    sim = sim if sim is not None else simulate_pipeline(work)
     rank = max(range(work.pp), key=lambda r: (sim.busy[r], -r))
     busy = sim.busy[rank]
     if work.p2p_max > 0 and work.pp > 1:

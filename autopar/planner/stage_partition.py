@@ -104,6 +104,7 @@ ILP's (tested). The search re-cuts its finalists with the ILP.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import time
@@ -291,15 +292,22 @@ class StagePartition:
 def in_flight_vectors(problem: PartitionProblem) -> list[list[tuple[int, ...]]]:
     """Per rank, the Pareto-maximal vectors of in-flight micro-batches per local stage that its
     action list reaches (the schedule generator's own lists, so memory follows the schedule)."""
-    schedule = build_schedule(problem.schedule, problem.num_ranks, problem.num_microbatches,
-                              problem.stages_per_rank, communication=False)
+    return [list(v) for v in _in_flight_vectors(problem.schedule, problem.num_ranks,
+                                                problem.num_microbatches,
+                                                problem.stages_per_rank)]
+
+
+@functools.lru_cache(maxsize=64)
+def _in_flight_vectors(kind: ScheduleKind, p: int, m: int, v: int
+                       ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    schedule = build_schedule(kind, p, m, v, communication=False)
     out = []
-    for r in range(problem.num_ranks):
+    for r in range(p):
         vectors = set(schedule.in_flight(r))
         maximal = [vec for vec in vectors
                    if not any(o != vec and all(a <= b for a, b in zip(vec, o)) for o in vectors)]
-        out.append(sorted(maximal))
-    return out
+        out.append(tuple(sorted(maximal)))
+    return tuple(out)
 
 
 def _stage_ranges(cuts: Sequence[int], num_layers: int) -> tuple[tuple[int, int], ...]:

@@ -32,7 +32,6 @@ the plan's.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -149,10 +148,11 @@ def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
     from autopar.tensor_parallel import tensor_parallelize
 
     start = time.perf_counter()
-    with warnings.catch_warnings():  # ops without a rule: in the layout (and the plan document)
-        warnings.simplefilter("ignore")
-        program = tensor_parallelize(captured, tp, sequence_parallel=sequence_parallel,
-                                     cost=cost, sizes=dict(sizes), strict=True, depth=depth)
+    # ops without a rule are listed in the layout (and the plan document), not warned about;
+    # a flag, not warnings.catch_warnings, which is not safe on the planner's threads
+    program = tensor_parallelize(captured, tp, sequence_parallel=sequence_parallel, cost=cost,
+                                 sizes=dict(sizes), strict=True, depth=depth,
+                                 warn_unruled=False)
     names = {n.name for n in captured.gm.graph.nodes}
     scale: dict[str, float] = {}
     placements: dict[str, Any] = {}
