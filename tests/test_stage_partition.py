@@ -93,10 +93,10 @@ def _cpu_seconds() -> float:
     (ScheduleKind.ONE_F_ONE_B, 1, (8, 16, 32, 64)), (ScheduleKind.ZB_H1, 1, (8, 16, 32, 64)),
     (ScheduleKind.GPIPE, 1, (8, 16, 32, 64)), (ScheduleKind.INTERLEAVED_1F1B, 2, (8, 16, 32))])
 def test_gpt3_175b_onto_8_to_64_stages_in_seconds(kind, v, pipelines):
-    """Solved to optimality in under 5 s each. CBC's time limit (60 s) is far above that, so a
-    slow solve fails the time assertion instead of ending early as "time limit (feasible)".
-    Time is CPU time, this process's and CBC's (the machine is shared: wall time under load
-    says little about the solve)."""
+    """Solved to optimality in under 5 s each. The solver's time limit (60 s) is far above that,
+    so a slow solve fails the time assertion instead of ending early as "time limit (feasible)".
+    Time is CPU time, this process's (HiGHS runs in it) and its children's (CBC, the fallback);
+    the machine is shared: wall time under load says little about the solve."""
     layers = gpt3_175b_layers()
     for p in pipelines:
         m = p if kind is ScheduleKind.GPIPE else 2 * p
