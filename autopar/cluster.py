@@ -364,6 +364,12 @@ class Cluster:
     #: fair sharing (1.0): time-sliced processes evict each other's caches. autopar calibrate
     #: measures it (``cores`` then ``2 x cores`` processes running the same work).
     oversubscription_efficiency: float = 1.0
+    #: The training software's data-parallel gradient reduction runs during the backward, bucket
+    #: by bucket as gradients are ready (autopar's runtime, PyTorch DDP, FSDP, Megatron-LM's
+    #: ``--overlap-grad-reduce`` since 2023): True. False: it follows the whole backward
+    #: (Megatron-LM's local DDP of 2021-2022, the software of the published runs that
+    #: benchmarks/published_runs.py checks the model against).
+    overlap_grad_reduce: bool = True
     #: Collectives that inside a node do not perform as rings over ``intra_node`` (name from
     #: :data:`COLLECTIVE_NAMES` -> :class:`CollectiveSpec`); ``autopar calibrate`` measures
     #: them on the local backend. Empty for NCCL clusters (every collective a ring or a tree
@@ -405,6 +411,10 @@ class Cluster:
                fix="leave it out (1.0) or take autopar calibrate's figure")
         object.__setattr__(self, "oversubscription_efficiency",
                            float(self.oversubscription_efficiency))
+        _check(isinstance(self.overlap_grad_reduce, bool),
+               f"cluster {self.name!r}: overlap_grad_reduce must be true or false",
+               expected="a boolean", found=repr(self.overlap_grad_reduce),
+               fix="true when gradients are reduced during the backward, false when after it")
         _check(isinstance(self.collectives, Mapping),
                f"cluster {self.name!r}: collectives must be a mapping",
                expected=f"{{name: {{latency_s, bus_bandwidth}}}} with names among "
@@ -489,6 +499,7 @@ class Cluster:
             "backend": self.backend, "collective_latency_s": self.collective_latency_s,
             "cores_per_node": self.cores_per_node,
             "oversubscription_efficiency": self.oversubscription_efficiency,
+            "overlap_grad_reduce": self.overlap_grad_reduce,
             "device": {"name": d.name, "peak_flops": dict(d.peak_flops),
                        "memory_bytes": d.memory_bytes, "memory_bandwidth": d.memory_bandwidth,
                        "gemm_efficiency": d.gemm_efficiency,

@@ -7,6 +7,8 @@ Runs (the numbers the papers report):
 - GPT-3 175B on 1024 A100 80GB, global batch 1536 x 2048: 140 TFLOP/s per GPU (44.9% of 312;
   hardware FLOPs, counting activation recomputation), tp=8, pp=16 (Narayanan et al. 2021,
   "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Table 1).
+  Priced with that run's software (Megatron-LM 2021: scores materialized, data-parallel
+  all-reduce after the backward, fp16), the same fields as benchmarks/published_runs.py.
 - LLaMA-65B on 2048 A100 80GB, 4M-token batches of 2048-token sequences: about 380 tokens/s per
   GPU, 1.4T tokens in about 21 days (Touvron et al. 2023, section 2.4); the parallel layout is
   not published beyond "model and sequence parallelism" and selective activation checkpointing.
@@ -41,9 +43,12 @@ def main() -> int:
     header = ("| run | plan | step | MFU | HFU | hw TFLOP/s per GPU | tokens/s per GPU | "
               "days | published |\n|---|---|---|---|---|---|---|---|---|")
     print(header)
-    # GPT-3 175B
-    costs, _, _ = capture_model_costs("gpt3-175b")
-    cm = CostModel(costs, Cluster.load("a100-80g").with_devices(1024), TrainingSetup(1536, 2048))
+    # GPT-3 175B, with the software of the run (Megatron-LM 2021, as benchmarks/published_runs.py
+    # states it): attention written out, gradients all-reduced after the backward, fp16
+    from published_runs import megatron_2021_cluster
+
+    costs, _, _ = capture_model_costs("gpt3-175b", attention="eager")
+    cm = CostModel(costs, megatron_2021_cluster(1024), TrainingSetup(1536, 2048, "fp16"))
     for sched, v in ((ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED_1F1B, 2)):
         ev = cm.refine(cm.evaluate(Candidate(8, 8, 16, v, 1, sched, RecomputeKind.FULL, 0,
                                              False)))

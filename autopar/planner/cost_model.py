@@ -669,7 +669,14 @@ class CostModel:
                 last_bucket = coll(reduce_op, min(grads, bucket), bucket)
                 # the last bucket waits for the end of the backward, and what the backward
                 # cannot hide follows it; the rest overlaps the backward
-                if c.zero <= 1:
+                if not cl.overlap_grad_reduce:  # after the whole backward, every bucket
+                    t = coll(reduce_op, grads, bucket)
+                    exposed = t if c.zero <= 1 else m * t
+                    overlapped = 0.0
+                    if c.zero == 3:
+                        exposed += m * 2 * coll(Collective.ALL_GATHER, weights,
+                                                max(rs.params / max(rs.layers, 1), 1.0) * w_bytes)
+                elif c.zero <= 1:
                     t = coll(reduce_op, grads, bucket)
                     exposed = max(last_bucket, t - window)
                     overlapped = t - exposed
