@@ -162,3 +162,43 @@ def test_weights_tied_across_pipeline_stages_sum_their_gradients_once():
             plain._tied_sum_time = lambda *a: 0.0  # the same plan without the sum
             assert with_sum - plain.refine(plain.evaluate(c)).prediction.breakdown[
                 "dp_comm_s"] == pytest.approx(got)
+
+
+def test_gradients_reduced_after_the_backward_expose_every_bucket():
+    """Cluster ``overlap_grad_reduce: false`` (Megatron-LM's local DDP of 2021-2022): the
+    data-parallel all-reduce follows the backward, so all of it is exposed: the 25 MB buckets'
+    all-reduces summed, each priced by planner/comm.py. Overlapped (the default), only the last
+    bucket and what the backward cannot hide are, plus the SM share of the rest."""
+    import dataclasses
+
+    from autopar.errors import ClusterSpecError
+    from autopar.plan_types import RecomputeKind, ScheduleKind
+    from autopar.planner.cost_model import (DDP_BUCKET_BYTES, Candidate, CostModel,
+                                            TrainingSetup)
+    from autopar.planner.memory import STATE_BYTES
+    from autopar.planner.planning import capture_model_costs
+
+    costs = capture_model_costs("gpt2-small")[0]
+    after = dataclasses.replace(A100.with_devices(8), overlap_grad_reduce=False)
+    assert Cluster.from_json(after.to_json()).overlap_grad_reduce is False
+    with pytest.raises(ClusterSpecError, match="overlap_grad_reduce"):
+        Cluster.from_json({**A100.to_json(), "overlap_grad_reduce": "no"})
+    c = Candidate(8, 1, 1, 1, 4, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0, False)
+    times = {}
+    for cluster in (A100.with_devices(8), after):
+        cm = CostModel(costs, cluster, TrainingSetup(64, 1024, "bf16"))
+        times[cluster.overlap_grad_reduce] = cm.evaluate(c).prediction.breakdown["dp_comm_s"]
+    params = cm._staging(c).ranks[0].params  # the whole model on one rank, the tied table once
+    from autopar import models
+
+    real = models.build("gpt2-small", device="meta", vocab=costs.template(0).params[
+        "lm_head.weight"] // 768).model  # the planner's vocabulary (padded)
+    assert params == sum(t.numel() for t in real.parameters())
+    grads = params * STATE_BYTES["bf16"][1]
+    span = GroupSpan(8, 1, 8)
+    whole, rest = divmod(grads, DDP_BUCKET_BYTES)
+    expected = (whole * collective_time(after, Collective.ALL_REDUCE, DDP_BUCKET_BYTES,
+                                        span).seconds
+                + collective_time(after, Collective.ALL_REDUCE, rest, span).seconds)
+    assert times[False] == pytest.approx(expected, rel=1e-6)
+    assert times[True] < times[False]
