@@ -59,6 +59,7 @@ from autopar.errors import (
     PlanMismatchError,
     ScheduleError,
 )
+from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import wait_work
 from autopar.runtime.schedules import (
     Action,
@@ -453,7 +454,8 @@ class PipelineExecutor:
                 if self.recompute and not self._inference:
                     out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
                 else:
-                    out = module(*args)
+                    with saved_gathers():  # SP's gathered GEMM inputs kept as shards
+                        out = module(*args)
             if stage.returns_loss:
                 # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here
                 self._loss_sum = out.detach().float() / self.m + (

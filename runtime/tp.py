@@ -42,7 +42,7 @@ from autopar.errors import ShardingError
 from autopar.runtime.comm import collective
 from autopar.runtime.rng import DropoutRNG
 
-__all__ = ["TPGroup", "FUNCTIONS"]
+__all__ = ["TPGroup", "FUNCTIONS", "saved_gathers"]
 
 
 def _what(name: str, x: torch.Tensor) -> str:
@@ -110,6 +110,57 @@ def _all_to_all(x: torch.Tensor, src: int, dst: int, group, n: int) -> torch.Ten
     recv = torch.empty_like(send)
     collective(dist.all_to_all_single, recv, send, group=group, what=_what("all-to-all", x))
     return torch.cat(recv.unbind(0), dim=src)
+
+
+class _Regather:
+    """A sequence-parallel all-gather's output as autograd keeps it: this rank's shard, gathered
+    again when the backward needs the whole (:func:`saved_gathers`)."""
+
+    __slots__ = ("shard", "dim", "blocks", "group", "n", "packs", "unpacks", "held")
+
+    def __init__(self, shard: torch.Tensor, dim: int, blocks: int, group: Any, n: int) -> None:
+        self.shard, self.dim, self.blocks, self.group, self.n = shard, dim, blocks, group, n
+        self.packs = self.unpacks = 0
+        self.held: torch.Tensor | None = None
+
+    def full(self) -> torch.Tensor:
+        """The gathered tensor's storage (its base), gathered once for all the ops that saved
+        it (the q, k and v projections of one input) and let go after the last of them."""
+        if self.held is None:
+            out = _gather(self.shard, self.dim, self.blocks, self.group, self.n).contiguous()
+            self.held = out if out._base is None else out._base
+        base = self.held
+        self.unpacks += 1
+        if self.unpacks >= self.packs:
+            self.held = None
+        return base
+
+
+def _pack_saved(t: torch.Tensor) -> Any:
+    base = t if t._base is None else t._base
+    meta = getattr(base, "_autopar_regather", None)
+    if meta is None:
+        return t
+    meta.packs += 1
+    return meta, t.size(), t.stride(), t.storage_offset()
+
+
+def _unpack_saved(packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    meta, size, stride, offset = packed
+    return meta.full().as_strided(size, stride, offset)
+
+
+def saved_gathers() -> Any:
+    """Autograd keeps this rank's shard of a sequence-parallel all-gather's output, not the
+    gathered tensor, and gathers it again in the backward (Korthikanti et al. 2022, section
+    4.2.2; Megatron-LM's sequence-parallel linear layers): the column-parallel GEMM after the
+    gather saves its input for the weight gradient, ``tp`` times the shard, and only the shard
+    is kept. One more all-gather per such input in the backward. Active around each stage's
+    forward (runtime/pipeline.py); an all-gather without ``grad='reduce_scatter'`` and every
+    other tensor are saved as autograd saves them."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack_saved, _unpack_saved)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -290,8 +341,15 @@ class TPGroup:
             raise ValueError(f"grad must be 'slice' or 'reduce_scatter', got {grad!r}")
         if self.size == 1:
             return x
-        return _AllGather.apply(x, dim, blocks, grad == "reduce_scatter", self.group, self.rank,
-                                self.size)
+        out = _AllGather.apply(x, dim, blocks, grad == "reduce_scatter", self.group, self.rank,
+                               self.size)
+        if grad == "reduce_scatter":  # sequence parallel before a column GEMM: kept as the shard
+            # contiguous, so that the GEMM's flattening is a view of it (what autograd saves),
+            # not a copy (the copy a gather along dim > 0 needed anyway, made here)
+            out = out.contiguous()
+            base = out if out._base is None else out._base
+            base._autopar_regather = _Regather(x.detach(), dim, blocks, self.group, self.size)
+        return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Partial -> Shard(dim); backward all-gather."""

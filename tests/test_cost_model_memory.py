@@ -103,10 +103,9 @@ def test_activations_reproduce_korthikanti(eager_gpt, tp, b, s):
 
     Tolerance 0.1%: the graph also keeps LayerNorm's fp32 mean and rstd (2 x 2 b s floats per
     layer, 8/(34 h) of the total at 16 bits) and the 0-d attention scale, which the paper leaves
-    out. With SP, autopar's per-rank program keeps more than the paper: autograd saves the
-    all-gathered (full) input of the two column-parallel GEMMs (QKV and FC1), 2 s b h bytes each
-    instead of 2 s b h / t (Megatron-LM re-gathers them in backward instead): 4 s b h (1 - 1/t)
-    more per layer, which the model counts because the program holds it."""
+    out. With SP the column-parallel GEMMs (QKV and FC1) keep their input's sequence shard and
+    gather it again in the backward, as Megatron-LM does (runtime/tp.py ``saved_gathers``), so
+    SP is the paper's too."""
     spec, costs = eager_gpt
     h, a = spec["hidden"], spec["heads"]
     # the layout is solved once, at b = 1, s = 2048 (it does not depend on b or s here), priced at
@@ -120,8 +119,7 @@ def test_activations_reproduce_korthikanti(eager_gpt, tp, b, s):
         split = costs.split(block, cm.layout(tp, sp, 1), tp)
         lc = price_layer(block, split, cm.cluster, "fp16", tp, b, s, 4, span)
         if sp:
-            gathered = 4 * sbh * (1 - 1 / tp)
-            none, selective = 34 * sbh / tp + core / tp + gathered, 34 * sbh / tp + gathered
+            none, selective = 34 * sbh / tp + core / tp, 34 * sbh / tp
             full = 2 * sbh / tp
         else:
             none = sbh * (10 + 24 / tp) + core / tp

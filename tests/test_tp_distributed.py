@@ -174,3 +174,43 @@ def test_tp4_matches_single_process(tiny_models, pool4):
     kv4 = programs[("llama_kv4", False)]
     kv_weights = [p.placement for p in kv4.layouts if p.fqn.endswith(("k_proj.weight", "v_proj.weight"))]
     assert kv_weights and all(type(p).__name__ == "Shard" and p.dim == 0 for p in kv_weights)
+
+
+def test_sequence_parallel_keeps_the_shard_of_a_gathered_gemm_input(pool2, pool4):
+    """Under saved_gathers (active around every stage's forward) the column-parallel GEMMs after
+    a sequence-parallel all-gather save this rank's shard, not the gathered input (Korthikanti
+    et al. 2022, section 4.2.2): three GEMMs reading it save it three times, each time the
+    shard's bytes, and the backward gathers it once more, once for the three; the gradients
+    are the same as when autograd keeps the gathered tensor (bitwise: the same ops)."""
+    from tp_helpers import check_saved_gathers
+
+    for pool in (pool2, pool4):
+        for diff, kept, gathers, shard_bytes in pool.run(check_saved_gathers, timeout_s=120):
+            assert diff == 0.0
+            assert kept == [shard_bytes] * 3
+            assert gathers == 1
+
+
+def test_a_parallelized_model_under_sequence_parallelism_keeps_shards(pool2):
+    """Through parallelize and the executor: a 2-block GPT under tp 2 with SP keeps the gathered
+    inputs of its column-parallel GEMMs as shards (QKV and FC1 of each block: 4; the search
+    splits this small head by rows), as many as the cost model counts, and the loss is the one
+    without SP."""
+    from autopar import Cluster, capture, models
+    from autopar.planner.cost_model import CostModel, TrainingSetup
+    from autopar.planner.layer_costs import ModelCosts
+    from tp_helpers import count_saved_gathers
+
+    with_sp = pool2.run(count_saved_gathers, True, timeout_s=300)
+    without = pool2.run(count_saved_gathers, False, timeout_s=300)
+    assert [k for k, _ in with_sp] == [4, 4], with_sp
+    assert [k for k, _ in without] == [0, 0]
+    zm = models.build("gpt", dropout=0.0, layers=2, hidden=64, heads=4, vocab=128, seq=32)
+    tokens = torch.randint(0, 128, (4, 33))
+    costs = ModelCosts(capture(zm.model, (tokens[:, :-1],), zm.loss_fn,
+                               example_targets=(tokens[:, 1:],)))
+    layout = CostModel(costs, Cluster.load("cpu").with_devices(2),
+                       TrainingSetup(4, 32, "fp32")).layout(2, True, 4)
+    assert sum(sum(costs.split(costs.template(i), layout, 2).regather)
+               for i in range(costs.num_layers)) == 4
+    assert with_sp[0][1] == pytest.approx(without[0][1], rel=1e-6)

@@ -256,3 +256,87 @@ def build_cumsum_mlp():
 
     return model, loss_fn, inputs, targets, capture(model, inputs, loss_fn,
                                                     example_targets=targets)
+
+
+def check_saved_gathers():
+    """On every rank: a sequence-parallel all-gather feeding column-parallel GEMMs (three, as
+    LLaMA's q, k and v), forward and backward under ``saved_gathers`` against the same without
+    it. Returns (max abs gradient difference, bytes autograd keeps for the gathered input with
+    and without, all-gathers run in the backward)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import autopar.runtime.tp as tpmod
+    from autopar.runtime.mesh import ParallelMesh
+    from autopar.runtime.tp import TPGroup, saved_gathers
+
+    tp = TPGroup.from_mesh(ParallelMesh(1, 1, dist.get_world_size()))
+    n, r = tp.size, tp.rank
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 8 * n, 16, generator=g)
+    weights = [torch.randn(12, 16, generator=g) for _ in range(3)]
+    kept: list[int] = []
+    pack = tpmod._pack_saved
+
+    def counting(t):
+        out = pack(t)
+        if not isinstance(out, torch.Tensor):
+            kept.append(out[0].shard.untyped_storage().nbytes())
+        return out
+
+    gathers = []
+    gather = tpmod._gather
+    results = {}
+    for hooked in (False, True):
+        x = full.chunk(n, 1)[r].clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in weights]
+        tpmod._pack_saved = counting
+        try:
+            with saved_gathers() if hooked else torch.enable_grad():
+                y = tp.all_gather(x, 1, grad="reduce_scatter")
+                loss = sum(F.linear(y, w).pow(2).sum() for w in ws)
+            tpmod._gather = lambda *a: gathers.append(1) or gather(*a)
+            loss.backward()
+        finally:
+            tpmod._pack_saved, tpmod._gather = pack, gather
+        results[hooked] = (x.grad, [w.grad for w in ws], len(gathers))
+        gathers.clear()
+    diff = max((a - b).abs().max().item() for a, b in
+               zip([results[True][0], *results[True][1]], [results[False][0], *results[False][1]]))
+    return diff, kept, results[True][2], full.chunk(n, 1)[r].numel() * full.element_size()
+
+
+def count_saved_gathers(sequence_parallel: bool):
+    """On every rank: one training step of a small GPT under tp = world, counting the tensors
+    autograd keeps as sequence shards (runtime/tp.py saved_gathers) and the loss."""
+    import torch.distributed as dist
+
+    import autopar
+    import autopar.runtime.tp as tpmod
+    from autopar import models
+
+    torch.manual_seed(0)
+    zm = models.build("gpt", dropout=0.0, layers=2, hidden=64, heads=4, vocab=128, seq=32)
+    tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    kept = []
+    pack = tpmod._pack_saved
+
+    def counting(t):
+        out = pack(t)
+        if not isinstance(out, torch.Tensor):
+            kept.append(1)
+        return out
+
+    tpmod._pack_saved = counting
+    try:
+        pm = autopar.parallelize(zm.model, example_inputs=(x,), example_targets=(y,),
+                                 loss_fn=zm.loss_fn, optimizer=torch.optim.SGD,
+                                 plan={"dp": 1, "tp": dist.get_world_size(), "pp": 1,
+                                       "micro_batch_size": 4,
+                                       "sequence_parallel": sequence_parallel})
+        loss = pm.train_step(x, y)
+        pm.close()
+    finally:
+        tpmod._pack_saved = pack
+    return len(kept), loss

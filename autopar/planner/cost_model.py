@@ -202,9 +202,12 @@ class CostModel:
                 r = lc.forward_s + lc.tp_forward_s + cp_f
             elif block and recompute is RecomputeKind.SELECTIVE and not lc.cp_comm:
                 r = lc.core_forward_s  # under cp the ring attention keeps no scores to redo
-            tp = lc.tp_forward_s + lc.tp_backward_s + cp_f + cp_b
+            # SP's GEMM inputs gathered again in the backward, unless the stage is recomputed
+            # whole (runtime/pipeline.py checkpoints it: it saves nothing to gather again)
+            again = 0.0 if recompute is RecomputeKind.FULL else lc.regather_s
+            tp = lc.tp_forward_s + lc.tp_backward_s + cp_f + cp_b + again
             out.append((lc.forward_s + lc.tp_forward_s + cp_f,
-                        lc.backward_s + lc.tp_backward_s + cp_b + r, lc.weight_s, r, tp))
+                        lc.backward_s + lc.tp_backward_s + cp_b + r + again, lc.weight_s, r, tp))
         return out
 
     def cp_attention(self, c: Candidate) -> str:

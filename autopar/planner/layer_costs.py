@@ -153,6 +153,9 @@ class _LayerSplit:
     comm_fn: Any  # (b, s) -> bytes of each call at the graph's dtype
     sharded_params: frozenset[str]
     cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
+    #: per saved tensor: kept as this rank's sequence shard and gathered again in the backward
+    #: (a column-parallel GEMM's input under sequence parallelism: runtime/tp.py saved_gathers)
+    regather: list[bool] = field(default_factory=list)
 
     def comm_bytes(self, b: int, s: int) -> tuple[float, ...]:
         out = self.cache.get((b, s))
@@ -189,10 +192,19 @@ def _layer_split(template: _Template, layout: TPLayout | None, tp: int) -> _Laye
         else:
             gemm.append(_Split.BATCH if div > 1 else _Split.NONE)
 
+    def regathered(t: _Tensor) -> bool:
+        """A sequence-sharded tensor a column-parallel GEMM reads gathered: autopar's runtime
+        keeps the shard for the GEMM's weight gradient and gathers it again in the backward."""
+        return (layout.sequence_parallel and t.reader is not None
+                and layout.read_sharded(*t.reader) is False and layout.sharded(t.owner)
+                and layout.gemm_sharding.get(t.reader[0]) is GemmSharding.COLUMN)
+
     def shares(tensors: list[_Tensor]) -> list[int]:
         out = []
         for t in tensors:
             read = layout.read_sharded(*t.reader) if t.reader else None
+            if regathered(t):
+                read = True
             out.append(tp if (layout.sharded(t.owner) if read is None else read) else 1)
         return out
 
@@ -202,7 +214,8 @@ def _layer_split(template: _Template, layout: TPLayout | None, tp: int) -> _Laye
     fn = sympy.lambdify((BATCH, SEQ), [sympy.sympify(c.message_bytes) for c in calls],
                         modules="math") if calls else None
     return _LayerSplit(gemm, divisor, shares(template.saved), shares(template.checkpoint),
-                       shares(template.boundary), comm, fn, layout.sharded_params)
+                       shares(template.boundary), comm, fn, layout.sharded_params,
+                       regather=[regathered(t) for t in template.saved])
 
 
 def _spec(a: Any) -> TensorSpec | None:
@@ -659,6 +672,9 @@ class LayerCosts:
     #: Context parallelism: the exposed time of the K/V exchange of its attention, forward and
     #: backward, by algorithm ("ring", "allgather"); empty at cp = 1.
     cp_comm: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: Backward all-gathers of the sequence-parallel GEMM inputs kept as shards (seconds; not
+    #: in ``tp_backward_s``: a fully recomputed layer saves nothing and gathers nothing more)
+    regather_s: float = 0.0
 
 
 def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype: str, tp: int,
@@ -759,6 +775,12 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
             tp_b += t
         calls.append((kind.value, "forward" if forward else "backward", nbytes))
 
+    regather_s = 0.0
+    for t, again in zip(template.saved, split.regather):
+        if again:  # the whole tensor, gathered once per backward (shared by its readers)
+            whole = v[t.index] * (esize if t.is_float else 1)
+            regather_s += collective_time(cluster, Collective.ALL_GATHER, whole, tp_span).seconds
+
     def nbytes(tensors: list[_Tensor], shares: list[int], include_core: bool = True) -> float:
         total = 0.0
         for t, share in zip(tensors, shares):
@@ -776,7 +798,8 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
         boundary_bytes=nbytes(template.boundary, split.boundary),
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
         tp_calls=tuple(calls),
-        cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {})
+        cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {},
+        regather_s=regather_s)
 
 
 def cp_exchange(cluster: Cluster, cp: int, span: Any, kv_elements: float, esize: int,
