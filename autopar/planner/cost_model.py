@@ -247,8 +247,7 @@ class CostModel:
     def well_formed_but_for_layout(self, c: Candidate) -> bool:
         """:meth:`check` without the sharding search: whether ``c`` is well formed if tp
         splits the model (which layouts to solve)."""
-        key = (c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch_size, c.schedule,
-               c.sequence_parallel, c.cp, c.cp_innermost, "without layout")
+        key = (*self._check_key(c), "without layout")
         if key not in self._check_cache:
             self._check_cache[key] = self._check(c, layout=False)
         return self._check_cache[key] is None
@@ -257,11 +256,16 @@ class CostModel:
         """Structural problems (no pricing needed); None if the candidate is well formed.
         (Cached: recompute and ZeRO play no part, and the search asks for each of their
         combinations.)"""
-        key = (c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch_size, c.schedule,
-               c.sequence_parallel, c.cp, c.cp_innermost)
+        key = self._check_key(c)
         if key not in self._check_cache:
             self._check_cache[key] = self._check(c)
         return self._check_cache[key]
+
+    @staticmethod
+    def _check_key(c: Candidate) -> tuple:
+        """What :meth:`check` depends on: every field but recompute and ZeRO."""
+        return (c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch_size, c.schedule,
+                c.sequence_parallel, c.cp, c.cp_innermost)
 
     def _check(self, c: Candidate, layout: bool = True) -> str | None:
         """``layout=False`` leaves out whether the sharding search can split the model at
