@@ -56,7 +56,7 @@ __all__ = ["parallelize", "PINNABLE"]
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
             "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
-            "cp_attention", "cp_innermost")
+            "cp_attention", "cp_innermost", "ep")
 
 
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
@@ -180,7 +180,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     program = compile_program(planned, dist.get_rank(), cost=tp_cost, device=device,
                               sizes={"b": chosen.micro_batch_size,
                                      "s": max(1, seq // chosen.cp)})  # as planned
-    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp,
+    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp, ep=chosen.ep,
                         cp_innermost=chosen.cp_innermost,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
@@ -516,7 +516,8 @@ def _plan_argument(plan: Any, world: int) -> Plan | dict[str, Any] | str:
                             found=type(plan).__name__)
 
 
-_INT_PINS = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches")
+_INT_PINS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
+             "num_micro_batches")
 
 
 def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
@@ -666,9 +667,10 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     pins = validate_pins(plan, world) if isinstance(plan, Mapping) else {}
     full = {"dp", "tp", "pp"} <= set(pins) and (
         "micro_batch_size" in pins or "num_micro_batches" in pins)
+    ep = pins.pop("ep", 1)  # not a search dimension yet: applied after
     if full:  # everything that shapes the mesh is pinned: no search needed
         decided = _plan_from_pins(pins, captured, world, global_batch)
-        return decided.replace(model_fingerprint=fingerprint), None, None
+        return _with_ep(decided, ep).replace(model_fingerprint=fingerprint), None, None
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
                                           mixed_precision)
@@ -680,7 +682,17 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
                                     found=f"{exc} (searched dp={decided.dp}, zero={decided.zero})",
                                     fix="pin dp (a multiple of zero_shard_size) and zero >= 1 "
                                         "too") from exc
-    return decided.replace(model_fingerprint=fingerprint), prediction, search
+    return _with_ep(decided, ep).replace(model_fingerprint=fingerprint), prediction, search
+
+
+def _with_ep(plan: Plan, ep: int) -> Plan:
+    if ep == 1:
+        return plan
+    if plan.dp % ep:
+        raise InvalidPlanError("expert parallelism borrows its ranks from data parallelism",
+                               expected=f"ep dividing dp (dp={plan.dp} was chosen)",
+                               found=f"ep={ep}", fix="pin dp to a multiple of ep too")
+    return plan.replace(ep=ep)
 
 
 def check_plan(plan: Plan, fingerprint: str, world: int, global_batch: int) -> None:

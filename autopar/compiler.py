@@ -23,6 +23,7 @@ model (:meth:`RankProgram.shards`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
@@ -142,6 +143,10 @@ class RankProgram:
     #: placement over the tensor-parallel axis and the local shape this rank keeps.
     held: tuple["ParamLayout", ...]
     device: torch.device
+    #: This rank's expert-parallel coordinate (0 without expert parallelism) and the FQNs of
+    #: the stacked expert weights, of which it holds experts ``[ep_rank * E / ep, ...)``.
+    ep_rank: int = 0
+    experts: frozenset[str] = frozenset()
 
     @property
     def planned(self) -> Planned:
@@ -161,11 +166,27 @@ class RankProgram:
             total += n * torch.empty((), dtype=layout.dtype).element_size()
         return total
 
+    def _expert_slice(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a stacked expert weight (the tensor unchanged otherwise)."""
+        if fqn not in self.experts or self.plan.ep == 1:
+            return value
+        local = value.shape[0] // self.plan.ep
+        return value.narrow(0, self.ep_rank * local, local).clone()
+
+    def _slice(self, layout: "ParamLayout", value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor ``value``: its tensor-parallel shard, then its
+        experts."""
+        from autopar.sharding import shard_tensor
+
+        return self._expert_slice(layout.fqn, shard_tensor(
+            value.to(layout.dtype), layout.placement, self.plan.tp, self.tp_rank, layout.fqn))
+
     def shards(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors by FQN, sliced from the full model's (tied names accepted),
         on this rank's device."""
         by_attribute = self.staged.sharded.shard_state_dict(full, self.tp_rank)
-        return {p.fqn: by_attribute[p.attribute].to(self.device) for p in self.held}
+        return {p.fqn: self._expert_slice(p.fqn, by_attribute[p.attribute]).to(self.device)
+                for p in self.held}
 
     def read_shards(self, checkpoint: "SafetensorsCheckpoint",
                     buffer: Callable[[str], torch.Tensor]) -> "ShardStream":
@@ -173,7 +194,6 @@ class RankProgram:
         slice it holds; a buffer the checkpoint does not hold comes whole from ``buffer(fqn)``
         and is sliced."""
         from autopar.runtime.hf_checkpoint import TensorEntry
-        from autopar.sharding import shard_tensor
 
         names = self._names()
 
@@ -182,10 +202,10 @@ class RankProgram:
                 entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
                                     layout.full_shape, layout.dtype)
                 if checkpoint.key_of(entry) is not None:
-                    piece = checkpoint.read(entry, layout.placement, self.plan.tp, self.tp_rank)
+                    piece = self._expert_slice(layout.fqn, checkpoint.read(
+                        entry, layout.placement, self.plan.tp, self.tp_rank))
                 else:
-                    piece = shard_tensor(buffer(layout.fqn).to(layout.dtype), layout.placement,
-                                         self.plan.tp, self.tp_rank, layout.fqn)
+                    piece = self._slice(layout, buffer(layout.fqn))
                 sink(layout.fqn, piece)
 
         return ShardStream(stream)
@@ -193,7 +213,6 @@ class RankProgram:
     def blank_shards(self, buffer: Callable[[str], torch.Tensor]) -> "ShardStream":
         """Zero parameters (for a checkpoint to overwrite: ``ParallelModel.load``) and the
         buffers from ``buffer(fqn)``, sliced; one at a time."""
-        from autopar.sharding import shard_tensor
 
         params = {p.fqn for p in self.planned.captured.params.values()}
 
@@ -202,9 +221,7 @@ class RankProgram:
                 if layout.fqn in params:
                     sink(layout.fqn, torch.zeros(layout.local_shape, dtype=layout.dtype))
                 else:
-                    sink(layout.fqn, shard_tensor(buffer(layout.fqn).to(layout.dtype),
-                                                  layout.placement, self.plan.tp, self.tp_rank,
-                                                  layout.fqn))
+                    sink(layout.fqn, self._slice(layout, buffer(layout.fqn)))
 
         return ShardStream(stream)
 
@@ -217,7 +234,6 @@ class RankProgram:
         and only its slice handed on. Tensors the model holds on a real device are sliced
         from it."""
         from autopar.runtime.meta_init import materialize
-        from autopar.sharding import shard_tensor
 
         aliases = self._names()
         wanted = {name: layout for layout in self.held for name in aliases.get(layout.fqn, ())}
@@ -231,8 +247,7 @@ class RankProgram:
                     layout = wanted.get(name)
                     if layout is not None and layout.fqn not in sent:
                         sent.add(layout.fqn)
-                        sink(layout.fqn, shard_tensor(value.to(layout.dtype), layout.placement,
-                                                      self.plan.tp, self.tp_rank, layout.fqn))
+                        sink(layout.fqn, self._slice(layout, value))
 
             if rng_state is not None:
                 torch.set_rng_state(rng_state)
@@ -341,6 +356,16 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
 
         gm = PassManager([context_parallel_pass]).run(gm, PassContext(captured=captured,
                                                                       plan=plan))
+    from autopar.passes.expert_parallel import expert_parallel_pass, expert_weights
+    from autopar.passes.infra import PassContext as _Ctx, PassManager as _PM
+
+    if expert_weights(gm, plan.ep) or plan.ep > 1:  # experts run on the ep group (one: local)
+        if plan.ep > 1 and not expert_weights(gm, plan.ep):
+            raise InvalidPlanError("ep > 1 but the model has no mixture-of-experts block",
+                                   expected="experts captured as autopar.moe recognizes them",
+                                   found=f"ep={plan.ep} and no experts operation",
+                                   fix="plan with ep=1")
+        gm = _PM([expert_parallel_pass]).run(gm, _Ctx(captured=captured, plan=plan))
     split = split_into_stages(gm, captured.layers, [s.layers for s in stages],
                               constants={k: v.to(device) for k, v in captured.constants.items()})
     if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
@@ -367,9 +392,16 @@ def lower_to_rank(staged: StagedProgram, rank: int, *, device: torch.device) -> 
         stage = staged.split.stages[s]
         read.update(stage.params)
         read.update(stage.buffers)
-    held = tuple(p for p in staged.sharded.layouts if p.fqn in read)
+    from autopar.passes.expert_parallel import expert_weights
+
+    by_placeholder = {p.placeholder: p.fqn for p in staged.sharded.layouts}
+    experts = frozenset(by_placeholder[name]
+                        for name in expert_weights(staged.sharded.gm, plan.ep))
+    held = tuple(p if p.fqn not in experts or plan.ep == 1 else dataclasses.replace(
+        p, local_shape=(p.local_shape[0] // plan.ep, *p.local_shape[1:]))
+        for p in staged.sharded.layouts if p.fqn in read)
     return RankProgram(staged, rank, dp_rank, pp_rank, tp_rank, cp_rank, tuple(local), held,
-                       torch.device(device))
+                       torch.device(device), dp_rank % plan.ep, experts)
 
 
 def compile_program(planned: Planned, rank: int, *, cost: "TPCostSpec | None",

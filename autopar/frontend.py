@@ -38,6 +38,7 @@ from autopar.captured import (
     strip_model_prefix,
 )
 from autopar.errors import InvalidInputError, UntraceableModelError
+from autopar.moe import UnsupportedMoEError, experts_as_operations, moe_hint
 from autopar.ir import (
     BATCH,
     SEQ,
@@ -130,7 +131,7 @@ def capture(
     dims = _default_dims(args, batch_dims, seq_dims)
     errors: list[str] = []
     captured = None
-    with _quiet_export(), _no_kv_cache(model):
+    with _quiet_export(), _no_kv_cache(model), experts_as_operations(model):
         attempts = _dynamic_attempts(args, dims) if dynamic else []
         fixed: list[str] = []  # dims we marked that the graph specializes to their size
         for traced, marked, single in attempts:
@@ -162,17 +163,26 @@ def capture(
                 captured = _from_export(ep, CaptureMethod.EXPORT_STATIC, {})
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"torch.export with static shapes: {_short(exc)}")
+                hint = moe_hint(model)
+                if hint is not None:
+                    raise UnsupportedMoEError(f"could not capture {type(model).__name__}: {hint}",
+                                              found=_short(exc)) from exc
                 _raise_if_data_dependent(exc, errors)
     if captured is None:
         try:
             from autopar._fx_fallback import capture_with_fx
 
-            captured = capture_with_fx(step, args)
+            with experts_as_operations(model):
+                captured = capture_with_fx(step, args)
         except UntraceableModelError as exc:
             errors.append(f"torch.fx.symbolic_trace: {exc}")
         except Exception as exc:  # noqa: BLE001
             errors.append(f"torch.fx.symbolic_trace: {_short(exc)}")
     if captured is None:
+        hint = moe_hint(model)
+        if hint is not None:
+            raise UnsupportedMoEError(f"could not capture {type(model).__name__}: {hint}",
+                                      found="\n    " + "\n    ".join(errors))
         raise UntraceableModelError(
             f"could not capture {type(model).__name__}",
             expected="a model torch.export or torch.fx can trace",

@@ -78,6 +78,7 @@ class ParallelModel:
                  stream: Callable[[Callable[[str, torch.Tensor], None]], None] | None = None
                  ) -> None:
         from autopar.runtime.cp import CPGroup
+        from autopar.runtime.moe import EPGroup
         from autopar.runtime.pipeline import PipelineExecutor
         from autopar.runtime.tp import TPGroup
 
@@ -110,7 +111,9 @@ class ParallelModel:
         if stream is not None:  # the values arrive after the engine exists, one at a time
             tensors = _placeholders(program)
         self.executor = PipelineExecutor(self.split, program.staged.schedule, mesh,
-                                         tensors=tensors, bindings={"tp": self.tp_group, "cp": self.cp_group},
+                                         tensors=tensors,
+                                         bindings={"tp": self.tp_group, "cp": self.cp_group,
+                                                   "ep": EPGroup.from_mesh(mesh)},
                                          sync_tied=False, on_backward=self._on_backward,
                                          on_forward=self._on_forward,
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
@@ -164,7 +167,8 @@ class ParallelModel:
             tied = tuple(mesh.stage_rank(r) for r in pp_ranks) if len(pp_ranks) > 1 else ()
             specs.append(ParamSpec(name,
                                    replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
-                                   shared_with=tied, tie_id=fqn if tied else ""))
+                                   shared_with=tied, tie_id=fqn if tied else "",
+                                   expert=fqn in self.program.experts and plan.ep > 1))
         shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.replicas else None
         training = self.training
         config = DataParallelConfig(
@@ -407,6 +411,12 @@ class ParallelModel:
                 if shard is None:
                     shard = params[fqn].detach()
                 shard = shard.to(pinfo.spec.dtype)
+                if fqn in self.program.experts and self.plan.ep > 1:  # every rank's experts
+                    shard = shard.contiguous()
+                    pieces = [torch.empty_like(shard) for _ in range(self.plan.ep)]
+                    collective(dist.all_gather, pieces, shard, group=self.mesh.ep_group,
+                               what=f"the expert-parallel gather of {fqn}")
+                    shard = torch.cat(pieces)
             yield fqn, self._assemble(fqn, shard, owner, pinfo.spec, layouts[fqn].placement)
 
     def _assemble(self, fqn: str, local: torch.Tensor | None, owner: int, spec: Any,

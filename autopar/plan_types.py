@@ -132,9 +132,13 @@ class Plan:
     #: Rank layout of the two inner axes: False, tp peers adjacent and cp peers strided by tp
     #: (Megatron-LM's order); True, cp peers adjacent and tp strided by cp (runtime/mesh.py).
     cp_innermost: bool = False
+    #: Expert parallelism: ranks the experts of every mixture-of-experts block are split over,
+    #: borrowed from the data-parallel ones (ep divides dp; runtime/moe.py). Each rank holds
+    #: E / ep experts; tokens travel to their experts' ranks and back by all-to-all.
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size",
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
                      "num_micro_batches"):
             _positive(name, getattr(self, name))
         if not isinstance(self.cp_innermost, bool):
@@ -165,6 +169,16 @@ class Plan:
                                          f"virtual_stages={self.virtual_stages}, "
                                          f"num_micro_batches={self.num_micro_batches}",
                                    fix=fix)
+        if self.dp % self.ep:
+            raise InvalidPlanError("expert parallelism borrows its ranks from data parallelism",
+                                   expected=f"ep dividing dp={self.dp}",
+                                   found=f"ep={self.ep}",
+                                   fix="pick ep among the divisors of dp, or raise dp")
+        if self.ep > 1 and self.cp > 1:
+            raise InvalidPlanError("expert parallelism with context parallelism is not supported "
+                                   "yet", expected="ep = 1 or cp = 1",
+                                   found=f"ep={self.ep}, cp={self.cp}",
+                                   fix="drop one of them")
         if self.sequence_parallel and self.tp == 1:
             raise InvalidPlanError("sequence_parallel needs tp > 1",
                                    expected="tp >= 2 with sequence_parallel", found="tp=1",
@@ -244,6 +258,7 @@ class Plan:
             **({"zero_shard_size": self.zero_shard_size} if self.zero_shard_size else {}),
             **({"cp": self.cp, "cp_attention": self.cp_attention,
                 "cp_innermost": self.cp_innermost} if self.cp > 1 else {}),
+            **({"ep": self.ep} if self.ep > 1 else {}),
         }
 
     @classmethod

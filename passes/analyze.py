@@ -143,6 +143,10 @@ def _gemm_flops(node: torch.fx.Node) -> sympy.Expr:
 def _flops(node: torch.fx.Node, name: str) -> sympy.Expr:
     if name in GEMM_OPS:
         return _gemm_flops(node)
+    if name == "moe_experts":  # every token through k experts: two GEMMs each (runtime/moe.py)
+        x, index, gate_up = _spec(node.args[0]), _spec(node.args[1]), _spec(node.args[3])
+        inner = _spec(node.args[4]).shape[-1]
+        return 2 * x.shape[0] * index.shape[1] * x.shape[1] * (gate_up.shape[1] + inner)
     if name in VIEW_OPS or name in CREATION_OPS or _is_identity(node):
         return ZERO
     out = info(node).spec

@@ -693,6 +693,12 @@ _RULES: dict[str, Callable[[torch.fx.Node, RuleContext], list[Strategy] | None]]
     "embedding": _embedding, "cross_entropy_loss": _cross_entropy,
     "split": _split, "split_with_sizes": _split, "chunk": _split, "unsafe_split": _split,
     "getitem": _getitem, "cat": _cat,
+    # the experts of a mixture-of-experts block (runtime/moe.py): whole on every tp rank, its
+    # tokens and routes replicated; expert parallelism splits the experts over data-parallel ranks
+    "moe_experts": lambda node, ctx: [_replicated(node, ctx)],
+    # a router's top-k and its in-place renormalization: over experts, on every token
+    "topk": lambda node, ctx: [_replicated(node, ctx)],
+    "div_": lambda node, ctx: [_replicated(node, ctx)],
 }
 
 
@@ -761,7 +767,9 @@ def node_strategies(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
 def placeholder_strategies(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     """Parameters may be sharded along any dim tp divides; inputs, buffers and constants are
     replicated (every tensor-parallel rank sees the same batch)."""
-    if info(node).kind is not NodeKind.PARAMETER or info(node).spec is None:
+    if info(node).kind is not NodeKind.PARAMETER or info(node).spec is None or any(
+            u.op == "call_function" and op_name(u) == "moe_experts" for u in node.users):
+        # expert weights stay whole over tp (expert parallelism splits them over experts)
         return [Strategy("replicate", REPLICATE, ())]
     return [Strategy(_pname(p), p, ()) for p in _candidates(node, ctx)]
 

@@ -83,6 +83,9 @@ class ParamSpec:
     sum_grad_over_tp: bool = False
     shared_with: tuple[int, ...] = ()
     tie_id: str = ""
+    #: A mixture-of-experts weight split over the expert-parallel ranks: reduced (and ZeRO
+    #: sharded) over the ranks holding the same experts (``mesh.expert_replica_group``).
+    expert: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -301,6 +304,9 @@ class DataParallel:
                                     found=f"shard_size = {config.shard_size}",
                                     fix="use the number of data-parallel ranks in one node")
         self.groups = ShardGroups.build(mesh, config.shard_size, mesh.timeout)
+        #: The groups of expert weights: the ranks holding the same experts (no hybrid split).
+        self.expert_groups = ShardGroups.of_group(mesh.expert_replica_group) \
+            if getattr(mesh, "ep", 1) > 1 else self.groups
 
         named = self._named_parameters()
         specs = self._resolve_specs(param_specs, named)
@@ -418,7 +424,7 @@ class DataParallel:
                 ("tp",) if spec.sum_grad_over_tp and mesh.tp > 1 else None)
             unit = unit_of[name][0] if unit_of else -1
             key = (self._chunk_of[name], unit, p.dtype, p.requires_grad,
-                   spec.replicated_over_tp, sum_key)
+                   spec.replicated_over_tp, sum_key, spec.expert)
             elem = grad_dtype_size or p.element_size()
             cap = int(self.config.bucket_mb * 2 ** 20) // elem
             i = open_group.get(key)
@@ -434,11 +440,12 @@ class DataParallel:
             groups[i][1].append((name, p))
             sizes[i] += p.numel()
         # deferred: every rank loads the same values itself, nothing to broadcast
-        src = mesh.ranks("replica")[0] if self.config.sync_module_states and not self._deferred \
-            else None
+        sync = self.config.sync_module_states and not self._deferred
         self.buckets: list[FlatBucket] = []
         for index, (key, params) in enumerate(groups):
-            chunk, unit, _, requires_grad, replicated, sum_key = key
+            chunk, unit, _, requires_grad, replicated, sum_key, expert = key
+            groups_of = self.expert_groups if expert else self.groups
+            src = mesh.ranks("expert_replica" if expert else "replica")[0] if sync else None
             params = list(reversed(params))  # registration order inside the bucket
             tie = sum_group = None
             counts = True
@@ -450,10 +457,10 @@ class DataParallel:
                 sum_group = mesh.tp_group
             if replicated and mesh.tp_rank != 0:
                 counts = False
-            if self.groups.replicate_rank != 0:
+            if groups_of.replicate_rank != 0:
                 counts = False
             self.buckets.append(FlatBucket(
-                index, params, stage=stage, groups=self.groups, mixed_precision=mp,
+                index, params, stage=stage, groups=groups_of, mixed_precision=mp,
                 requires_grad=requires_grad, chunk=chunk, broadcast_src=src,
                 tie=tie if self.config.sync_module_states and not self._deferred else None,
                 sum_group=sum_group, deferred=self._deferred,

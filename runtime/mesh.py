@@ -77,7 +77,7 @@ class _Axis:
 class ParallelMesh:
     """Process groups for one dp x cp x pp x tp layout of the current world."""
 
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1,
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1, ep: int = 1,
                  cp_innermost: bool = False, timeout: timedelta | None = None,
                  device_type: str | None = None) -> None:
         if not dist.is_initialized():
@@ -124,6 +124,39 @@ class ParallelMesh:
             self.axes["cp"] = _Axis("cp", 1, None, (self.rank,), 0)
             self.axes["replica"] = self.axes["dp"]
         assert self.axes["replica"].rank == r
+        self.ep = ep
+        self._expert_axes(grid)
+
+    def _expert_axes(self, grid: torch.Tensor) -> None:
+        """Expert parallelism borrows ``ep`` of the data-parallel ranks: data-parallel
+        coordinate ``d`` is expert-parallel rank ``d % ep`` of the expert group ``d // ep``, and
+        the ranks holding the same experts (``expert_replica``: dp / ep of them, the same
+        ``d % ep``) reduce their gradients together. Collective: every rank creates every group,
+        in the same order."""
+        ep, dp = self.ep, self.dp
+        if ep < 1 or dp % ep:
+            raise PlanMismatchError("expert parallelism borrows its ranks from data parallelism",
+                                    expected=f"ep dividing dp={dp}", found=f"ep={ep}")
+        if ep > 1 and self.cp > 1:
+            raise PlanMismatchError("expert parallelism with context parallelism is not "
+                                    "supported", found=f"ep={ep}, cp={self.cp}")
+        self.ep_rank, self.expert_replica_rank = self.dp_rank % ep, self.dp_rank // ep
+        if ep == 1:
+            self.axes["ep"] = _Axis("ep", 1, None, (self.rank,), 0)
+            self.axes["expert_replica"] = self.axes["replica"]
+            return
+        blocks = {"ep": [[d for d in range(dp) if d // ep == g] for g in range(dp // ep)],
+                  "expert_replica": [[d for d in range(dp) if d % ep == e] for e in range(ep)]}
+        for name, lists in blocks.items():
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    for ds in lists:
+                        ranks = tuple(int(grid[d, 0, p, t]) for d in ds)
+                        group = dist.new_group(list(ranks), timeout=self.timeout) \
+                            if len(ranks) > 1 else None
+                        if self.rank in ranks:
+                            self.axes[name] = _Axis(name, len(ranks), group, ranks,
+                                                    ranks.index(self.rank))
 
     def _axis(self, name: str, ranks: tuple[int, ...], dim: str | None = None) -> _Axis:
         group = self._device_mesh.get_group(dim or name) if len(ranks) > 1 else None
@@ -151,6 +184,17 @@ class ParallelMesh:
     def cp_group(self) -> dist.ProcessGroup | None:
         """The context-parallel ranks sharing this rank's sequences (None: cp = 1)."""
         return self.axes["cp"].group
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel ranks exchanging tokens with this one (None: ep = 1)."""
+        return self.axes["ep"].group
+
+    @property
+    def expert_replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts as this one (dp / ep of them): experts'
+        gradients are reduced, and ZeRO shards them, over it."""
+        return self.axes["expert_replica"].group
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:

@@ -100,6 +100,13 @@ class ShardGroups:
                     dist.destroy_process_group(g)
 
     @classmethod
+    def of_group(cls, group: dist.ProcessGroup | None) -> "ShardGroups":
+        """One group both reduced and sharded over (no hybrid split): expert weights' ranks."""
+        size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        return cls(group, size, rank, group, size, rank, None, 1, 0)
+
+    @classmethod
     def build(cls, mesh: Any, shard_size: int | None, timeout: timedelta) -> "ShardGroups":
         """Create the groups for ``mesh`` (a ParallelMesh). Collective over the whole world."""
         dp = mesh.replicas  # data- x context-parallel ranks hold the same parameters
