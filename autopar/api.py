@@ -572,6 +572,10 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                    found=f"virtual_stages={v}, schedule={schedule}", fix=fix)
     if schedule is not None and "zero" in pins:
         schedule_spec(schedule).check_zero(pins["zero"])
+    if "ep" in pins and "dp" in pins and pins["dp"] % pins["ep"]:
+        raise InvalidPlanError("expert parallelism borrows its ranks from data parallelism",
+                               expected=f"ep dividing dp={pins['dp']}", found=f"ep={pins['ep']}",
+                               fix="pin ep to a divisor of dp, or raise dp")
     if pins.get("sequence_parallel") and pins.get("tp") == 1:
         raise InvalidPlanError("sequence_parallel needs tp > 1", expected="tp >= 2",
                                found="tp=1", fix="drop sequence_parallel or pin tp >= 2")
@@ -670,7 +674,7 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     ep = pins.pop("ep", 1)  # not a search dimension yet: applied after
     if full:  # everything that shapes the mesh is pinned: no search needed
         decided = _plan_from_pins(pins, captured, world, global_batch)
-        return _with_ep(decided, ep).replace(model_fingerprint=fingerprint), None, None
+        return _with_ep(decided, ep, captured).replace(model_fingerprint=fingerprint), None, None
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
                                           mixed_precision)
@@ -682,16 +686,25 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
                                     found=f"{exc} (searched dp={decided.dp}, zero={decided.zero})",
                                     fix="pin dp (a multiple of zero_shard_size) and zero >= 1 "
                                         "too") from exc
-    return _with_ep(decided, ep).replace(model_fingerprint=fingerprint), prediction, search
+    return _with_ep(decided, ep, captured).replace(model_fingerprint=fingerprint), prediction, \
+        search
 
 
-def _with_ep(plan: Plan, ep: int) -> Plan:
+def _with_ep(plan: Plan, ep: int, captured: Any) -> Plan:
+    """``plan`` with ``ep`` pinned, checked against the model's experts."""
+    from autopar.passes.expert_parallel import expert_weights
+
     if ep == 1:
         return plan
     if plan.dp % ep:
         raise InvalidPlanError("expert parallelism borrows its ranks from data parallelism",
                                expected=f"ep dividing dp (dp={plan.dp} was chosen)",
                                found=f"ep={ep}", fix="pin dp to a multiple of ep too")
+    if not expert_weights(captured.gm, ep):  # raises when ep does not divide the experts
+        raise InvalidPlanError("ep > 1 but the model has no mixture-of-experts block",
+                               expected="experts autopar captures as one operation "
+                                        "(autopar/moe.py: transformers' experts layout)",
+                               found=f"ep={ep} and no experts", fix="drop the ep pin")
     return plan.replace(ep=ep)
 
 

@@ -38,7 +38,7 @@ from autopar.captured import (
     strip_model_prefix,
 )
 from autopar.errors import InvalidInputError, UntraceableModelError
-from autopar.moe import UnsupportedMoEError, experts_as_operations, moe_hint
+from autopar.moe import experts_as_operations, moe_error
 from autopar.ir import (
     BATCH,
     SEQ,
@@ -163,10 +163,9 @@ def capture(
                 captured = _from_export(ep, CaptureMethod.EXPORT_STATIC, {})
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"torch.export with static shapes: {_short(exc)}")
-                hint = moe_hint(model)
-                if hint is not None:
-                    raise UnsupportedMoEError(f"could not capture {type(model).__name__}: {hint}",
-                                              found=_short(exc)) from exc
+                moe = moe_error(model, _short(exc))
+                if moe is not None:
+                    raise moe from exc
                 _raise_if_data_dependent(exc, errors)
     if captured is None:
         try:
@@ -179,10 +178,9 @@ def capture(
         except Exception as exc:  # noqa: BLE001
             errors.append(f"torch.fx.symbolic_trace: {_short(exc)}")
     if captured is None:
-        hint = moe_hint(model)
-        if hint is not None:
-            raise UnsupportedMoEError(f"could not capture {type(model).__name__}: {hint}",
-                                      found="\n    " + "\n    ".join(errors))
+        moe = moe_error(model, "\n    " + "\n    ".join(errors))
+        if moe is not None:
+            raise moe
         raise UntraceableModelError(
             f"could not capture {type(model).__name__}",
             expected="a model torch.export or torch.fx can trace",

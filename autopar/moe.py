@@ -31,7 +31,7 @@ from autopar.errors import UntraceableModelError
 from autopar.runtime.moe import ACTIVATIONS, moe_experts
 
 __all__ = ["ExpertsModule", "UnsupportedMoEError", "find_experts", "experts_as_operations",
-           "MOE_OP"]
+           "MOE_OP", "moe_error"]
 
 #: The captured operation (an ATen-level custom op: one node in the exported graph).
 MOE_OP = torch.ops.autopar.moe_experts.default
@@ -115,11 +115,29 @@ def _recognize(path: str, module: nn.Module) -> ExpertsModule | None:
 def find_experts(model: nn.Module) -> list[ExpertsModule]:
     """Every experts module of ``model`` (module docstring), in module order."""
     found = []
-    for path, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
         hit = _recognize(path, module)
-        if hit is not None:
-            found.append(hit)
+        if hit is None:
+            continue
+        k = _top_k(modules.get(path.rpartition(".")[0]) if path else None)
+        if k is not None and k > hit.num_experts:
+            raise UnsupportedMoEError(
+                f"the router of {path} picks more experts per token than there are",
+                expected=f"top-k <= {hit.num_experts} experts", found=f"top-k = {k}",
+                fix="lower the experts per token (num_experts_per_tok)")
+        found.append(hit)
     return found
+
+
+def _top_k(block: nn.Module | None) -> int | None:
+    """The experts per token of a mixture-of-experts block: its ``top_k`` (transformers' blocks,
+    examples/moe.py) or its router's."""
+    for holder in (block, *(getattr(block, name, None) for name in ("gate", "router"))):
+        k = getattr(holder, "top_k", None) if holder is not None else None
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+    return None
 
 
 def _forward_as_operation(module: nn.Module, spec: ExpertsModule):
@@ -164,17 +182,20 @@ def experts_as_operations(model: nn.Module) -> Iterator[list[ExpertsModule]]:
                 del module.forward
 
 
-def moe_hint(model: nn.Module) -> str | None:
-    """What to say when a model with experts fails to trace: a mixture-of-experts block whose
-    experts are not in the recognized layout (a ModuleList of expert MLPs with a Python loop)."""
+def moe_error(model: nn.Module, found: str) -> UnsupportedMoEError | None:
+    """The error for a model that failed to trace (``found``: the tracer's words) when it holds
+    mixture-of-experts experts autopar does not recognize (a ModuleList of expert MLPs walked
+    by a loop that depends on the router's values); None when it holds none."""
     for path, module in model.named_modules():
         leaf = path.rsplit(".", 1)[-1]
-        if "expert" in leaf.lower() and isinstance(module, nn.ModuleList) \
-                and _recognize(path, module) is None:
-            return (f"{path} looks like mixture-of-experts experts in a ModuleList, whose "
-                    f"routing loop depends on tensor values: store the experts as stacked "
-                    f"weights gate_up_proj [E, 2I, H] and down_proj [E, H, I] with act_fn and "
-                    f"forward(hidden_states, top_k_index, top_k_weights), as transformers' "
-                    f"experts modules do (see examples/moe.py); autopar captures that as one "
-                    f"operation")
+        if "expert" in leaf.lower() and isinstance(module, nn.ModuleList):
+            return UnsupportedMoEError(
+                f"could not capture {type(model).__name__}: {path} looks like mixture-of-experts "
+                f"experts in a ModuleList, whose routing loop depends on tensor values",
+                expected="experts stored as transformers' experts modules store them: stacked "
+                         "weights gate_up_proj [E, 2I, H] and down_proj [E, H, I], act_fn, and "
+                         "forward(hidden_states, top_k_index, top_k_weights)",
+                found=found,
+                fix="store the experts in that layout (see examples/moe.py): autopar captures "
+                    "them as one operation and keeps the router as a graph")
     return None

@@ -560,7 +560,7 @@ class ParallelModel:
         """This rank's parameters as the checkpoint stores them: DataParallel name -> the FQN,
         full shape and tensor-parallel placement, and whether this copy is the one written."""
         from autopar.runtime.checkpoint import TensorLayout
-        from autopar.sharding import Replicate
+        from autopar.sharding import Replicate, Shard
 
         layouts = {p.fqn: p for p in self.tp_program.layouts}
         out = {}
@@ -569,6 +569,11 @@ class ParallelModel:
             replicated = isinstance(layout.placement, Replicate)
             writes = self.mesh.pp_rank == self._owner_pp_rank(fqn) and (
                 not replicated or self.mesh.tp_rank == 0)
+            if fqn in self.program.experts and self.plan.ep > 1:
+                # whole over tp, split over the experts: a shard along dim 0 over the ep ranks
+                out[name] = TensorLayout(fqn, tuple(layout.full_shape), Shard(0), self.plan.ep,
+                                         self.mesh.ep_rank, writes)
+                continue
             out[name] = TensorLayout(fqn, tuple(layout.full_shape), layout.placement,
                                      self.plan.tp, self.mesh.tp_rank, writes)
         return out

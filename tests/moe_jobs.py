@@ -107,3 +107,28 @@ def train(configs, steps: int = 2):
         result["seconds"] = time.perf_counter() - start
         out.append(result)
     return out
+
+
+def checkpoint_round_trip(path: str) -> dict[str, Any]:
+    """Train a step under dp 4 x ep 2 and save (sharded, and as transformers' safetensors), then
+    load the sharded checkpoint under dp 2 x tp 2 (ep 1) and dp 4 x ep 4 with ZeRO-2: the next
+    steps' losses of every plan."""
+    out: dict[str, Any] = {}
+    data = batches(3)
+    for plan, action in ((dict(dp=4, ep=2, tp=1, pp=1, num_micro_batches=1), "save"),
+                         (dict(dp=2, ep=1, tp=2, pp=1, num_micro_batches=1), "load"),
+                         (dict(dp=4, ep=4, tp=1, pp=1, num_micro_batches=1, zero=2), "load")):
+        model, loss_fn = make_model("mixtral")
+        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=loss_fn, plan=plan, tp_cost=TINY_COST,
+                                 timeout_s=TIMEOUT_S, optimizer=functools.partial(
+                                     torch.optim.AdamW, lr=LR, eps=EPS))
+        if action == "save":
+            pm.train_step(*data[0])
+            pm.save(path)
+            pm.save_pretrained(path + "-hf")
+        else:
+            pm.load(path)
+        out[f"ep={plan['ep']}, tp={plan['tp']}"] = [pm.train_step(*d) for d in data[1:]]
+        pm.close()
+    return out

@@ -13,12 +13,16 @@ too).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.nn as nn
 
 import autopar
 from autopar.captured import CaptureMethod
-from autopar.moe import experts_as_operations, find_experts
+from autopar.errors import InvalidPlanError, ShardingError
+from autopar.moe import UnsupportedMoEError, experts_as_operations, find_experts
 from autopar.runtime.moe import experts_reference, moe_experts
 
 import moe_jobs as jobs
@@ -118,12 +122,24 @@ EP_PLANS = [
 
 
 @pytest.mark.distributed
-def test_expert_parallel_trains_as_one_process():
+def test_expert_parallel_trains_as_one_process(tmp_path):
+    """Every plan of EP_PLANS against one process; then a checkpoint saved at ep 2 resumes at
+    ep 1 x tp 2 and at ep 4 with ZeRO-2 to the same losses, and transformers loads the
+    safetensors it wrote."""
     from autopar.runtime.local_pool import LocalPool
 
     with LocalPool(4, timeout_s=300) as pool:
         per_rank = pool.run(jobs.train, [(name, plan) for name, plan, _ in EP_PLANS],
                             timeout_s=900)
+        resumed = pool.run(jobs.checkpoint_round_trip, str(tmp_path / "ckpt"), timeout_s=600)
+    runs = resumed[0]
+    saved = runs.pop("ep=2, tp=1")
+    for what, losses in runs.items():
+        assert losses == pytest.approx(saved, rel=1e-6), what
+    import transformers as tf
+
+    loaded = tf.MixtralForCausalLM.from_pretrained(tmp_path / "ckpt-hf")
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 192, 64)
     for k, (name, plan, micro) in enumerate(EP_PLANS):
         what = f"{name} {plan}"
         errors = [r[k]["error"] for r in per_rank if "error" in r[k]]
@@ -143,3 +159,77 @@ def test_expert_parallel_trains_as_one_process():
             dense = sum(p.numel() for p in model.parameters()) * 4 - experts
             assert {r[k]["expert_bytes"] for r in per_rank} == {experts // plan["ep"]}, what
             assert {r[k]["held"] - r[k]["expert_bytes"] >= dense for r in per_rank} == {True}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: named errors with the fix
+# ---------------------------------------------------------------------------------------------
+
+class _LoopedExperts(nn.Module):
+    """A MoE whose experts are a ModuleList walked by a data-dependent loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        index = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = torch.nonzero(index == e).squeeze(-1)
+            if rows.numel():
+                out[rows] = expert(x[rows])
+        return out
+
+
+def _explains(err) -> None:
+    assert err.summary and (err.expected or err.found) and err.fix, str(err)
+
+
+def test_an_unrecognized_moe_is_named_with_the_layout_to_use():
+    with pytest.raises(UnsupportedMoEError, match="ModuleList") as info:
+        autopar.capture(_LoopedExperts(), (torch.randn(6, 8),), dynamic=False)
+    _explains(info.value)
+    assert "gate_up_proj" in info.value.expected and "examples/moe.py" in info.value.fix
+
+
+def test_top_k_larger_than_the_experts():
+    from examples.moe import MoELM
+
+    model = MoELM(num_experts=2, top_k=3)
+    with pytest.raises(UnsupportedMoEError, match="more experts per token") as info:
+        autopar.capture(model, (torch.randint(0, 128, (2, 8)),))
+    _explains(info.value)
+
+
+def test_a_transformers_layout_autopar_does_not_implement():
+    model, _ = jobs.make_model("mixtral")
+    model.model.layers[1].mlp.experts.has_bias = True
+    with pytest.raises(UnsupportedMoEError, match="layout") as info:
+        find_experts(model)
+    assert "has_bias=True" in info.value.found
+    _explains(info.value)
+
+
+def test_ep_that_does_not_divide_dp_or_the_experts_or_a_dense_model(tiny_models):
+    """Pins are checked before any work; the experts (4 in the Mixtral here) when the plan is
+    decided, on rank 0, and every rank raises the same error."""
+    model, loss_fn = jobs.make_model("mixtral")
+    (x,), (y,) = jobs.batches(1)[0]
+    kwargs = dict(example_inputs=(x,), example_targets=(y,), loss_fn=loss_fn,
+                  optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(InvalidPlanError, match="borrows its ranks") as info:
+        autopar.parallelize(model, plan=dict(dp=1, ep=2), **kwargs)
+    _explains(info.value)
+    captured = autopar.capture(model, (x,), loss_fn, example_targets=(y,))
+    from autopar.api import _with_ep
+    from autopar.plan_types import Plan
+
+    with pytest.raises(ShardingError, match="does not divide the 4 experts") as info:
+        _with_ep(Plan(dp=6), 3, captured)
+    _explains(info.value)
+    dense = tiny_models["gpt"][4]
+    with pytest.raises(InvalidPlanError, match="no mixture-of-experts") as info:
+        _with_ep(Plan(dp=2), 2, dense)
+    _explains(info.value)
