@@ -671,10 +671,16 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     pins = validate_pins(plan, world) if isinstance(plan, Mapping) else {}
     full = {"dp", "tp", "pp"} <= set(pins) and (
         "micro_batch_size" in pins or "num_micro_batches" in pins)
-    ep = pins.pop("ep", 1)  # not a search dimension yet: applied after
+    if pins.get("ep", 1) > 1:
+        _check_ep(pins["ep"], captured)
     if full:  # everything that shapes the mesh is pinned: no search needed
+        ep = pins.pop("ep", 1)
         decided = _plan_from_pins(pins, captured, world, global_batch)
-        return _with_ep(decided, ep, captured).replace(model_fingerprint=fingerprint), None, None
+        if decided.dp % ep:
+            raise InvalidPlanError("expert parallelism borrows its ranks from data parallelism",
+                                   expected=f"ep dividing dp (dp={decided.dp})",
+                                   found=f"ep={ep}", fix="pin dp to a multiple of ep too")
+        return decided.replace(ep=ep, model_fingerprint=fingerprint), None, None
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
                                           mixed_precision)
@@ -686,26 +692,18 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
                                     found=f"{exc} (searched dp={decided.dp}, zero={decided.zero})",
                                     fix="pin dp (a multiple of zero_shard_size) and zero >= 1 "
                                         "too") from exc
-    return _with_ep(decided, ep, captured).replace(model_fingerprint=fingerprint), prediction, \
-        search
+    return decided.replace(model_fingerprint=fingerprint), prediction, search
 
 
-def _with_ep(plan: Plan, ep: int, captured: Any) -> Plan:
-    """``plan`` with ``ep`` pinned, checked against the model's experts."""
+def _check_ep(ep: int, captured: Any) -> None:
+    """A pinned ep must split the model's experts."""
     from autopar.passes.expert_parallel import expert_weights
 
-    if ep == 1:
-        return plan
-    if plan.dp % ep:
-        raise InvalidPlanError("expert parallelism borrows its ranks from data parallelism",
-                               expected=f"ep dividing dp (dp={plan.dp} was chosen)",
-                               found=f"ep={ep}", fix="pin dp to a multiple of ep too")
     if not expert_weights(captured.gm, ep):  # raises when ep does not divide the experts
         raise InvalidPlanError("ep > 1 but the model has no mixture-of-experts block",
                                expected="experts autopar captures as one operation "
                                         "(autopar/moe.py: transformers' experts layout)",
                                found=f"ep={ep} and no experts", fix="drop the ep pin")
-    return plan.replace(ep=ep)
 
 
 def check_plan(plan: Plan, fingerprint: str, world: int, global_batch: int) -> None:

@@ -285,6 +285,19 @@ def saved_tensors(node: torch.fx.Node, name: str) -> list[Saved]:
         if p and train:
             spec = meta.spec if meta.spec is not None else _spec(args[0])
             out.append(((node.name, "mask"), TensorSpec(spec.shape, torch.bool)))
+    elif name == "moe_experts":  # what runtime/moe.py's autograd keeps, per routed row
+        x, index, down = _spec(args[0]), _spec(args[1]), _spec(args[4])
+        gate_up = _spec(args[3])
+        rows = x.shape[0] * index.shape[1]
+        inner = down.shape[-1]
+        gated = bool(args[6]) if len(args) > 6 else True
+        out.append(((node.name, "rows"), TensorSpec((rows, x.shape[1]), x.dtype)))
+        out.append(((node.name, "hidden"), TensorSpec((rows, gate_up.shape[1]), x.dtype)))
+        out.append(((node.name, "act"), TensorSpec((rows, 2 * inner if gated else inner),
+                                                   x.dtype)))
+        out.append(((node.name, "out"), TensorSpec((rows, x.shape[1]), x.dtype)))
+        out.append(((node.name, "weights"), TensorSpec((rows,), _spec(args[2]).dtype)))
+        out.append(((node.name, "routes"), TensorSpec((2 * rows,), torch.int64)))
     elif name == "embedding":
         keep(args[1])
     elif name in ("cross_entropy_loss",):

@@ -107,7 +107,9 @@ def _combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: tor
              token: torch.Tensor) -> torch.Tensor:
     """sum over each token's routes of weight * expert output (rows in expert order)."""
     w = weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add(0, token, (y * w.to(y.dtype)).to(x.dtype))
+    # index_put's backward keeps the indices only (index_add's keeps its source too)
+    return torch.zeros_like(x).index_put((token,), (y * w.to(y.dtype)).to(x.dtype),
+                                         accumulate=True)
 
 
 def experts_reference(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,

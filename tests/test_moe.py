@@ -223,13 +223,87 @@ def test_ep_that_does_not_divide_dp_or_the_experts_or_a_dense_model(tiny_models)
         autopar.parallelize(model, plan=dict(dp=1, ep=2), **kwargs)
     _explains(info.value)
     captured = autopar.capture(model, (x,), loss_fn, example_targets=(y,))
-    from autopar.api import _with_ep
-    from autopar.plan_types import Plan
+    from autopar.api import _check_ep
 
     with pytest.raises(ShardingError, match="does not divide the 4 experts") as info:
-        _with_ep(Plan(dp=6), 3, captured)
+        _check_ep(3, captured)
     _explains(info.value)
     dense = tiny_models["gpt"][4]
     with pytest.raises(InvalidPlanError, match="no mixture-of-experts") as info:
-        _with_ep(Plan(dp=2), 2, dense)
+        _check_ep(2, dense)
     _explains(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the planner knows of the experts
+# ---------------------------------------------------------------------------------------------
+
+def test_saved_activations_are_what_autograd_keeps():
+    """The analysis pass's saved tensors of the experts operation equal the bytes autograd keeps
+    when the runtime runs it (counted by saved-tensor hooks, each storage once, weights out)."""
+    from autopar.ir import info
+    from autopar.passes.analyze import analyze, saved_tensors
+    from autopar.runtime.moe import EPGroup
+
+    model, loss_fn = jobs.make_model("mixtral")
+    (x,), (y,) = jobs.batches(1)[0]
+    captured = autopar.capture(model, (x,), loss_fn, example_targets=(y,))
+    analyze(captured)
+    node = next(n for n in captured.gm.graph.nodes if n.target is torch.ops.autopar.moe_experts.default)
+    sizes = {"b": x.shape[0], "s": x.shape[1]}
+    from autopar.ir import evaluate
+
+    predicted = sum(evaluate(spec.nbytes, **sizes) for _, spec in saved_tensors(node, "moe_experts"))
+    experts = model.model.layers[0].mlp.experts
+    weights = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    T, k = x.numel(), 2
+    h = torch.randn(T, 64, requires_grad=True)
+    index = torch.stack([torch.randperm(4)[:k] for _ in range(T)])
+    w = torch.rand(T, k, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        EPGroup().experts(h, index, w, experts.gate_up_proj, experts.down_proj, "silu", True)
+    assert sum(seen.values()) == predicted
+    assert evaluate(info(node).spec.shape[0], **sizes) == T  # every token of the batch
+
+
+def test_cost_model_divides_the_experts_by_ep():
+    """Per-rank model state of a Mixtral on 8 ranks against the closed form: experts / ep
+    unsharded, sharded over the dp / ep ranks holding them (ZeRO-3 states: dense / dp +
+    experts / dp, whatever ep); and four all-to-alls per block at ep > 1, none at ep 1."""
+    from autopar.cluster import Cluster
+    from autopar.plan_types import RecomputeKind, ScheduleKind
+    from autopar.planner.candidates import Candidate
+    from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
+
+    model, loss_fn = jobs.make_model("mixtral")
+    (x,), (y,) = jobs.batches(1)[0]
+    captured = autopar.capture(model, (x,), loss_fn, example_targets=(y,))
+    costs = ModelCosts(captured)
+    assert costs.num_experts == 4
+    cm = CostModel(costs, Cluster.load("h100-80g").with_devices(8),
+                   TrainingSetup(global_batch=16, seq=16, dtype="bf16"))
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    w, g, o = 2, 2, 12  # bf16 weights and gradients, fp32 master + Adam moments
+    for ep in (1, 2, 4):
+        for zero in (0, 3):
+            c = Candidate(8, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, zero,
+                          False, ep=ep)
+            r = cm.evaluate(c).ranks[0]
+            held = dense + experts / ep
+            if zero == 0:
+                want = (w * held, g * held, o * held)
+            else:
+                want = tuple(b * (dense / 8 + experts / ep / (8 // ep)) for b in (w, g, o))
+            assert (r.weights, r.gradients, r.optimizer) == pytest.approx(want), (ep, zero)
+            costs_ep = cm.layer_costs(1, False, 1, 8, 1, ep=ep)
+            a2a = [call for lc in costs_ep for call in lc.tp_calls if call[0] == "all-to-all"]
+            assert len(a2a) == (4 * 2 if ep > 1 else 0)

@@ -34,6 +34,7 @@ def explain_lines(doc) -> list[str]:
                 if plan.get("cp", 1) > 1 else "") + f"tp={plan['tp']} "
              f"pp={plan['pp']}" + (f" (v={plan['virtual_stages']})" if plan['virtual_stages'] > 1
                                   else "")
+             + (f" ep={plan['ep']}" if plan.get("ep", 1) > 1 else "")
              + f", {plan['num_micro_batches']} micro-batches of {plan['micro_batch_size']}, "
                f"{plan['schedule']}, recompute {plan['recompute']}, ZeRO-{plan['zero']}"
              + (", sequence parallel" if plan["sequence_parallel"] else ""),
@@ -58,13 +59,15 @@ def explain_lines(doc) -> list[str]:
             lines.append(f"  {alt['label']}: {fmt_seconds(alt['prediction']['step_time_s'])} "
                          f"(+{alt['slower_than_best']:.1%}); {_diff(plan, pred, alt)}")
     meshes = [m for m in doc["best_per_mesh"]
-              if (m["plan"]["dp"], m["plan"].get("cp", 1), m["plan"]["tp"], m["plan"]["pp"])
-              != (plan["dp"], plan.get("cp", 1), plan["tp"], plan["pp"])]
+              if (m["plan"]["dp"], m["plan"].get("cp", 1), m["plan"]["tp"], m["plan"]["pp"],
+                  m["plan"].get("ep", 1))
+              != (plan["dp"], plan.get("cp", 1), plan["tp"], plan["pp"], plan.get("ep", 1))]
     if meshes:
         lines += ["", "Best plan of each other mesh that was priced (first-pass prices: min-max "
                       "stages, closed-form schedule):"]
         for alt in meshes[:8]:
             cp = f" cp={alt['plan']['cp']}" if alt["plan"].get("cp", 1) > 1 else ""
+            cp += f" ep={alt['plan']['ep']}" if alt["plan"].get("ep", 1) > 1 else ""
             lines.append(f"  dp={alt['plan']['dp']}{cp} tp={alt['plan']['tp']} "
                          f"pp={alt['plan']['pp']}"
                          f": {fmt_seconds(alt['prediction']['step_time_s'])} "
@@ -152,6 +155,31 @@ def _reasons(doc) -> list[str]:
                    f"dividing activations by {cp}; {plan.get('cp_attention', 'ring')} attention "
                    f"exchanges keys and values, {b.get('cp_comm_s', 0) / t:.1%} of the step "
                    f"exposed ({placed}); {versus}")
+    experts = doc["model"].get("experts", 0)
+    if experts:
+        ep = plan.get("ep", 1)
+        others = {}
+        for m in (*doc["alternatives"], *doc["best_per_mesh"]):
+            e = m["plan"].get("ep", 1)
+            if e != ep and (e not in others or m["prediction"]["step_time_s"]
+                            < others[e]["prediction"]["step_time_s"]):
+                others[e] = m
+        versus = "; ".join(f"the best plan at ep={e} ({m['label']}) is "
+                           f"{m['prediction']['step_time_s'] / t - 1:+.1%}"
+                           for e, m in sorted(others.items()))
+        imbalance = doc["training"].get("moe_imbalance", 1.0)
+        if ep > 1:
+            out.append(f"ep={ep} splits each block's {experts} experts over {ep} of the dp ranks "
+                       f"({experts // ep} each, their weights, gradients and optimizer state "
+                       f"divided by {ep}; ZeRO shards them over the dp / ep = "
+                       f"{plan['dp'] // ep} ranks holding the same experts); every token goes "
+                       f"to its experts' ranks and back by all-to-all, "
+                       f"{b.get('ep_comm_s', 0) / t:.1%} of the step exposed; routing assumed "
+                       f"{'uniform' if imbalance == 1 else f'{imbalance}x the mean on the busiest rank'}"
+                       + (f"; {versus}" if versus else ""))
+        else:
+            out.append(f"ep=1: every rank holds all {experts} experts of each block (no "
+                       f"all-to-all)" + (f"; {versus}" if versus else ""))
     if plan["pp"] > 1:
         out.append(f"pp={plan['pp']} cuts the layers into {len(plan['stages'])} stages; "
                    f"{plan['num_micro_batches']} micro-batches keep the bubble at "

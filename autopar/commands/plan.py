@@ -92,14 +92,18 @@ def print_plan(doc) -> None:
                        f"{cl['device']['name']}  (global batch {train['global_batch']} x "
                        f"{train['seq']} tokens, {train['dtype']})")
     cp = plan.get("cp", 1)
+    experts = doc["model"].get("experts", 0)
     for col in ("dp", "tp", "pp", "virtual", "micro-batch", "micro-batches", "schedule",
-                "recompute", "ZeRO", "seq. parallel") + (("cp",) if cp > 1 else ()):
+                "recompute", "ZeRO", "seq. parallel") + (("cp",) if cp > 1 else ()) + (
+                ("ep",) if experts else ()):
         mesh.add_column(col, justify="right")
     mesh.add_row(*(str(plan[k]) for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
                                           "num_micro_batches", "schedule", "recompute", "zero")),
                  "yes" if plan["sequence_parallel"] else "no",
                  *((f"{cp} ({plan.get('cp_attention', 'ring')}"
-                     f"{', innermost' if plan.get('cp_innermost') else ''})",) if cp > 1 else ()))
+                     f"{', innermost' if plan.get('cp_innermost') else ''})",) if cp > 1 else ()),
+                 *((f"{plan.get('ep', 1)} ({experts // plan.get('ep', 1)} of {experts} experts "
+                    f"per rank)",) if experts else ()))
     out.print(mesh)
 
     stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")

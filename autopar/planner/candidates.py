@@ -35,19 +35,22 @@ class Candidate(NamedTuple):
     cp_innermost: bool = False
     #: The K/V exchange ("ring", "allgather"); None: the cheaper.
     cp_attention: str | None = None
+    #: Expert parallelism: data-parallel ranks each block's experts are split over.
+    ep: int = 1
 
     def key(self) -> tuple:
         """Deterministic order for ties."""
         return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
                 self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
-                self.cp, self.cp_innermost, self.cp_attention or "")
+                self.cp, self.cp_innermost, self.cp_attention or "", self.ep)
 
     def label(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
         cp = (f" cp={self.cp}{' (inner)' if self.cp_innermost else ''}"
               f"{' ' + self.cp_attention if self.cp_attention else ''}" if self.cp > 1 else "")
-        return (f"dp={self.dp}{cp} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp}{cp}{ep} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
                 f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
 
 
@@ -95,6 +98,9 @@ class RankSums:
     backward_chunk0: float
     recompute: float
     tp_comm: float
+    #: Of ``params``: the experts this rank holds (already divided by ep), whose ZeRO shards
+    #: span the dp / ep ranks holding the same experts.
+    expert_params: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +147,14 @@ class TrainingSetup:
     global_batch: int
     seq: int
     dtype: str = "bf16"
+    #: Mixture-of-experts: rows of the busiest expert-parallel rank over the mean (1: uniform
+    #: routing, what the load-balancing loss aims at). An assumption the user may change.
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.moe_imbalance >= 1.0:
+            raise ValueError(f"moe_imbalance must be >= 1 (the busiest rank over the mean), got "
+                             f"{self.moe_imbalance}")
         if self.global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
         if self.seq < 1:

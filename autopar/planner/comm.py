@@ -161,7 +161,7 @@ def p2p_time(cluster: Cluster, nbytes: float, *, inter_node: bool) -> float:
 
 @lru_cache(maxsize=4096)
 def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1,
-           cp_innermost: bool = False) -> dict[str, GroupSpan]:
+           cp_innermost: bool = False, ep: int = 1) -> dict[str, GroupSpan]:
     from autopar.runtime.mesh import rank_grid
 
     def span(ranks: list[int]) -> GroupSpan:
@@ -179,6 +179,9 @@ def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1,
         "dp": [[g[d][c][p][t] for d in D] for c in C for p in P for t in T],
         "cp": [[g[d][c][p][t] for c in C] for d in D for p in P for t in T],
         "replica": [[g[d][c][p][t] for d in D for c in C] for p in P for t in T],
+        # expert parallelism: ep consecutive data-parallel ranks (runtime/mesh.py)
+        "ep": [[g[d][c][p][t] for d in range(e0, e0 + ep)] for e0 in range(0, dp, ep)
+               for c in C for p in P for t in T],
     }
     worst: dict[str, GroupSpan] = {}
     # every group of an axis, keep the worst placed (most nodes, then fewest per node)
@@ -193,7 +196,8 @@ def _spans(devices_per_node: int, dp: int, pp: int, tp: int, cp: int = 1,
 
 
 def mesh_span(cluster: Cluster, dp: int, pp: int, tp: int, axis: str, cp: int = 1,
-              cp_innermost: bool = False) -> GroupSpan:
-    """Placement of the ``axis`` groups ("dp", "pp", "tp", "cp", or "replica": dp x cp) of a
-    dp x pp x cp x tp mesh on ``cluster`` (the worst-placed group of the axis)."""
-    return _spans(cluster.devices_per_node, dp, pp, tp, cp, cp_innermost)[axis]
+              cp_innermost: bool = False, ep: int = 1) -> GroupSpan:
+    """Placement of the ``axis`` groups ("dp", "pp", "tp", "cp", "replica": dp x cp, or "ep":
+    ``ep`` consecutive data-parallel ranks) of a dp x pp x cp x tp mesh on ``cluster`` (the
+    worst-placed group of the axis)."""
+    return _spans(cluster.devices_per_node, dp, pp, tp, cp, cp_innermost, ep)[axis]

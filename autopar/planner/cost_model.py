@@ -163,10 +163,12 @@ class CostModel:
 
     # -- per-layer ---------------------------------------------------------------------------
     def layer_costs(self, tp: int, sp: bool, mbs: int, dp: int = 1, pp: int = 1, cp: int = 1,
-                    cp_innermost: bool = False) -> list[LayerCosts]:
+                    cp_innermost: bool = False, ep: int = 1) -> list[LayerCosts]:
         span = mesh_span(self.cluster, dp, pp, tp, "tp", cp, cp_innermost)
         cp_span = mesh_span(self.cluster, dp, pp, tp, "cp", cp, cp_innermost) if cp > 1 else None
-        key = (tp, sp, mbs, span, cp, cp_span)
+        ep_span = mesh_span(self.cluster, dp, pp, tp, "ep", cp, cp_innermost, ep) \
+            if ep > 1 else None
+        key = (tp, sp, mbs, span, cp, cp_span, ep, ep_span)
         out = self._layer_cache.get(key)
         if out is None:
             layout = self.layout(tp, sp, mbs)
@@ -178,7 +180,8 @@ class CostModel:
                 if lc is None:
                     lc = price_layer(tmpl, self.model.split(tmpl, layout, tp), self.cluster,
                                      self.setup.dtype, tp, mbs, self.setup.seq,
-                                     self.model.graph_float_bytes, span, cp, cp_span)
+                                     self.model.graph_float_bytes, span, cp, cp_span, ep,
+                                     ep_span, self.setup.moe_imbalance)
                     priced[id(tmpl)] = lc
                 out.append(lc)
             self._layer_cache[key] = out
@@ -187,7 +190,7 @@ class CostModel:
     def _costs(self, c: Candidate) -> list[LayerCosts]:
         """Per-layer costs of a candidate's mesh (cached by :meth:`layer_costs`)."""
         return self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp,
-                                c.cp_innermost)
+                                c.cp_innermost, c.ep)
 
     def _layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
                      cp_attention: str = "ring"
@@ -265,7 +268,7 @@ class CostModel:
     def _check_key(c: Candidate) -> tuple:
         """What :meth:`check` depends on: every field but recompute and ZeRO."""
         return (c.dp, c.tp, c.pp, c.virtual_stages, c.micro_batch_size, c.schedule,
-                c.sequence_parallel, c.cp, c.cp_innermost)
+                c.sequence_parallel, c.cp, c.cp_innermost, c.ep)
 
     def _check(self, c: Candidate, layout: bool = True) -> str | None:
         """``layout=False`` leaves out whether the sharding search can split the model at
@@ -280,6 +283,11 @@ class CostModel:
             problem = self.model.cp_problem()
             if problem:
                 return problem
+        if c.ep > 1:
+            experts = self.model.num_experts
+            if c.dp % c.ep or not experts or experts % c.ep or c.cp > 1:
+                return (f"ep={c.ep} needs a mixture-of-experts model whose experts ({experts}) "
+                        f"and dp={c.dp} it divides, and cp=1")
         if self.setup.global_batch % (c.dp * c.micro_batch_size):
             return (f"global batch {self.setup.global_batch} is not divisible by dp x "
                     f"micro-batch = {c.dp * c.micro_batch_size}")
@@ -408,17 +416,22 @@ class CostModel:
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
         largest = working = 0.0
-        for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
-            params = self._layer_params(i, layout, c.tp)
-            largest = max(largest, params)
-            if self.is_block[i] and c.recompute is not RecomputeKind.NONE:
-                working = max(working, lc.act_bytes - self._activation(i, lc, c.recompute))
-            layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
-                                     self._activation(i, lc, c.recompute), lc.boundary_bytes))
         w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
         n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
         per_param = (w_bytes / (n if c.zero >= 3 else 1) + g_bytes / (n if c.zero >= 2
                      else 1) + o_bytes / (n if c.zero >= 1 else 1))
+        # an expert's states shard over the dp / ep ranks holding it: priced as dense ones
+        ne = max(n // c.ep, 1)
+        per_expert = (w_bytes / (ne if c.zero >= 3 else 1) + g_bytes / (ne if c.zero >= 2
+                      else 1) + o_bytes / (ne if c.zero >= 1 else 1))
+        for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
+            held, experts = self._layer_params(i, layout, c.tp, c.ep)
+            largest = max(largest, held)
+            params = held - experts + experts * per_expert / per_param
+            if self.is_block[i] and c.recompute is not RecomputeKind.NONE:
+                working = max(working, lc.act_bytes - self._activation(i, lc, c.recompute))
+            layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
+                                     self._activation(i, lc, c.recompute), lc.boundary_bytes))
         buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0
         memory = max(self.cluster.device.usable_memory_bytes - buffers - working, 1.0)
         p, v = c.pp, c.virtual_stages
@@ -493,7 +506,7 @@ class CostModel:
         zero_bubble = c.schedule.spec.splits_backward
         key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
                c.virtual_stages, zero_bubble, c.schedule.spec.placement,
-               tuple(cuts) if cuts else None, c.cp, c.cp_innermost, self.cp_attention(c))
+               tuple(cuts) if cuts else None, c.cp, c.cp_innermost, self.cp_attention(c), c.ep)
         hit = self._staging_cache.get(key)
         if hit is not None:
             return hit
@@ -535,11 +548,12 @@ class CostModel:
         ranks = []
         for rank in range(p):
             mine = [stages[s] for s in chunks[rank]]
-            held, largest = self._rank_params(tuple(st.layers for st in mine), layout, c.tp)
+            held, largest, experts = self._rank_params(tuple(st.layers for st in mine), layout,
+                                                       c.tp, c.ep)
             working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
                           default=0.0) if c.recompute is not RecomputeKind.NONE else 0.0
             ranks.append(RankSums(
-                params=held, largest_layer_params=largest,
+                params=held, largest_layer_params=largest, expert_params=experts,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
                 activations=sum(st.activation_bytes for st in mine), working=max(working, 0.0),
                 forward=sum(st.forward_s for st in mine),
@@ -595,27 +609,48 @@ class CostModel:
                    for s in st.stages if s.pp_rank == rank
                    for i in range(s.layers[0], s.layers[1] + 1))
 
+    def _ep_comm(self, c: Candidate, st: "Staging", rank: int) -> float:
+        """Exposed seconds of expert-parallel all-to-alls in one micro-batch of pipeline rank
+        ``rank`` (part of its stages' tp_comm_s)."""
+        if c.ep == 1:
+            return 0.0
+        costs = self._costs(c)
+        return sum(costs[i].ep_forward_s + costs[i].ep_backward_s
+                   for s in st.stages if s.pp_rank == rank
+                   for i in range(s.layers[0], s.layers[1] + 1))
+
     def _stage_node(self, pp_rank: int, tp: int) -> int:
         """The node of pipeline rank ``pp_rank``'s first rank; ``tp``: the ranks of one stage
         (tp x cp: pipeline stages stride by both, runtime/mesh.py)."""
         return (pp_rank * tp) // self.cluster.devices_per_node
 
-    def _layer_params(self, i: int, layout: TPLayout | None, tp: int) -> float:
-        """Parameters layer ``i`` reads, per tensor-parallel rank."""
+    def _layer_params(self, i: int, layout: TPLayout | None, tp: int, ep: int = 1
+                      ) -> tuple[float, float]:
+        """(parameters, of which experts) layer ``i`` reads, per tensor- and expert-parallel
+        rank."""
         split = layout.sharded_params if layout is not None else frozenset()
-        return float(sum(numel / tp if fqn in split else numel
-                         for fqn, numel in self.model.template(i).params.items()))
+        tmpl = self.model.template(i)
+        total = experts = 0.0
+        for fqn, numel in tmpl.params.items():
+            share = numel / tp if fqn in split else numel
+            if fqn in tmpl.expert_params:
+                share /= ep
+                experts += share
+            total += share
+        return total, experts
 
     def _rank_params(self, ranges: tuple[tuple[int, int], ...], layout: TPLayout | None,
-                     tp: int) -> tuple[float, float]:
-        """(parameters held, largest layer's parameters) of one tp rank holding the layers of
-        ``ranges`` (a tied table read by two of them once)."""
-        key = (ranges, id(layout), tp)
+                     tp: int, ep: int = 1) -> tuple[float, float, float]:
+        """(parameters held, largest layer's parameters, experts held) of one tp rank holding
+        the layers of ``ranges`` (a tied table read by two of them once; experts split over ep
+        ranks)."""
+        key = (ranges, id(layout), tp, ep)
         hit = self._params_cache.get(key)
         if hit is not None:
             return hit
         split = layout.sharded_params if layout is not None else frozenset()
         seen: dict[Any, float] = {}
+        experts: dict[Any, float] = {}
         largest = 0.0
         for first, last in ranges:
             for i in range(first, last + 1):
@@ -623,14 +658,17 @@ class CostModel:
                 layer_total = 0.0
                 for fqn, numel in tmpl.params.items():
                     share = numel / tp if fqn in split else numel
+                    where = (i, fqn) if tmpl.shared else fqn
+                    if fqn in tmpl.expert_params:
+                        share /= ep
+                        experts[where] = share
                     layer_total += share
                     # a repeated block's template names its representative's parameters
-                    seen[(i, fqn) if tmpl.shared else fqn] = share
+                    seen[where] = share
                 largest = max(largest, layer_total)
-        out = (sum(seen.values()), largest)
+        out = (sum(seen.values()), largest, sum(experts.values()))
         self._params_cache[key] = out
         return out
-
 
     def _finish(self, c: Candidate, m: int, st: "Staging", pipe: PipelineTime,
                 rank_acts: Sequence[float] | None = None,
@@ -707,7 +745,8 @@ class CostModel:
                 if c.zero in (1, 2):  # updated weights gathered after the step
                     exposed += coll(Collective.ALL_GATHER, weights, bucket)
                 dp_exposed = max(dp_exposed, exposed)
-            local = rs.params / replicas if c.zero >= 1 else rs.params
+            local = (rs.params - rs.expert_params) / replicas \
+                + rs.expert_params / max(replicas // c.ep, 1) if c.zero >= 1 else rs.params
             # every rank steps at once: on a CPU host they share its cores
             optimizer_s = max(optimizer_s, optimizer_time(cl, local)
                               / cl.compute_share(cl.devices_per_node))
@@ -720,10 +759,12 @@ class CostModel:
         unit = b.forward + b.backward
         scale = pipe.busy_s / unit if unit > 0 else 0.0
         cp_comm = self._cp_comm(c, st, pipe.bottleneck_rank)
+        ep_comm = self._ep_comm(c, st, pipe.bottleneck_rank)
         breakdown = {
             "compute_s": (unit - b.recompute - b.tp_comm) * scale,
-            "tp_comm_s": (b.tp_comm - cp_comm) * scale,
+            "tp_comm_s": (b.tp_comm - cp_comm - ep_comm) * scale,
             **({"cp_comm_s": cp_comm * scale} if c.cp > 1 else {}),
+            **({"ep_comm_s": ep_comm * scale} if c.ep > 1 else {}),
             "pp_comm_s": pipe.p2p_s,
             "dp_comm_s": dp_exposed,
             "bubble_s": pipe.total_s - pipe.busy_s - pipe.p2p_s,
@@ -742,7 +783,8 @@ class CostModel:
             memory={k: val for k, val in peak_rank.to_json().items() if k != "total"},
             stage_partition=dict(partition or {"method": "min-max split (first pass)",
                                                "pipeline": pipe.method}))
-        plan = Plan(dp=c.dp, tp=c.tp, pp=p, virtual_stages=v, micro_batch_size=c.micro_batch_size,
+        plan = Plan(dp=c.dp, tp=c.tp, pp=p, ep=c.ep, virtual_stages=v,
+                    micro_batch_size=c.micro_batch_size,
                     num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
                     sequence_parallel=c.sequence_parallel, cp=c.cp,
                     cp_attention=self.cp_attention(c), cp_innermost=c.cp_innermost,
@@ -774,14 +816,18 @@ class CostModel:
                     in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r)
                     for r in range(c.pp)]
         ranks: list[RankMemory] = []
+        ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
         for r, rs in enumerate(st.ranks):
             acts = rank_acts[r] if rank_acts is not None else \
                 rs.activations * flight[r] + rs.working
             # ZeRO-3: the gathered weights of the layer running and of the one prefetched, and
             # the unsharded gradients of the layer computed and of the one reduce-scattered
             buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
-            ranks.append(RankMemory(r, w_per * rs.params, g_per * rs.params,
-                                    o_per * rs.params, acts, buffers))
+            dense, ex = rs.params - rs.expert_params, rs.expert_params
+            ranks.append(RankMemory(
+                r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,
+                g_per * dense + g_bytes / (ne if c.zero >= 2 else 1) * ex,
+                o_per * dense + o_bytes / (ne if c.zero >= 1 else 1) * ex, acts, buffers))
         return ranks
 
     def _out_of_memory(self, ranks: Sequence[RankMemory]) -> str | None:

@@ -61,6 +61,9 @@ __all__ = ["ModelCosts", "LayerCosts", "price_layer", "seq_degree", "BIAS_OP",
 #: the weight-gradient GEMM (``gradient_accumulation_fusion``); autopar's runtime does not.
 GRAD_ACCUMULATION_READS_WRITES = 3
 
+#: The op tag of an experts operation's GEMM terms (their rows scale with the routing imbalance).
+EXPERT_OP = "moe_experts"
+
 
 class _Kind(enum.Enum):
     GEMM = "gemm"
@@ -125,6 +128,10 @@ class _Template:
     grad_nodes: int = 0
     #: True when several layers use this template (repeated blocks).
     shared: bool = False
+    #: Per experts operation: the index of its rows x hidden (elements each all-to-all of
+    #: expert parallelism moves per rank) and the parameters holding its experts.
+    moe_rows: list[int] = field(default_factory=list)
+    expert_params: frozenset[str] = frozenset()
     fn: Any = None
     cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
 
@@ -335,6 +342,13 @@ class ModelCosts:
         for t in self.templates:
             t.shared = uses[id(t)] > 1
         self.num_layers = len(self.templates)
+        #: Experts per mixture-of-experts block, their greatest common divisor over the blocks
+        #: (what ep must divide; 0: no experts).
+        self.num_experts = 0
+        for node in captured.gm.graph.nodes:
+            if node.op == "call_function" and op_name(node) == "moe_experts":
+                self.num_experts = math.gcd(self.num_experts,
+                                            int(info(node.args[3]).spec.shape[0]))
 
     # -- construction -------------------------------------------------------------------------
     def _saved_entries(self) -> dict[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]:
@@ -391,6 +405,8 @@ class ModelCosts:
         core_flops = sympy.Integer(0)
         core_nodes = self._core_nodes(layer)
         calls = grad_calls = 0
+        moe_rows: list[int] = []
+        moe_params: set[str] = set()
         for name in layer.nodes:
             node = captured.node(name)
             if node.op != "call_function":
@@ -420,6 +436,29 @@ class ModelCosts:
                 add(q.shape[-1])  # head dim
                 k, v_ = info(node.args[1]).spec, info(node.args[2]).spec
                 add(k.numel + v_.numel)  # keys and values: what context parallelism exchanges
+                continue
+            if op == "moe_experts":  # two grouped GEMMs per routed token, its dispatch
+                x, index = info(node.args[0]).spec, info(node.args[1]).spec
+                gate_up, down = info(node.args[3]).spec, info(node.args[4]).spec
+                rows = x.shape[0] * index.shape[1]
+                hidden, inner = x.shape[1], down.shape[-1]
+                gemm_flops = gemm_flops + meta.flops
+                for n_, k_ in ((gate_up.shape[1], hidden), (hidden, inner)):
+                    idx = add(1)
+                    add(rows)
+                    add(n_)
+                    add(k_)
+                    terms.append(_Term(_Kind.GEMM, name, meta.requires_grad, True, grads, False,
+                                       idx, EXPERT_OP))
+                # gather the routed rows, the activation, weigh and add back (4 row passes)
+                element = x.nbytes / x.numel
+                terms.append(_Term(_Kind.MEMORY, name, meta.requires_grad, False, grads, False,
+                                   add(rows * gate_up.shape[1]), ""))
+                add(element * rows * (4 * hidden + 2 * gate_up.shape[1]))
+                add(rows * gate_up.shape[1])
+                moe_rows.append(add(rows * hidden))
+                moe_params.update(info(a).fqn for a in node.args[3:5]
+                                  if isinstance(a, torch.fx.Node) and info(a).fqn)
                 continue
             dims = gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
@@ -480,7 +519,8 @@ class ModelCosts:
             layer_name=layer.name, terms=terms, exprs=exprs, saved=saved_tensors,
             checkpoint=checkpoint, boundary=boundary, gemm_flops=add(gemm_flops),
             core_flops=add(core_flops), params=params, nodes=calls,
-            grad_nodes=grad_calls + len(params))
+            grad_nodes=grad_calls + len(params), moe_rows=moe_rows,
+            expert_params=frozenset(self._canonical.get(f, f) for f in moe_params))
 
     def _core_nodes(self, layer: Any) -> set[str]:
         """The attention core: fused attention, and the nodes whose output grows as s^2
@@ -675,18 +715,29 @@ class LayerCosts:
     #: Backward all-gathers of the sequence-parallel GEMM inputs kept as shards (seconds; not
     #: in ``tp_backward_s``: a fully recomputed layer saves nothing and gathers nothing more)
     regather_s: float = 0.0
+    #: Expert parallelism: the all-to-alls of its experts (dispatch and combine), forward and
+    #: backward, exposed (also counted in ``tp_forward_s`` / ``tp_backward_s``).
+    ep_forward_s: float = 0.0
+    ep_backward_s: float = 0.0
 
 
 def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype: str, tp: int,
                 b: int, s: int, graph_float_bytes: int, tp_span: Any, cp: int = 1,
-                cp_span: Any = None) -> LayerCosts:
+                cp_span: Any = None, ep: int = 1, ep_span: Any = None,
+                moe_imbalance: float = 1.0) -> LayerCosts:
     """One micro-batch of ``b`` sequences of ``s`` through a layer on one tensor-parallel rank
     (``split`` is the template under the plan's layout: :meth:`ModelCosts.split`).
 
     Under context parallelism (``cp`` > 1) the rank holds ``s / cp`` tokens of each sequence:
     every op is priced at that length but attention, whose queries see the whole sequence's
     keys (its FLOPs are the whole sequence's over ``cp``: the head-tail layout balances causal
-    work), plus the exchange of keys and values over ``cp_span`` (:func:`cp_exchange`)."""
+    work), plus the exchange of keys and values over ``cp_span`` (:func:`cp_exchange`).
+
+    Experts (mixture-of-experts): every routed row through its expert's two GEMMs, times
+    ``moe_imbalance`` (the busiest expert rank's rows over the mean; 1 = uniform routing, which
+    the load-balancing loss aims at); under expert parallelism (``ep`` > 1, over ``ep_span``) two
+    all-to-alls per experts operation forward (dispatch, combine) and two backward, of each
+    rank's routed rows, not overlapped (Megatron-LM's default)."""
     v = template.values(b, s // cp)
     full = template.values(b, s) if cp > 1 else v
     esize = PRECISION_BYTES[dtype]
@@ -698,6 +749,8 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
         i = term.index
         if term.kind is _Kind.GEMM:
             batch, m, n, k = v[i], v[i + 1], v[i + 2], v[i + 3]
+            if term.op == EXPERT_OP:
+                m = m * moe_imbalance
             if how is _Split.COLUMN:
                 n = math.ceil(n / tp)
             elif how is _Split.ROW:
@@ -775,6 +828,18 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
             tp_b += t
         calls.append((kind.value, "forward" if forward else "backward", nbytes))
 
+    ep_f = ep_b = 0.0
+    if ep > 1:
+        for i in template.moe_rows:  # the rows this rank routes, sent as ep parts
+            nbytes = v[i] * esize * ep  # comm.py prices an all-to-all by the whole exchange
+            t = collective_time(cluster, Collective.ALL_TO_ALL, nbytes, ep_span).seconds
+            ep_f += 2 * t
+            ep_b += 2 * t
+        tp_f += ep_f
+        tp_b += ep_b
+        calls.extend((Collective.ALL_TO_ALL.value, d, v[i] * esize * ep)
+                     for i in template.moe_rows for d in ("forward",) * 2 + ("backward",) * 2)
+
     regather_s = 0.0
     for t, again in zip(template.saved, split.regather):
         if again:  # the whole tensor, gathered once per backward (shared by its readers)
@@ -797,7 +862,7 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
         ckpt_bytes=nbytes(template.checkpoint, split.checkpoint),
         boundary_bytes=nbytes(template.boundary, split.boundary),
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
-        tp_calls=tuple(calls),
+        tp_calls=tuple(calls), ep_forward_s=ep_f, ep_backward_s=ep_b,
         cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {},
         regather_s=regather_s)
 

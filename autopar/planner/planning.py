@@ -90,9 +90,12 @@ class PlanReport:
                         "rank_memory_bytes": int(rank_mem[st.pp_rank])})
         return {
             "autopar_plan_document": DOCUMENT_VERSION,
-            "model": self.model,
+            "model": {**self.model, **({"experts": self.cost_model.model.num_experts}
+                                        if self.cost_model.model.num_experts else {})},
             "training": {"global_batch": self.setup.global_batch, "seq": self.setup.seq,
-                         "dtype": self.setup.dtype},
+                         "dtype": self.setup.dtype,
+                         **({"moe_imbalance": self.setup.moe_imbalance}
+                            if self.cost_model.model.num_experts else {})},
             "cluster": self.cluster.to_json(),
             "plan": {**plan, "model_fingerprint": self.fingerprint},
             "prediction": {**best.prediction.to_json(), **_extra(best)},

@@ -72,6 +72,8 @@ class SearchSpace:
     sequence_parallel: bool | None = None
     cp_innermost: bool | None = None
     cp_attention: str | None = None
+    #: Expert parallelism (searched over the divisors of dp that divide the experts).
+    ep: int | None = None
     max_virtual_stages: int = 8
     max_micro_batch: int = 32
 
@@ -80,7 +82,7 @@ class SearchSpace:
             object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
         if self.recompute is not None:
             object.__setattr__(self, "recompute", RecomputeKind(self.recompute))
-        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -92,7 +94,8 @@ class SearchSpace:
     def pins(self) -> dict[str, object]:
         out = {}
         for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "schedule",
-                     "recompute", "zero", "sequence_parallel", "cp_innermost", "cp_attention"):
+                     "recompute", "zero", "sequence_parallel", "cp_innermost", "cp_attention",
+                     "ep"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = getattr(value, "value", value)
@@ -161,6 +164,7 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
     inners = (False, True) if cp > 1 and tp > 1 else (False,)
     if pin.cp_innermost is not None:
         inners = (pin.cp_innermost and cp > 1,)
+    eps = _expert_degrees(cm, dp, cp, pin.ep)
     mbs_options = [b for b in _divisors(batch // dp) if b <= space.max_micro_batch]
     if pin.micro_batch_size is not None:
         mbs_options = [pin.micro_batch_size]
@@ -191,9 +195,21 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
                         sps = (pin.sequence_parallel,)
                     for sp in sps:
                         for inner in inners:
-                            out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp,
-                                                 cp, inner, pin.cp_attention))
+                            for ep in eps:
+                                out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp,
+                                                     cp, inner, pin.cp_attention, ep))
     return out
+
+
+def _expert_degrees(cm: CostModel, dp: int, cp: int, pin: int | None) -> list[int]:
+    """The ep of one mesh: divisors of dp dividing every block's experts (1 without experts,
+    or with context parallelism)."""
+    experts = cm.model.num_experts
+    if pin is not None:
+        return [pin] if dp % pin == 0 and (experts % pin == 0 if experts else pin == 1) else []
+    if not experts or cp > 1:
+        return [1]
+    return [e for e in _divisors(dp) if experts % e == 0]
 
 
 def _peak(ev: Evaluation) -> float:
@@ -278,7 +294,7 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
                         memory_examples += 1
                         examples.append((c.label(), ev.infeasible))
                     continue
-                mesh = (c.dp, c.tp, c.pp, c.cp, c.cp_innermost)
+                mesh = (c.dp, c.tp, c.pp, c.cp, c.cp_innermost, c.ep)
                 if mesh not in best_mesh or _rank_key(ev) < _rank_key(best_mesh[mesh]):
                     best_mesh[mesh] = ev
                 item = (-ev.step_time_s, _neg(c.key()), ev)
