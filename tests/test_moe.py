@@ -307,3 +307,32 @@ def test_cost_model_divides_the_experts_by_ep():
             costs_ep = cm.layer_costs(1, False, 1, 8, 1, ep=ep)
             a2a = [call for lc in costs_ep for call in lc.tp_calls if call[0] == "all-to-all"]
             assert len(a2a) == (4 * 2 if ep > 1 else 0)
+
+
+def test_autopar_plan_searches_ep_for_a_mixtral_8x7b_config(tmp_path, capsys):
+    """A Mixtral-8x7B-shaped config.json (32 blocks of 8 experts, top-2) on 64 H100s: the plan
+    splits the experts (ep > 1, each rank's experts and their states divided by ep), the table
+    has an ep column, and explain says why against the best plan of every other ep."""
+    import json
+
+    import transformers as tf
+
+    from autopar.cli import main
+
+    tf.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                     max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2,
+                     architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(tmp_path), "--cluster", "h100-80g", "--gpus", "64",
+                 "--global-batch", "256", "--seq", "4096", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    ep = doc["plan"]["ep"]
+    assert ep in (2, 4, 8) and doc["model"]["experts"] == 8
+    assert f"{8 // ep}/8 experts" in table
+    assert doc["prediction"]["breakdown"]["ep_comm_s"] > 0
+    assert main(["explain", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"ep={ep} splits each block's 8 experts" in text and "all-to-all" in text
+    assert "the best plan at ep=1" in text

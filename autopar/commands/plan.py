@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     pins.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",
                       default=None)
+    pins.add_argument("--ep", type=int, help="expert parallelism (mixture-of-experts models)")
+    p.add_argument("--moe-imbalance", dest="moe_imbalance", type=float, default=1.0,
+                   metavar="F", help="mixture-of-experts: rows of the busiest expert rank over "
+                                     "the mean (default 1: uniform routing)")
     p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
                    help="attention kernel the model is captured with (default sdpa)")
     p.add_argument("--top", type=int, default=5, help="alternatives kept (default 5)")
@@ -53,7 +57,8 @@ def space_from_args(args: argparse.Namespace):
         return SearchSpace(dp=args.dp, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages,
                            micro_batch_size=args.micro_batch, schedule=args.schedule,
                            recompute=args.recompute, zero=args.zero,
-                           sequence_parallel=args.sequence_parallel)
+                           sequence_parallel=args.sequence_parallel,
+                           ep=getattr(args, "ep", None))
     except ValueError as exc:
         from autopar.errors import InvalidInputError
 
@@ -68,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster.load(args.cluster).with_devices(args.gpus, args.gpus_per_node)
     report = plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq,
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
-                        attention=args.attention, overrides=model_overrides(args))
+                        attention=args.attention, overrides=model_overrides(args),
+                        moe_imbalance=args.moe_imbalance)
     doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:
@@ -102,8 +108,8 @@ def print_plan(doc) -> None:
                  "yes" if plan["sequence_parallel"] else "no",
                  *((f"{cp} ({plan.get('cp_attention', 'ring')}"
                      f"{', innermost' if plan.get('cp_innermost') else ''})",) if cp > 1 else ()),
-                 *((f"{plan.get('ep', 1)} ({experts // plan.get('ep', 1)} of {experts} experts "
-                    f"per rank)",) if experts else ()))
+                 *((f"{plan.get('ep', 1)} ({experts // plan.get('ep', 1)}/{experts} experts)",)
+                   if experts else ()))
     out.print(mesh)
 
     stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")

@@ -172,9 +172,10 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
                   seq: int | None = None, dtype: str | None = None,
                   space: SearchSpace = SearchSpace(), top_k: int = 5,
                   progress: bool | None = None,
-                  model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None
-                  ) -> PlanReport:
-    """Search the best plan for ``work`` on ``cluster`` (all its devices)."""
+                  model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
+                  moe_imbalance: float = 1.0) -> PlanReport:
+    """Search the best plan for ``work`` on ``cluster`` (all its devices); ``moe_imbalance``:
+    the routing assumption of a mixture-of-experts model (TrainingSetup)."""
     start = time.perf_counter()
     # the inputs' own errors first: capturing a large model takes seconds
     if global_batch < 1:
@@ -190,7 +191,11 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
         from autopar.ir import SEQ
 
         seq = max_seq or costs.captured.example_sizes.get(SEQ, 1)
-    setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype)
+    try:
+        setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype,
+                              moe_imbalance=moe_imbalance)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc), fix="pass --moe-imbalance >= 1") from None
     cost_model = CostModel(costs, cluster, setup)
     result = search(cost_model, space, top_k=top_k, progress=progress)
     from autopar.ir import LayerKind
@@ -206,7 +211,8 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                dtype: str | None = None, space: SearchSpace = SearchSpace(), top_k: int = 5,
                progress: bool | None = None, attention: str = "sdpa",
                model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
-               overrides: Mapping[str, Any] | None = None) -> PlanReport:
+               overrides: Mapping[str, Any] | None = None,
+               moe_imbalance: float = 1.0) -> PlanReport:
     """Search the best plan for what ``name`` names (a zoo preset or family, a transformers
     config file or directory, ``file.py:function``) on ``cluster``; ``overrides`` shape a
     preset, family or config (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
@@ -218,7 +224,7 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                              pad_vocab=True)
         return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
                              space=space, top_k=top_k, progress=progress,
-                             model_costs=model_costs)
+                             model_costs=model_costs, moe_imbalance=moe_imbalance)
 
 
 def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: Any,
