@@ -194,6 +194,7 @@ class RankProgram:
         slice it holds; a buffer the checkpoint does not hold comes whole from ``buffer(fqn)``
         and is sliced."""
         from autopar.runtime.hf_checkpoint import TensorEntry
+        from autopar.sharding import Shard
 
         names = self._names()
 
@@ -201,9 +202,11 @@ class RankProgram:
             for layout in self.held:
                 entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
                                     layout.full_shape, layout.dtype)
-                if checkpoint.key_of(entry) is not None:
-                    piece = self._expert_slice(layout.fqn, checkpoint.read(
-                        entry, layout.placement, self.plan.tp, self.tp_rank))
+                if checkpoint.key_of(entry) is not None and layout.fqn in self.experts \
+                        and self.plan.ep > 1:  # whole over tp: read only this rank's experts
+                    piece = checkpoint.read(entry, Shard(0), self.plan.ep, self.ep_rank)
+                elif checkpoint.key_of(entry) is not None:
+                    piece = checkpoint.read(entry, layout.placement, self.plan.tp, self.tp_rank)
                 else:
                     piece = self._slice(layout, buffer(layout.fqn))
                 sink(layout.fqn, piece)

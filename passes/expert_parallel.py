@@ -11,6 +11,8 @@ one runs every expert locally), so one path runs everywhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx
 
@@ -30,7 +32,7 @@ def moe_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and (op_name(n) == _OP or n.target is moe_runtime.experts)]
 
 
-def _weights(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+def _weights(node: torch.fx.Node) -> tuple[Any, Any]:
     args = node.args[1:] if node.target is moe_runtime.experts else node.args
     return args[3], args[4]
 
@@ -45,8 +47,8 @@ def expert_weights(gm: torch.fx.GraphModule, ep: int) -> dict[str, int]:
                 raise ShardingError(f"the experts of {node.name} are not parameters of the model",
                                     found=str(w), fix="keep the stacked expert weights as "
                                                       "nn.Parameters of the experts module")
-            experts = int(info(w).spec.shape[0]) if META_KEY in w.meta and info(w).spec \
-                is not None else int(w.meta["val"].shape[0])
+            spec = info(w).spec if META_KEY in w.meta else None
+            experts = int(spec.shape[0]) if spec is not None else int(w.meta["val"].shape[0])
             if experts % ep:
                 raise ShardingError(
                     f"ep={ep} does not divide the {experts} experts of {node.name}",

@@ -237,22 +237,17 @@ class EPGroup:
         recv = got_rows.sum(1).tolist()
         what = f"the expert-parallel all-to-all of {x.dtype} rows of {x.shape[1]}"
         arrived = _AllToAll.apply(x[token], send, recv, self.group, what)
-        # arrived is grouped by (source, expert); the experts want (expert, source)
-        grid = got_rows.tolist()
-        starts, at = [], 0
-        for row in grid:
-            starts.append([])
-            for c in row:
-                starts[-1].append(at)
-                at += c
-        perm = [i for e in range(local) for s in range(p)
-                for i in range(starts[s][e], starts[s][e] + grid[s][e])]
-        perm_t = torch.tensor(perm, dtype=torch.long, device=x.device)
+        # arrived is grouped by (source, expert); the experts want (expert, source): a stable
+        # sort of each row's segment by expert first
+        segment = torch.arange(p * local, device=x.device).view(p, local)
+        key = (segment % local) * p + segment // local
+        perm = torch.argsort(torch.repeat_interleave(key.flatten(), got_rows.flatten()),
+                             stable=True)
         scale = 1.0 / p
-        y = _run_experts(arrived[perm_t], got_rows.sum(0).tolist(),
+        y = _run_experts(arrived[perm], got_rows.sum(0).tolist(),
                          _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale),
                          act, gated)
-        back = torch.empty_like(y).index_copy(0, perm_t, y) if len(perm) else y
+        back = torch.empty_like(y).index_copy(0, perm, y)
         returned = _AllToAll.apply(back, recv, send, self.group, what)
         return _combine(x, returned, weights, order, token)
 

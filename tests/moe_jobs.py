@@ -127,8 +127,23 @@ def checkpoint_round_trip(path: str) -> dict[str, Any]:
             pm.train_step(*data[0])
             pm.save(path)
             pm.save_pretrained(path + "-hf")
+            saved = pm.state_dict()
         else:
             pm.load(path)
         out[f"ep={plan['ep']}, tp={plan['tp']}"] = [pm.train_step(*d) for d in data[1:]]
         pm.close()
+    # a model built on the meta device reads its experts' slices from the safetensors files
+    with torch.device("meta"):
+        model, loss_fn = make_model("mixtral")
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, plan=dict(dp=4, ep=2, num_micro_batches=1),
+                             tp_cost=TINY_COST, timeout_s=TIMEOUT_S, checkpoint=path + "-hf",
+                             optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+    expert_bytes = sum(_numel(p.local_shape) * 4 for p in pm.program.held
+                       if p.fqn in pm.program.experts)
+    state = pm.state_dict()
+    out["meta_read_equal"] = all(torch.equal(state[k], v) for k, v in saved.items()
+                                 if k in state and v.is_floating_point())
+    out["meta_expert_bytes"] = expert_bytes
+    pm.close()
     return out

@@ -63,6 +63,13 @@ GRAD_ACCUMULATION_READS_WRITES = 3
 
 #: The op tag of an experts operation's GEMM terms (their rows scale with the routing imbalance).
 EXPERT_OP = "moe_experts"
+#: Ops runtime/moe.py runs per local expert (linear, chunk, activation, product, linear) and for
+#: the routing around them (sort, count, gather, weigh, accumulate...; with expert parallelism
+#: also the count exchange, two all-to-alls and the regrouping): what the host's per-node cost
+#: multiplies, counted from the code.
+MOE_OPS_PER_EXPERT = 5
+MOE_ROUTING_OPS = (25, 43)  # forward ops: without, with expert parallelism
+MOE_ROUTING_GRAD_OPS = (8, 14)  # of them, autograd nodes the backward runs
 
 
 class _Kind(enum.Enum):
@@ -131,6 +138,7 @@ class _Template:
     #: Per experts operation: the index of its rows x hidden (elements each all-to-all of
     #: expert parallelism moves per rank) and the parameters holding its experts.
     moe_rows: list[int] = field(default_factory=list)
+    moe_experts: list[int] = field(default_factory=list)
     expert_params: frozenset[str] = frozenset()
     fn: Any = None
     cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
@@ -406,6 +414,7 @@ class ModelCosts:
         core_nodes = self._core_nodes(layer)
         calls = grad_calls = 0
         moe_rows: list[int] = []
+        moe_experts: list[int] = []
         moe_params: set[str] = set()
         for name in layer.nodes:
             node = captured.node(name)
@@ -444,7 +453,7 @@ class ModelCosts:
                 hidden, inner = x.shape[1], down.shape[-1]
                 gemm_flops = gemm_flops + meta.flops
                 for n_, k_ in ((gate_up.shape[1], hidden), (hidden, inner)):
-                    idx = add(1)
+                    idx = add(gate_up.shape[0])  # experts: price_layer runs E / ep GEMMs
                     add(rows)
                     add(n_)
                     add(k_)
@@ -457,6 +466,7 @@ class ModelCosts:
                 add(element * rows * (4 * hidden + 2 * gate_up.shape[1]))
                 add(rows * gate_up.shape[1])
                 moe_rows.append(add(rows * hidden))
+                moe_experts.append(int(gate_up.shape[0]))
                 moe_params.update(info(a).fqn for a in node.args[3:5]
                                   if isinstance(a, torch.fx.Node) and info(a).fqn)
                 continue
@@ -519,7 +529,7 @@ class ModelCosts:
             layer_name=layer.name, terms=terms, exprs=exprs, saved=saved_tensors,
             checkpoint=checkpoint, boundary=boundary, gemm_flops=add(gemm_flops),
             core_flops=add(core_flops), params=params, nodes=calls,
-            grad_nodes=grad_calls + len(params), moe_rows=moe_rows,
+            grad_nodes=grad_calls + len(params), moe_rows=moe_rows, moe_experts=moe_experts,
             expert_params=frozenset(self._canonical.get(f, f) for f in moe_params))
 
     def _core_nodes(self, layer: Any) -> set[str]:
@@ -749,8 +759,14 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
         i = term.index
         if term.kind is _Kind.GEMM:
             batch, m, n, k = v[i], v[i + 1], v[i + 2], v[i + 3]
-            if term.op == EXPERT_OP:
-                m = m * moe_imbalance
+            if term.op == EXPERT_OP:  # this rank's E / ep experts, one GEMM each (a loop)
+                experts = batch / ep
+                rows = m * moe_imbalance / experts
+                fwd += experts * gemm_time(cluster, dtype, 1, rows, n, k)
+                if term.backward:
+                    bwd += experts * gemm_time(cluster, dtype, 1, rows, k, n)
+                    wgt += experts * gemm_time(cluster, dtype, 1, n, k, rows)
+                continue
             if how is _Split.COLUMN:
                 n = math.ceil(n / tp)
             elif how is _Split.ROW:
@@ -812,6 +828,11 @@ def price_layer(template: _Template, split: _LayerSplit, cluster: Cluster, dtype
     # the host's cost per node (CPU processes: dispatch and autograd, serial with the compute)
     fwd += template.nodes * d.node_overhead_s
     bwd += template.grad_nodes * d.node_backward_overhead_s
+    for experts in template.moe_experts:  # runtime/moe.py's ops: per local expert and routing
+        local = experts / ep
+        fwd += (MOE_OPS_PER_EXPERT * local + MOE_ROUTING_OPS[ep > 1]) * d.node_overhead_s
+        bwd += (MOE_OPS_PER_EXPERT * local + MOE_ROUTING_GRAD_OPS[ep > 1]) \
+            * d.node_backward_overhead_s
     # gradient accumulation: each micro-batch's weight gradients are added into the step's
     # gradient buffer (read it and the new gradient, write it back), with the weight gradients
     local = sum(n / tp if fqn in split.sharded_params else n for fqn, n in template.params.items())
