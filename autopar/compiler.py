@@ -100,6 +100,10 @@ class StagedProgram:
                     f"attention), ")
         else:
             mesh = f"dp x pp x tp = {plan.dp} x {plan.pp} x {plan.tp}; "
+        if plan.ep > 1:
+            dp_rank = coordinates4(rank, plan.dp, plan.cp, plan.pp, plan.tp, plan.cp_innermost)[0]
+            mesh += (f"expert-parallel rank {dp_rank % plan.ep} of {plan.ep} (experts "
+                     f"{dp_rank % plan.ep} x E / {plan.ep} onwards of every block), ")
         parts = [f"# autopar rank {rank}: {mesh}pipeline rank {pp_rank}, tensor-parallel rank "
                  f"{tp_rank}\n", self.sharded.source(tp_rank)]
         for s in self.schedule.stages_of(pp_rank):
