@@ -202,7 +202,7 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
     local = PassManager([split_gemm_bias, shard_graph, insert_collectives]).run(gm, ctx)
     sharded = gm
     return TPProgram(captured=captured, tp=tp, sequence_parallel=sequence_parallel,
-                     sharded=sharded, gm=local, solution=ctx.options["sharding_solution"],
+                     sharded=sharded, gm=local, solution=ctx.results["shard_graph"],
                      cost=ctx.options["cost"], sizes=sizes, timings=dict(ctx.timings))
 
 

@@ -28,16 +28,24 @@ __all__ = ["PassResult", "PassContext", "GraphPass", "graph_pass", "PassManager"
 
 @dataclass(frozen=True, slots=True)
 class PassResult:
+    """What a pass returns: the graph, whether it changed, and what else it produced (a
+    sharding solution, a stage split...), which the manager files under the pass's name in
+    ``ctx.results``: passes hand their products on in their results, not by writing shared
+    options."""
+
     gm: torch.fx.GraphModule
     modified: bool
+    value: Any = None
 
 
 @dataclass
 class PassContext:
     """What passes share: the captured graph, the plan under construction, options.
 
-    ``properties`` holds the names of the guarantees established so far (e.g. "normalized",
-    "analyzed", "placements", "collectives").
+    ``options`` are the caller's inputs to the passes (read, never written by a pass);
+    ``results`` what each pass produced besides its graph (``PassResult.value``), by pass name,
+    filled by the :class:`PassManager`; ``properties`` the names of the guarantees established
+    so far (e.g. "analyzed", "placements", "collectives").
     """
 
     captured: Any = None
@@ -46,6 +54,7 @@ class PassContext:
     options: dict[str, Any] = field(default_factory=dict)
     properties: set[str] = field(default_factory=set)
     timings: dict[str, float] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +144,7 @@ class PassManager:
                                 fix=f"run the passes that establish {list(missing)} before "
                                     f"{p.name!r}")
             start = time.perf_counter()
+            options = {k: id(v) for k, v in ctx.options.items()}
             try:
                 result = p(gm, ctx)
             except AutoparError:
@@ -145,7 +155,14 @@ class PassManager:
             if not isinstance(result, PassResult):
                 raise PassError(f"pass {p.name!r} returned {type(result).__name__}",
                                 expected="PassResult(gm, modified)")
+            if {k: id(v) for k, v in ctx.options.items()} != options:
+                raise PassError(f"pass {p.name!r} wrote ctx.options",
+                                expected="options read only; a pass's product in "
+                                         "PassResult.value (ctx.results[name])",
+                                fix=f"return what {p.name!r} produced as its result's value")
             gm = result.gm
+            if result.value is not None:
+                ctx.results[p.name] = result.value
             if result.modified:
                 if self.lint:
                     gm.graph.lint()

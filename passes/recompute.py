@@ -294,8 +294,6 @@ def _copied_meta(n: torch.fx.Node) -> dict[str, Any]:
 
 @graph_pass(ensures=("attention_recomputed",))
 def checkpoint_attention_cores(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """The pass form of :func:`recompute_attention_cores`; the cores go to
-    ``ctx.options["attention_cores"]``."""
+    """The pass form of :func:`recompute_attention_cores`; the cores are its result."""
     cores = recompute_attention_cores(gm)
-    ctx.options["attention_cores"] = cores
-    return PassResult(gm, bool(cores))
+    return PassResult(gm, bool(cores), cores)

@@ -628,8 +628,8 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
 @graph_pass(requires=("analyzed", "gemm_bias_split"), ensures=("placements",))
 def shard_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Choose every node's strategy (ctx.options: tp, sequence_parallel, cost, sizes, pins,
-    depth) and record it in NodeInfo.strategy / NodeInfo.placement; the solution goes to
-    ctx.options['sharding_solution']."""
+    depth) and record it in NodeInfo.strategy / NodeInfo.placement; the solution is the pass's
+    result (``ctx.results["shard_graph"]``)."""
     opts = ctx.options
     solution = search_placements(
         gm, ctx.captured.layers, opts["tp"], sequence_parallel=opts.get("sequence_parallel", False),
@@ -640,5 +640,4 @@ def shard_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         s = solution.strategies.get(n.name)
         meta.strategy = s
         meta.placement = s.output if s is not None else None
-    opts["sharding_solution"] = solution
-    return PassResult(gm, False)
+    return PassResult(gm, False, solution)

@@ -388,14 +388,14 @@ def stages_split(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
 
 @graph_pass(ensures=("stages_split",))
 def split_stages(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """The pass form: cut ``ctx.captured`` by ``ctx.plan.stages``; the result goes to
-    ``ctx.options["stage_split"]``. Nodes get ``meta["autopar"].stage``; the graph is unchanged."""
+    """The pass form: cut ``ctx.captured`` by ``ctx.plan.stages``; the :class:`StageSplit` is
+    its result. Nodes get ``meta["autopar"].stage``; the graph is unchanged."""
     plan = ctx.plan
     if plan is None or not plan.stages:
         raise PlanMismatchError("the stage split needs a plan with stages",
                                 fix="run the stage partitioner first (autopar.planner."
                                     "stage_partition) or give Plan(stages=...)")
     captured = ctx.captured
-    ctx.options["stage_split"] = split_into_stages(
-        gm, captured.layers, [s.layers for s in plan.stages], constants=captured.constants)
-    return PassResult(gm, False)
+    split = split_into_stages(gm, captured.layers, [s.layers for s in plan.stages],
+                              constants=captured.constants)
+    return PassResult(gm, False, split)

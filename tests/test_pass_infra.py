@@ -48,6 +48,23 @@ def test_failure_names_pass_and_predecessor():
         PassManager([make_a, explodes]).run(_gm(), PassContext())
 
 
+def test_a_pass_hands_on_its_product_in_its_result_not_in_the_options():
+    @graph_pass()
+    def counts_nodes(gm, ctx):
+        return PassResult(gm, False, len(gm.graph.nodes))
+
+    @graph_pass()
+    def writes_options(gm, ctx):
+        ctx.options["count"] = 1
+        return PassResult(gm, False)
+
+    ctx = PassContext(options={"tp": 2})
+    PassManager([counts_nodes]).run(_gm(), ctx)
+    assert ctx.results == {"counts_nodes": 4} and ctx.options == {"tp": 2}
+    with pytest.raises(PassError, match="'writes_options' wrote ctx.options"):
+        PassManager([writes_options]).run(_gm(), PassContext())
+
+
 def test_disable_by_name():
     ctx = PassContext()
     PassManager([make_a, explodes], disabled=["explodes"]).run(_gm(), ctx)

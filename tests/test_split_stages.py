@@ -221,7 +221,7 @@ def test_pass_form_reads_the_plan(deep_models):
                 stages=(StagePlan(0, (0, 2), 0), StagePlan(1, (3, 5), 1)))
     ctx = PassContext(captured=captured, plan=plan)
     PassManager([split_stages]).run(captured.gm, ctx)
-    split = ctx.options["stage_split"]
+    split = ctx.results["split_stages"]
     assert "stages_split" in ctx.properties and split.num_stages == 2
     assert [info(captured.node(n)).stage for n in captured.layers[4].nodes] == \
         [1] * len(captured.layers[4].nodes)
