@@ -225,14 +225,14 @@ def test_ep_that_does_not_divide_dp_or_the_experts_or_a_dense_model(tiny_models)
         autopar.parallelize(model, plan=dict(dp=1, ep=2), **kwargs)
     _explains(info.value)
     captured = autopar.capture(model, (x,), loss_fn, example_targets=(y,))
-    from autopar.api import _check_ep
+    from autopar.agreement import check_ep
 
     with pytest.raises(ShardingError, match="does not divide the 4 experts") as info:
-        _check_ep(3, captured)
+        check_ep(3, captured)
     _explains(info.value)
     dense = tiny_models["gpt"][4]
     with pytest.raises(InvalidPlanError, match="no mixture-of-experts") as info:
-        _check_ep(2, dense)
+        check_ep(2, dense)
     _explains(info.value)
 
 
