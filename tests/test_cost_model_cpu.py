@@ -190,7 +190,7 @@ def test_a_cpu_gemm_pays_for_broadcasting_its_bias(costs):
     and its backward sums the output gradient over rows: priced per output element from the
     op table's ``linear.bias``, on the GEMMs with a bias only (a GPU adds it in the epilogue:
     no table entry, no cost)."""
-    from autopar.planner.layer_costs import BIAS_OP, _Kind
+    from autopar.planner.layer_templates import BIAS_OP, TermKind
 
     setup = TrainingSetup(8, SHAPE["seq"], "fp32")
     b, s = 2, SHAPE["seq"]
@@ -200,14 +200,14 @@ def test_a_cpu_gemm_pays_for_broadcasting_its_bias(costs):
     for i, (a, c) in enumerate(zip(plain, host)):
         tmpl = costs.template(i)
         v = tmpl.values(b, s)
-        biased = [t for t in tmpl.terms if t.kind is _Kind.GEMM and t.op == BIAS_OP]
+        biased = [t for t in tmpl.terms if t.kind is TermKind.GEMM and t.op == BIAS_OP]
         elements = sum(v[t.index] * v[t.index + 1] * v[t.index + 2] for t in biased)
         assert c.forward_s - a.forward_s == pytest.approx(elements * t_f, abs=1e-15)
         assert c.backward_s - a.backward_s == pytest.approx(elements * t_b, abs=1e-15)
     block = costs.template(1)  # GPT-2's four linears have biases; the tied LM head has none
-    assert sum(t.op == BIAS_OP for t in block.terms if t.kind is _Kind.GEMM) == 4
+    assert sum(t.op == BIAS_OP for t in block.terms if t.kind is TermKind.GEMM) == 4
     head = costs.template(costs.num_layers - 1)
-    assert all(t.op == "" for t in head.terms if t.kind is _Kind.GEMM)
+    assert all(t.op == "" for t in head.terms if t.kind is TermKind.GEMM)
 
 
 @pytest.fixture(scope="module")
