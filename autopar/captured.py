@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,10 @@ __all__ = ["CapturedGraph", "CaptureMethod", "ParamInfo", "plan_fingerprint", "M
 
 #: Attribute name of the user's model inside the traced wrapper; stripped from every FQN.
 MODEL_ATTR = "model"
+
+
+#: CapturedGraph -> its analysis (held as long as the graph is alive).
+_PROFILES: "weakref.WeakKeyDictionary[CapturedGraph, Any]" = weakref.WeakKeyDictionary()
 
 
 class CaptureMethod(enum.Enum):
@@ -48,9 +53,13 @@ class ParamInfo:
     requires_grad: bool
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class CapturedGraph:
-    """A traced model: lifted ATen graph + what autopar knows about it."""
+    """A traced model: lifted ATen graph + what autopar knows about it.
+
+    Frozen: capture builds it in steps (each a new value, ``dataclasses.replace``) and no later
+    phase reassigns its fields; the analysis a phase derives from it is remembered beside it
+    (:attr:`profile`), not written into it. Identity is its hash (one capture, one object)."""
 
     gm: torch.fx.GraphModule
     method: CaptureMethod
@@ -70,11 +79,19 @@ class CapturedGraph:
     warnings: list[str] = field(default_factory=list)
     #: Export's own shape symbols -> b / s (for nodes created after capture from fake values).
     symbol_rename: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)
-    #: The analysis (autopar.passes.analyze.ModelProfile), filled on first use.
-    profile: Any = None
     #: The names of the inputs given by keyword (the example inputs were a dict), in order:
     #: the last ``len(input_kwargs)`` of ``input_names``.
     input_kwargs: tuple[str, ...] = ()
+
+    @property
+    def profile(self) -> Any:
+        """The analysis of this graph (autopar.passes.analyze.ModelProfile) once a phase has
+        derived it (``autopar.passes.analyze.analyze``), else None."""
+        return _PROFILES.get(self)
+
+    def remember_profile(self, profile: Any) -> None:
+        """Keep ``profile`` as this graph's analysis (what :attr:`profile` returns)."""
+        _PROFILES[self] = profile
 
     # -- lookups --------------------------------------------------------------------------
     def node(self, name: str) -> torch.fx.Node:

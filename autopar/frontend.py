@@ -16,6 +16,7 @@ are placeholders, each node carries a :class:`autopar.ir.NodeInfo`, and the grap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import re
@@ -209,21 +210,19 @@ def capture(
         warnings.warn(msg, stacklevel=2)
         captured.warnings.append(msg)
 
-    captured.model = model
-    captured.has_loss = loss_fn is not None
-    captured.input_kwargs = tuple(kwarg_names)
     n_in = len(inputs)
     user = captured.input_names
-    captured.input_names, captured.target_names = user[:n_in], user[n_in:]
+    captured = dataclasses.replace(captured, model=model, has_loss=loss_fn is not None,
+                                   input_kwargs=tuple(kwarg_names), input_names=user[:n_in],
+                                   target_names=user[n_in:])
     for name in captured.target_names:
         info(captured.node(name)).kind = NodeKind.TARGET
     from autopar.passes.normalize import normalize_graph
 
-    normalize_graph(captured)
+    captured = dataclasses.replace(captured, gm=normalize_graph(captured))
     _annotate_module_paths(captured, model)
     _propagate_requires_grad(captured.gm)
-    captured.layers = _find_layers(captured, model)
-    return captured
+    return dataclasses.replace(captured, layers=_find_layers(captured, model))
 
 
 # ---------------------------------------------------------------------------------------------

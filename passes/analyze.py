@@ -543,5 +543,5 @@ def analyze(captured: Any) -> ModelProfile:
     ctx = PassContext(captured=captured)
     PassManager([analyze_graph]).run(captured.gm, ctx)
     profile = profile_layers(captured)
-    captured.profile = profile
+    captured.remember_profile(profile)
     return profile

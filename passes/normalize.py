@@ -335,7 +335,8 @@ NORMALIZE_PASSES = (inline_no_grad_regions, drop_runtime_asserts, simplify_atten
                     fold_conv1d_into_linear)
 
 
-def normalize_graph(captured: Any) -> None:
-    """Run the normalize passes on a CapturedGraph in place."""
+def normalize_graph(captured: Any) -> torch.fx.GraphModule:
+    """The normalize passes run on a CapturedGraph's graph: the normalized graph (the caller
+    makes the captured graph that holds it)."""
     ctx = PassContext(captured=captured)
-    captured.gm = PassManager(NORMALIZE_PASSES).run(captured.gm, ctx)
+    return PassManager(NORMALIZE_PASSES).run(captured.gm, ctx)
