@@ -45,7 +45,7 @@ import dataclasses
 import itertools
 from typing import Any, Mapping, Sequence
 
-from autopar.cluster import Cluster, GroupSpan, LinkKind
+from autopar.cluster import Cluster, GroupSpan
 from autopar.errors import AutoparError
 from autopar.ir import LayerKind
 from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
@@ -55,6 +55,7 @@ from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
 from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, RankSums, Staging, StageCost,
                                         TrainingSetup)
+from autopar.planner.host import Host
 from autopar.planner.memory import STATE_BYTES, RankMemory
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
@@ -109,6 +110,8 @@ class CostModel:
     def __init__(self, model: ModelCosts, cluster: Cluster, setup: TrainingSetup) -> None:
         self.model = model
         self.cluster = cluster
+        #: GPU streams or CPU processes sharing cores (planner/host.py)
+        self.host = Host(cluster)
         self.setup = setup
         #: What the sharding search prices with; it is solved at each candidate's micro-batch
         #: (:meth:`tp_sizes`).
@@ -459,11 +462,10 @@ class CostModel:
         return out
 
     def _work(self, c: Candidate, m: int, st: "Staging") -> PipelineWork:
-        cl = self.cluster
+        cores, efficiency = self.host.pipeline_cores()
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
-                            st.weight, st.p2p, cores=float(cl.cores_per_node * cl.nodes),
-                            replicas=c.dp * c.cp * c.tp,
-                            efficiency=cl.oversubscription_efficiency,
+                            st.weight, st.p2p, cores=cores, replicas=c.dp * c.cp * c.tp,
+                            efficiency=efficiency,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
 
     def _layer_table(self, c: Candidate) -> "_LayerTable":
@@ -526,10 +528,9 @@ class CostModel:
             inter = self._stage_node(rank_of[s], c.tp * c.cp) != \
                 self._stage_node(rank_of[s + 1], c.tp * c.cp)
             p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
-        # Local processes (a loopback link): a transfer is a copy through the kernel that both
-        # ends' cores make, so each stage's forward and backward also spend the time of the
-        # transfers it receives and sends (measured: docs/cost-model.md).
-        host_copies = self.cluster.intra_node.kind is LinkKind.LOOPBACK
+        # a transfer both ends' cores copy (local processes): each stage's forward and backward
+        # also spend the time of the transfers it receives and sends (planner/host.py)
+        host_copies = self.host.transfers_take_compute
         F, B, W, R, T, A, FC, BC = table.prefix
         chunks = {r: spec.stages_of_rank(r, p, v) for r in range(p)}
         stages: list[StageCost] = []
@@ -682,10 +683,7 @@ class CostModel:
         replicas = c.dp * c.cp
         dp_span = (mesh_span(cl, c.dp, p, c.tp, "replica", c.cp, c.cp_innermost)
                    if replicas > 1 else None)
-        d = cl.device
-        interference = d.collective_sms / d.sm_count if d.sm_count else 0.0
-        if cl.intra_node.kind is LinkKind.LOOPBACK:
-            interference = 1.0  # local processes: gloo runs on the cores the compute uses
+        interference = self.host.collective_interference
         ranks = self._rank_memory(c, m, st, rank_acts)
         dp_exposed = optimizer_s = slack = 0.0
         for r, rs in enumerate(st.ranks):
@@ -748,8 +746,7 @@ class CostModel:
             local = (rs.params - rs.expert_params) / replicas \
                 + rs.expert_params / max(replicas // c.ep, 1) if c.zero >= 1 else rs.params
             # every rank steps at once: on a CPU host they share its cores
-            optimizer_s = max(optimizer_s, optimizer_time(cl, local)
-                              / cl.compute_share(cl.devices_per_node))
+            optimizer_s = max(optimizer_s, optimizer_time(cl, local) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)
