@@ -3,8 +3,9 @@
 Both train the same GPT (examples/gpt.py) on the same processes, data and optimizer (AdamW), with
 the same gradient bucket size, alternating rounds so that machine noise hits both alike. One step
 is forward, backward (gradient all-reduce overlapped with it), optimizer step, zero_grad. The
-ratio is median(autopar step) / median(DDP step) over the rounds; ZeRO-1/2/3 are timed too, for
-information (they do more work per step: reduce-scatter + all-gather). Each round is paired (both
+ratio is median(autopar step) / median(DDP step) over the rounds; ZeRO-1/2/3 are timed too (they
+do more work per step: reduce-scatter + all-gather), and ZeRO-3 against its torch counterpart,
+FSDP2 (``fully_shard`` on every block and the root, the same units as autopar's). Each round is paired (both
 run back to back), so the recorded ratio is the median over rounds of autopar / DDP; CPU time of
 rank 0 (all its threads, gloo's included) is reported too, being less sensitive than wall time to
 other processes sharing the machine.
@@ -56,6 +57,23 @@ def _bench(layers: int, hidden: int, vocab: int, seq: int, batch: int, steps: in
         ddp_opt.zero_grad(set_to_none=True)
 
     runners["ddp"] = ddp_step
+    if 3 in zero_stages:  # ZeRO-3's torch counterpart: FSDP2, one unit per block, as autopar's
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fsdp_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fsdp_model = copy.deepcopy(base)
+        for block in fsdp_model.blocks:
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(fsdp_model, mesh=fsdp_mesh)
+        fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), **options)
+
+        def fsdp_step(x, y):
+            gpt_loss(fsdp_model(x), y).backward()
+            fsdp_opt.step()
+            fsdp_opt.zero_grad(set_to_none=True)
+
+        runners["fsdp2"] = fsdp_step
     # ZeRO-3 also without prefetch (the next unit's gather launched during the current one)
     variants = [(stage, True) for stage in zero_stages] + (
         [(3, False)] if 3 in zero_stages else [])
@@ -116,8 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     with LocalPool(args.world, timeout_s=1800) as pool:
         out = pool.run(_bench, args.layers, args.hidden, args.vocab, args.seq, args.batch,
                        args.steps, args.rounds, args.bucket_mb, tuple(args.zero))[0]
-    def paired(kind: str, name: str) -> float:
-        return statistics.median(a / b for a, b in zip(out[kind][name], out[kind]["ddp"]))
+    def paired(kind: str, name: str, base: str = "ddp") -> float:
+        return statistics.median(a / b for a, b in zip(out[kind][name], out[kind][base]))
 
     medians = {name: statistics.median(ts) for name, ts in out["times"].items()}
     cpu_medians = {name: statistics.median(ts) for name, ts in out["cpu"].items()}
@@ -132,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
         "best_round_ratio_zero0_vs_ddp": min(out["times"]["autopar_zero0"]) / min(out["times"]["ddp"]),
         "per_round_ratio": [a / b for a, b in zip(out["times"]["autopar_zero0"], out["times"]["ddp"])],
     }
+    if "fsdp2" in out["times"]:  # ZeRO-3 against FSDP2 (fully_shard), paired the same way
+        result["ratio_zero3_vs_fsdp2"] = paired("times", "autopar_zero3", "fsdp2")
+        result["cpu_ratio_zero3_vs_fsdp2"] = paired("cpu", "autopar_zero3", "fsdp2")
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -150,6 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{result['best_round_ratio_zero0_vs_ddp']:.3f}, CPU "
               f"{result['cpu_ratio_zero0_vs_ddp']:.3f} (wall per round: "
               f"{', '.join(f'{r:.3f}' for r in result['per_round_ratio'])})")
+        if "ratio_zero3_vs_fsdp2" in result:
+            print(f"ratio autopar ZeRO-3 / FSDP2 (fully_shard): wall "
+                  f"{result['ratio_zero3_vs_fsdp2']:.3f}, CPU "
+                  f"{result['cpu_ratio_zero3_vs_fsdp2']:.3f}")
     return result
 
 
