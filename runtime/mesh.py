@@ -25,6 +25,11 @@ carrying the mesh's timeout (``backend_override``; DeviceMesh passes the options
 NCCL), whatever ``init_process_group`` was given, and a DeviceMesh dim that spans the whole world
 would otherwise be the default group itself. An axis of size 1 has no group here (``None``; the
 collectives are then skipped), although DeviceMesh creates a one-rank group for it.
+
+Expert parallelism (``ep``, dividing dp) adds two axes inside the data-parallel one, created with
+``new_group`` under the same timeout: ``ep`` (``ep`` consecutive data-parallel ranks, which
+exchange tokens) and ``expert_replica`` (the ``dp / ep`` ranks holding the same experts, which
+reduce their gradients). Nothing else changes: the world stays dp x cp x pp x tp.
 """
 
 from __future__ import annotations
