@@ -366,12 +366,13 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
     from autopar.passes.expert_parallel import expert_parallel_pass, expert_weights
     from autopar.passes.infra import PassContext as _Ctx, PassManager as _PM
 
-    if expert_weights(gm, plan.ep) or plan.ep > 1:  # experts run on the ep group (one: local)
-        if plan.ep > 1 and not expert_weights(gm, plan.ep):
-            raise InvalidPlanError("ep > 1 but the model has no mixture-of-experts block",
-                                   expected="experts captured as autopar.moe recognizes them",
-                                   found=f"ep={plan.ep} and no experts operation",
-                                   fix="plan with ep=1")
+    has_experts = bool(expert_weights(gm, plan.ep))  # raises when ep does not divide them
+    if plan.ep > 1 and not has_experts:
+        raise InvalidPlanError("ep > 1 but the model has no mixture-of-experts block",
+                               expected="experts captured as autopar.moe recognizes them",
+                               found=f"ep={plan.ep} and no experts operation",
+                               fix="plan with ep=1")
+    if has_experts:  # the experts run on the ep group (of one rank at ep = 1: all local)
         gm = _PM([expert_parallel_pass]).run(gm, _Ctx(captured=captured, plan=plan))
     split = split_into_stages(gm, captured.layers, [s.layers for s in stages],
                               constants={k: v.to(device) for k, v in captured.constants.items()})
