@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "AutoparError",
     "UntraceableModelError",
+    "UnsupportedMoEError",
     "UnsupportedOpError",
     "UnsupportedOpWarning",
     "ShardingError",
@@ -47,6 +48,10 @@ class AutoparError(Exception):
 
 class UntraceableModelError(AutoparError):
     """The model could not be captured into a graph (data-dependent control flow, bad inputs)."""
+
+
+class UnsupportedMoEError(UntraceableModelError):
+    """A mixture-of-experts block autopar cannot capture as its experts operation."""
 
 
 class UnsupportedOpError(AutoparError):

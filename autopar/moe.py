@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from autopar.errors import UntraceableModelError
+from autopar.errors import UnsupportedMoEError
 from autopar.runtime.moe import ACTIVATIONS, moe_experts
 
 __all__ = ["ExpertsModule", "UnsupportedMoEError", "find_experts", "experts_as_operations",
@@ -35,10 +35,6 @@ __all__ = ["ExpertsModule", "UnsupportedMoEError", "find_experts", "experts_as_o
 
 #: The captured operation (an ATen-level custom op: one node in the exported graph).
 MOE_OP = torch.ops.autopar.moe_experts.default
-
-
-class UnsupportedMoEError(UntraceableModelError):
-    """A mixture-of-experts block autopar cannot capture as its experts operation."""
 
 
 @dataclass(frozen=True)
