@@ -48,15 +48,17 @@ def _bench(layers: int, hidden: int, vocab: int, seq: int, batch: int, steps: in
     options = {"lr": 1e-4, "weight_decay": 0.1}
     runners = {}
 
-    ddp_model = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_mb)
-    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), **options)
+    def torch_step(model):  # a torch-wrapped model and its own AdamW
+        opt = torch.optim.AdamW(model.parameters(), **options)
 
-    def ddp_step(x, y):
-        gpt_loss(ddp_model(x), y).backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad(set_to_none=True)
+        def step(x, y):
+            gpt_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    runners["ddp"] = ddp_step
+        return step
+
+    runners["ddp"] = torch_step(DDP(copy.deepcopy(base), bucket_cap_mb=bucket_mb))
     if 3 in zero_stages:  # ZeRO-3's torch counterpart: FSDP2, one unit per block, as autopar's
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -66,14 +68,7 @@ def _bench(layers: int, hidden: int, vocab: int, seq: int, batch: int, steps: in
         for block in fsdp_model.blocks:
             fully_shard(block, mesh=fsdp_mesh)
         fully_shard(fsdp_model, mesh=fsdp_mesh)
-        fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), **options)
-
-        def fsdp_step(x, y):
-            gpt_loss(fsdp_model(x), y).backward()
-            fsdp_opt.step()
-            fsdp_opt.zero_grad(set_to_none=True)
-
-        runners["fsdp2"] = fsdp_step
+        runners["fsdp2"] = torch_step(fsdp_model)
     # ZeRO-3 also without prefetch (the next unit's gather launched during the current one)
     variants = [(stage, True) for stage in zero_stages] + (
         [(3, False)] if 3 in zero_stages else [])

@@ -43,7 +43,7 @@ from autopar.ir import (
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
-           "MATMUL_OPS", "gemm_dims", "view_root", "identity_root", "saved_tensors"]
+           "MATMUL_OPS", "gemm_dims", "moe_dims", "MoEDims", "view_root", "identity_root", "saved_tensors"]
 
 ZERO = sympy.Integer(0)
 
@@ -92,6 +92,27 @@ def _prod(dims: Iterable[sympy.Expr]) -> sympy.Expr:
     for d in dims:
         out = out * d
     return out
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """The shapes of an experts operation (runtime/moe.py), sympy in b and s."""
+
+    experts: Any  # E
+    rows: Any  # routed rows: tokens x k
+    hidden: Any  # H
+    gate_up: Any  # rows of gate_up per expert: 2I gated, I not
+    inner: Any  # I
+    gated: bool
+
+
+def moe_dims(node: torch.fx.Node) -> MoEDims:
+    """The one place an experts operation's shapes are read (its FLOPs and saved tensors here,
+    the cost model's grouped GEMMs and all-to-alls)."""
+    args = node.args
+    x, index, gate_up, down = _spec(args[0]), _spec(args[1]), _spec(args[3]), _spec(args[4])
+    return MoEDims(gate_up.shape[0], x.shape[0] * index.shape[1], x.shape[1], gate_up.shape[1],
+                   down.shape[-1], bool(args[6]) if len(args) > 6 else True)
 
 
 def gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
@@ -144,9 +165,8 @@ def _flops(node: torch.fx.Node, name: str) -> sympy.Expr:
     if name in GEMM_OPS:
         return _gemm_flops(node)
     if name == "moe_experts":  # every token through k experts: two GEMMs each (runtime/moe.py)
-        x, index, gate_up = _spec(node.args[0]), _spec(node.args[1]), _spec(node.args[3])
-        inner = _spec(node.args[4]).shape[-1]
-        return 2 * x.shape[0] * index.shape[1] * x.shape[1] * (gate_up.shape[1] + inner)
+        d = moe_dims(node)
+        return 2 * d.rows * d.hidden * (d.gate_up + d.inner)
     if name in VIEW_OPS or name in CREATION_OPS or _is_identity(node):
         return ZERO
     out = info(node).spec
@@ -286,18 +306,14 @@ def saved_tensors(node: torch.fx.Node, name: str) -> list[Saved]:
             spec = meta.spec if meta.spec is not None else _spec(args[0])
             out.append(((node.name, "mask"), TensorSpec(spec.shape, torch.bool)))
     elif name == "moe_experts":  # what runtime/moe.py's autograd keeps, per routed row
-        x, index, down = _spec(args[0]), _spec(args[1]), _spec(args[4])
-        gate_up = _spec(args[3])
-        rows = x.shape[0] * index.shape[1]
-        inner = down.shape[-1]
-        gated = bool(args[6]) if len(args) > 6 else True
-        out.append(((node.name, "rows"), TensorSpec((rows, x.shape[1]), x.dtype)))
-        out.append(((node.name, "hidden"), TensorSpec((rows, gate_up.shape[1]), x.dtype)))
-        out.append(((node.name, "act"), TensorSpec((rows, 2 * inner if gated else inner),
-                                                   x.dtype)))
-        out.append(((node.name, "out"), TensorSpec((rows, x.shape[1]), x.dtype)))
-        out.append(((node.name, "weights"), TensorSpec((rows,), _spec(args[2]).dtype)))
-        out.append(((node.name, "routes"), TensorSpec((2 * rows,), torch.int64)))
+        d, dtype = moe_dims(node), _spec(args[0]).dtype
+        out.append(((node.name, "rows"), TensorSpec((d.rows, d.hidden), dtype)))
+        out.append(((node.name, "hidden"), TensorSpec((d.rows, d.gate_up), dtype)))
+        out.append(((node.name, "act"), TensorSpec((d.rows, 2 * d.inner if d.gated
+                                                    else d.inner), dtype)))
+        out.append(((node.name, "out"), TensorSpec((d.rows, d.hidden), dtype)))
+        out.append(((node.name, "weights"), TensorSpec((d.rows,), _spec(args[2]).dtype)))
+        out.append(((node.name, "routes"), TensorSpec((2 * d.rows,), torch.int64)))
     elif name == "embedding":
         keep(args[1])
     elif name in ("cross_entropy_loss",):

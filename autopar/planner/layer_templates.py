@@ -263,7 +263,7 @@ class ModelCosts:
         """``depth``: the number of repeated blocks the real model has, when ``captured`` is
         a shallower copy of it (same shapes, fewer blocks: capture time grows with depth).
         Blocks are identical computations, so the last captured block stands for the rest."""
-        from autopar.passes.analyze import analyze
+        from autopar.passes.analyze import analyze, moe_dims
 
         self.captured = captured
         self.profile = profile if profile is not None else analyze(captured)
@@ -319,8 +319,7 @@ class ModelCosts:
         self.num_experts = 0
         for node in captured.gm.graph.nodes:
             if node.op == "call_function" and op_name(node) == "moe_experts":
-                self.num_experts = math.gcd(self.num_experts,
-                                            int(info(node.args[3]).spec.shape[0]))
+                self.num_experts = math.gcd(self.num_experts, int(moe_dims(node).experts))
 
     # -- construction -------------------------------------------------------------------------
     def _saved_entries(self) -> dict[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]:
@@ -363,7 +362,7 @@ class ModelCosts:
     def _template(self, layer: Any,
                   saved: Mapping[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]
                   ) -> Template:
-        from autopar.passes.analyze import GEMM_OPS, VIEW_OPS, gemm_dims
+        from autopar.passes.analyze import GEMM_OPS, VIEW_OPS, gemm_dims, moe_dims
 
         captured = self.captured
         exprs: list[sympy.Expr] = []
@@ -411,26 +410,24 @@ class ModelCosts:
                 add(k.numel + v_.numel)  # keys and values: what context parallelism exchanges
                 continue
             if op == "moe_experts":  # two grouped GEMMs per routed token, its dispatch
-                x, index = info(node.args[0]).spec, info(node.args[1]).spec
-                gate_up, down = info(node.args[3]).spec, info(node.args[4]).spec
-                rows = x.shape[0] * index.shape[1]
-                hidden, inner = x.shape[1], down.shape[-1]
+                d = moe_dims(node)
                 gemm_flops = gemm_flops + meta.flops
-                for n_, k_ in ((gate_up.shape[1], hidden), (hidden, inner)):
-                    idx = add(gate_up.shape[0])  # experts: price_layer runs E / ep GEMMs
-                    add(rows)
+                for n_, k_ in ((d.gate_up, d.hidden), (d.hidden, d.inner)):
+                    idx = add(d.experts)  # price_layer runs E / ep GEMMs
+                    add(d.rows)
                     add(n_)
                     add(k_)
                     terms.append(Term(TermKind.GEMM, name, meta.requires_grad, True, grads, False,
                                        idx, EXPERT_OP))
                 # gather the routed rows, the activation, weigh and add back (4 row passes)
+                x = info(node.args[0]).spec
                 element = x.nbytes / x.numel
                 terms.append(Term(TermKind.MEMORY, name, meta.requires_grad, False, grads, False,
-                                   add(rows * gate_up.shape[1]), ""))
-                add(element * rows * (4 * hidden + 2 * gate_up.shape[1]))
-                add(rows * gate_up.shape[1])
-                moe_rows.append(add(rows * hidden))
-                moe_experts.append(int(gate_up.shape[0]))
+                                   add(d.rows * d.gate_up), ""))
+                add(element * d.rows * (4 * d.hidden + 2 * d.gate_up))
+                add(d.rows * d.gate_up)
+                moe_rows.append(add(d.rows * d.hidden))
+                moe_experts.append(int(d.experts))
                 moe_params.update(info(a).fqn for a in node.args[3:5]
                                   if isinstance(a, torch.fx.Node) and info(a).fqn)
                 continue
