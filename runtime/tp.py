@@ -140,7 +140,12 @@ def _pack_saved(t: torch.Tensor) -> Any:
     base = t if t._base is None else t._base
     meta = getattr(base, "_autopar_regather", None)
     if meta is None:
-        return t
+        # Saved as autograd saves without hooks: a parameter (a leaf) as itself, so ZeRO-3
+        # swapping its data in before the backward is seen; any other tensor without its
+        # grad_fn. A node saving its own output (gelu, softmax) would otherwise hold itself alive
+        # through C++ references Python's gc cannot see, and a graph kept by retain_graph (the
+        # zero-bubble schedules' split backward) would never be freed: every step leaked it.
+        return t if t.grad_fn is None else t.detach()
     meta.packs += 1
     return meta, t.size(), t.stride(), t.storage_offset()
 

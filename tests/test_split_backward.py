@@ -84,3 +84,30 @@ def test_scalar_loss_and_unused_weight():
     torch.testing.assert_close(found[0], ref[0])
     torch.testing.assert_close(weights[id(w)], ref[1])
     assert weights.get(id(unused)) is None
+
+
+def test_split_backward_under_saved_gathers_frees_the_graph():
+    """Every stage forward runs under ``saved_gathers`` (runtime/pipeline.py). A saved-tensor
+    hook that kept a node's own output with its grad_fn made a reference cycle through C++ that
+    gc cannot collect; the split backward retains the graph between I and W, so each micro-batch
+    leaked its whole graph (zb-h1 and zb-v grew every step). Nothing of the graph may outlive W."""
+    import gc
+
+    from autopar.runtime.tp import saved_gathers
+
+    def live_graph_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects()
+                   if type(o) is torch.Tensor and o.grad_fn is not None)
+
+    gen = torch.Generator().manual_seed(2)
+    p = _params(gen)
+    before = live_graph_tensors()
+    for _ in range(3):
+        x = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64).requires_grad_()
+        with saved_gathers():
+            out = _stage(x, *p.values()).tanh()  # tanh saves its own output
+        found, pending = backward_input([out], [torch.ones_like(out)], [x], list(p.values()))
+        backward_weight(pending)
+        del x, out, found, pending
+    assert live_graph_tensors() == before
