@@ -238,6 +238,13 @@ class PipelineExecutor:
                            torch.device("cpu"))
         self._tied = self._make_tied_groups() if sync_tied else []
         self._p2p = self._make_p2p_group()
+        #: Post each compute's receives before the compute ahead of it, so the transfer overlaps
+        #: that compute (torch.distributed.pipelining places receives ahead likewise). Only where
+        #: point-to-point operations are matched by tag and progress independently (gloo): on
+        #: NCCL, sends and receives to one peer share a stream in issue order, and a receive
+        #: posted early could hold back a send the peer is waiting for.
+        self._early_receives = (self._p2p is not None
+                                and dist.get_backend(self._p2p) == dist.Backend.GLOO)
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
@@ -348,6 +355,9 @@ class PipelineExecutor:
         self._to_send: dict[tuple[int, str, int], list[torch.Tensor]] = {}
         self._weight_todo: dict[tuple[int, int], PendingWeightGradients | None] = {}
         self._pending_sends: list[tuple[Any, str, torch.Tensor]] = []
+        #: Receives posted ahead of their compute (``_early_receives``): action -> ((work, what)
+        #: per tensor, buffers), waited and handed over when the compute needs them.
+        self._posted: dict[Action, tuple[list[tuple[Any, str]], list[torch.Tensor]]] = {}
         self._loss_sum: torch.Tensor | None = None
 
     def step(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
@@ -377,11 +387,15 @@ class PipelineExecutor:
         self._begin(inputs, targets)
         self._inference = inference
         try:
-            for batch in comm_batches(actions):
+            batches = comm_batches(actions)
+            for i, batch in enumerate(batches):
                 if batch[0].kind.is_comm:
                     self._communicate(batch)
-                else:
-                    self._compute(batch[0])
+                    continue
+                if self._early_receives and i + 1 < len(batches) and batches[i + 1][0].kind.is_comm:
+                    self._communicate([a for a in batches[i + 1]
+                                       if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)])
+                self._compute(batch[0])
             for work, what, _ in self._pending_sends:
                 self._wait(work, what)
         except BaseException as exc:
@@ -390,7 +404,7 @@ class PipelineExecutor:
         finally:
             self._inference = False
         leftovers = [d for d in (self._received, self._forward, self._grad_out, self._to_send,
-                                 self._weight_todo) if d]
+                                 self._weight_todo, self._posted) if d]
         if leftovers:
             raise ScheduleError(f"rank {self.pp_rank} finished its actions with state left over",
                                 found=str([list(d)[:4] for d in leftovers]))
@@ -440,6 +454,7 @@ class PipelineExecutor:
         s, mb = a.stage, a.microbatch
         stage = self.local[s]
         if a.kind is ActionKind.FORWARD:
+            self._land(Action(s, ActionKind.RECV_F, mb))
             received = self._received.pop((s, mb), []) if s > 0 else []
             if len(received) != len(stage.inputs):
                 raise ScheduleError(f"{a} runs without its inputs on rank {self.pp_rank}",
@@ -474,6 +489,7 @@ class PipelineExecutor:
                     self._to_send[(s, "F", mb)] = sent
             return
         if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            self._land(Action(s, ActionKind.RECV_B, mb))
             leaves, outs = (self._forward.pop((s, mb)) if a.kind is ActionKind.BACKWARD
                             else self._forward[(s, mb)])
             if self.on_backward is not None:
@@ -545,12 +561,17 @@ class PipelineExecutor:
         return self.mesh.stage_rank(self.stage_to_rank[stage])
 
     def _communicate(self, batch: list[Action]) -> None:
+        """Post one run of transfers as one ``batch_isend_irecv``. Sends are waited at the end of
+        the step. Receives are waited here, or, with ``_early_receives``, posted one compute
+        ahead and waited by the compute that needs them (:meth:`_land`)."""
         ops: list[dist.P2POp] = []
         kinds: list[tuple[bool, str]] = []
         landing: list[tuple[Action, list[torch.Tensor]]] = []
         group = self._p2p
         for a in batch:
             s, mb = a.stage, a.microbatch
+            if a in self._posted:
+                continue  # posted ahead
             if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
                 direction = "F" if a.kind is ActionKind.SEND_F else "B"
                 tensors = self._to_send.pop((s, direction, mb))
@@ -576,6 +597,17 @@ class PipelineExecutor:
                     kinds.append((False, f"{a} from rank {peer}"))
                 landing.append((a, buffers))
         works = dist.batch_isend_irecv(ops) if ops else []
+        if self._early_receives:  # gloo: one work per operation
+            receives: list[tuple[Any, str]] = []
+            for work, op, (is_send, what) in zip(works, ops, kinds):
+                if is_send:
+                    self._pending_sends.append((work, what, op.tensor))
+                else:
+                    receives.append((work, what))
+            it = iter(receives)
+            for a, buffers in landing:
+                self._posted[a] = ([next(it) for _ in buffers], buffers)
+            return
         if len(works) == len(ops):
             for work, op, (is_send, what) in zip(works, ops, kinds):
                 if is_send:  # keep the sent tensor alive until its send is waited
@@ -586,12 +618,25 @@ class PipelineExecutor:
             for work in works:
                 self._wait(work, ", ".join(str(a) for a in batch))
         for a, buffers in landing:
-            if a.kind is ActionKind.RECV_F:
-                self._received[(a.stage, a.microbatch)] = buffers
-            else:
-                it = iter(buffers)
-                self._grad_out[(a.stage, a.microbatch)] = [
-                    next(it) if c.requires_grad else None for c in self.local[a.stage].outputs]
+            self._deliver(a, buffers)
+
+    def _land(self, a: Action) -> None:
+        """Wait for the receive ``a`` if it was posted ahead, and hand its tensors over."""
+        posted = self._posted.pop(a, None)
+        if posted is None:
+            return
+        works, buffers = posted
+        for work, what in works:
+            self._wait(work, what)
+        self._deliver(a, buffers)
+
+    def _deliver(self, a: Action, buffers: list[torch.Tensor]) -> None:
+        if a.kind is ActionKind.RECV_F:
+            self._received[(a.stage, a.microbatch)] = buffers
+        else:
+            it = iter(buffers)
+            self._grad_out[(a.stage, a.microbatch)] = [
+                next(it) if c.requires_grad else None for c in self.local[a.stage].outputs]
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, what, self.timeout)  # CommunicationTimeoutError naming rank and action

@@ -111,6 +111,7 @@ def train_pipelines(configs, dp=1, pp=None, tp=1):
         executor = PipelineExecutor(split, build_schedule(kind, mesh.pp, m, v), mesh,
                                     tensors=tensors)
         opt = torch.optim.AdamW(executor.parameters(), lr=LR)
+        ahead = _count_receives_ahead(executor)
         losses, grads = [], None
         for inputs, targets in batches:
             opt.zero_grad()
@@ -120,9 +121,27 @@ def train_pipelines(configs, dp=1, pp=None, tp=1):
             opt.step()
             losses.append(None if loss is None else loss.item())
         params = {k: p.detach().clone() for k, p in executor.named_parameters()}
-        results.append(dict(losses=losses, grads=grads, params=params,
+        results.append(dict(losses=losses, grads=grads, params=params, receives_ahead=ahead[0],
                             seconds=time.perf_counter() - start))
     return results
+
+
+def _count_receives_ahead(executor):
+    """Count the computes that start with a later compute's receive already posted (on gloo the
+    executor posts each compute's receives one compute ahead, so the transfer overlaps it)."""
+    from autopar.runtime.schedules import Action, ActionKind
+
+    count = [0]
+    compute = executor._compute
+
+    def counted(a):
+        own = Action(a.stage, ActionKind.RECV_F if a.kind is ActionKind.FORWARD
+                     else ActionKind.RECV_B, a.microbatch)
+        count[0] += any(k != own for k in executor._posted)
+        compute(a)
+
+    executor._compute = counted
+    return count
 
 
 def _check(cases, configs, per_rank, label):
@@ -159,6 +178,9 @@ def test_pipeline_matches_single_process_pp2(cases):
     with LocalPool(2, timeout_s=240, collective_timeout_s=60) as pool:
         per_rank = pool.run(train_pipelines, configs)
     _check(cases, configs, per_rank, "pp=2")
+    # every configuration overlapped some receive with the compute before it (gloo)
+    for i, config in enumerate(configs):
+        assert sum(r[i]["receives_ahead"] for r in per_rank) > 0, config[0]
     # tied weights: the embedding (first stage) and the LM head (last stage) are one tensor
     own = cases["own-gpt"]["splits"][(2, 1)]
     assert own.shared_params() == {"lm_head.weight": (0, 1)}  # export names it after the head
