@@ -340,11 +340,10 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
     and build the schedule's action lists; the stages must sit where the schedule runs them."""
     from autopar.passes.recompute import recompute_attention_cores
     from autopar.passes.split_stages import split_into_stages
-    from autopar.runtime.schedules import add_communication, build_schedule, schedule_spec
+    from autopar.runtime.schedules import add_communication, build_schedule
 
     plan = planned.plan
     captured = planned.captured
-    schedule_spec(plan.schedule).check_zero(plan.zero)
     schedule = add_communication(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
                                                 plan.virtual_stages))
     mismatch = schedule.link_order_mismatch() if torch.device(device).type == "cuda" else None

@@ -116,6 +116,8 @@ class ParallelModel:
                                                    "ep": EPGroup.from_mesh(mesh)},
                                          sync_tied=False, on_backward=self._on_backward,
                                          on_forward=self._on_forward,
+                                         on_weight=self._on_weight,
+                                         weight_done=self._weight_done,
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False)  # the rank's own fresh shards
         if isinstance(tensors, dict):  # taken over: the parameters are the executor's now
@@ -253,6 +255,15 @@ class ParallelModel:
         self._before_stage(stage, microbatch, "backward")
         self.data_parallel.set_requires_gradient_sync(
             self.executor.is_last_backward(stage, microbatch), chunk=self._chunk[stage])
+
+    def _on_weight(self, stage: int, microbatch: int) -> None:
+        """Before a split backward's weight-gradient action (zero-bubble schedules)."""
+        self._before_stage(stage, microbatch, "weight gradient")
+        self.data_parallel.begin_weight_gradients(self._chunk[stage])
+
+    def _weight_done(self, stage: int, microbatch: int) -> None:
+        self.data_parallel.end_weight_gradients(
+            self._chunk[stage], last=self.executor.is_last_weight(stage, microbatch))
 
     def _before_stage(self, stage: int, microbatch: int, direction: str) -> None:
         """Before each stage call: name the activity (errors say it) and tell dropout which

@@ -333,6 +333,9 @@ class DataParallel:
         self._touched: set[int] = set()
         self._callback_queued = False
         self._grads_final = False
+        #: Inside a split backward's weight-gradient pass: its autograd call's end (which may
+        #: reach a unit's output hook) must not free the parameters the pass still assigns to.
+        self._weight_pass = False
 
     # -- construction ---------------------------------------------------------------------------
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -393,10 +396,19 @@ class DataParallel:
         param_sets = [{id(p) for p in u.parameters()} for u in unit_modules]
         order = sorted(range(len(unit_modules)), key=lambda i: -len(param_sets[i]))
         owner: dict[int, int] = {}
+        roots = {id(m) for m in self.modules}
+        #: Unit index -> parameters (ids) it gathers although another unit owns them.
+        self._unit_shares: dict[int, set[int]] = {}
         for i in order:  # larger units first, so the innermost unit wins
             for pid in param_sets[i]:
                 j = owner.get(pid)
                 if j is not None and not param_sets[i] <= param_sets[j]:
+                    if id(unit_modules[i]) in roots and id(unit_modules[j]) in roots:
+                        # Two wrapped modules sharing a weight (ZB-V's tied embedding and LM
+                        # head, two chunks on one rank): the first keeps it, the other gathers
+                        # its bucket too.
+                        self._unit_shares.setdefault(i, set()).add(pid)
+                        continue
                     raise InvalidInputError(
                         "a parameter belongs to two ZeRO-3 units that do not nest",
                         found=f"{type(unit_modules[j]).__name__} and "
@@ -485,10 +497,13 @@ class DataParallel:
                 buckets = [b for b, (key, _) in zip(self.buckets, groups) if key[1] == u_index]
                 if not buckets:
                     continue
+                shares = self._unit_shares.get(u_index, set())
+                shared = [b for b in self.buckets
+                          if b not in buckets and any(id(p) in shares for p in b.params)]
                 unit = ParamUnit(f"unit{u_index}:{type(module).__name__}", module, buckets,
                                  reshard_after_forward=self.config.reshard_after_forward,
                                  is_root=id(module) in roots, on_backward_start=self._note_backward,
-                                 order=self.unit_order)
+                                 order=self.unit_order, shared=shared)
                 self.units.append(unit)
                 for b in buckets:
                     self._unit_of_bucket[b.index] = unit
@@ -567,8 +582,9 @@ class DataParallel:
                 for b in self._chunk_buckets[chunk]:
                     b.fired = 0
                     b.launched = False
-            for unit in self.units:
-                unit.end_backward()
+            if not self._weight_pass:  # the pass's end frees them (end_weight_gradients)
+                for unit in self.units:
+                    unit.end_backward()
         finally:
             self._touched = set()
             self._callback_queued = False
@@ -608,6 +624,46 @@ class DataParallel:
                 wait_work(dist.all_reduce(b.reduced_grad(), group=b.sum_group, async_op=True),
                           f"sum of shared gradient bucket {b.index}")
         self._grads_final = True
+
+    # -- a split backward's weight gradients (zero-bubble schedules) ------------------------------
+    def begin_weight_gradients(self, chunk: int | None = None) -> None:
+        """Before a weight-gradient pass of a split backward on ``chunk`` (None: every chunk):
+        ZeRO-3 gathers the chunk's parameters, which the input-gradient pass's end freed. The
+        pass assigns ``.grad`` (``torch.autograd.grad`` on the weights) instead of accumulating
+        through autograd, so no hook fires: :meth:`end_weight_gradients` takes the gradients."""
+        self._weight_pass = True
+        for unit in self._units_of(chunk):
+            unit.gather()
+
+    def end_weight_gradients(self, chunk: int | None = None, *, last: bool) -> None:
+        """After a weight-gradient pass: move the assigned gradients into the chunk's buckets;
+        after the chunk's ``last`` pass of the step (and unless inside :meth:`no_sync`), launch
+        their reduction, which then overlaps the passes still to run; ZeRO-3 frees the chunk's
+        parameters again."""
+        chunks = range(len(self.modules)) if chunk is None else [chunk]
+        for b in self.buckets:  # a weight shared with another chunk lives in that one's bucket
+            if b.requires_grad and not (b.reduced or b.pending_wait):
+                for i, p in enumerate(b.params):
+                    if p.grad is not None:
+                        b.accumulate(i, p)
+                        self._unsynced[b.chunk] = True
+        for c in chunks:
+            buckets = self._chunk_buckets[c]
+            if last and self._sync[c]:
+                self._launch_in_order(c, all_remaining=True)
+                self._unsynced[c] = False
+                self._next_launch[c] = 0
+                for b in buckets:
+                    b.fired = 0
+                    b.launched = False
+            else:
+                self._unsynced[c] = True
+        self._weight_pass = False
+        for unit in self._units_of(chunk):
+            unit.end_backward()
+
+    def _units_of(self, chunk: int | None) -> list[ParamUnit]:
+        return [u for u in self.units if chunk is None or any(b.chunk == chunk for b in u.buckets)]
 
     def _sweep_assigned_grads(self) -> None:
         """Gradients set on parameters without going through autograd's accumulation (an

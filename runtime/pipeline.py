@@ -171,6 +171,8 @@ class PipelineExecutor:
                  on_backward: Callable[[int, int], None] | None = None,
                  recompute: bool = False,
                  on_forward: Callable[[int, int], None] | None = None,
+                 on_weight: Callable[[int, int], None] | None = None,
+                 weight_done: Callable[[int, int], None] | None = None,
                  copy_tensors: bool = True) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
@@ -180,6 +182,10 @@ class PipelineExecutor:
         data-parallel layer enables gradient sync for a stage's last one); ``on_forward(stage,
         microbatch)`` runs right before each stage forward, inside the recomputed region, so a
         recompute in backward sees it again (the program's dropout masks depend on it).
+        ``on_weight(stage, microbatch)`` and ``weight_done(stage, microbatch)`` bracket each
+        weight-gradient action of a split backward (zero-bubble schedules), whose gradients are
+        assigned to ``.grad`` rather than accumulated by autograd: the data-parallel layer
+        gathers ZeRO-3 parameters before and takes the gradients into its buckets after.
         ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
         self.split = split
@@ -189,6 +195,8 @@ class PipelineExecutor:
         self.sync_tied = sync_tied
         self.on_backward = on_backward
         self.on_forward = on_forward
+        self.on_weight = on_weight
+        self.weight_done = weight_done
         self.bindings = dict(bindings or {})
         self.schedule = add_communication(schedule)
         self.mesh = mesh
@@ -249,21 +257,27 @@ class PipelineExecutor:
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
         self.stage_modules = {s: StageModule(stage, self.params) for s, stage in self.local.items()}
-        self._last_backward = self._final_backward_microbatch()
+        self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
+                                                     ActionKind.BACKWARD_INPUT)
+        self._last_weight = self._final_microbatch(ActionKind.BACKWARD_WEIGHT)
         self._inference = False
         self._reset()
 
-    def _final_backward_microbatch(self) -> dict[int, int]:
-        """For each local stage, the micro-batch of its last backward action on this rank."""
+    def _final_microbatch(self, *kinds: ActionKind) -> dict[int, int]:
+        """For each local stage, the micro-batch of its last action of ``kinds`` on this rank."""
         last: dict[int, int] = {}
         for a in self.actions:
-            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            if a.kind in kinds:
                 last[a.stage] = a.microbatch
         return last
 
     def is_last_backward(self, stage: int, microbatch: int) -> bool:
         """Whether ``(stage, microbatch)`` is that stage's final backward in a step."""
         return self._last_backward.get(stage) == microbatch
+
+    def is_last_weight(self, stage: int, microbatch: int) -> bool:
+        """Whether ``(stage, microbatch)`` is that stage's final weight-gradient action."""
+        return self._last_weight.get(stage) == microbatch
 
     # -- parameters ---------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -522,10 +536,14 @@ class PipelineExecutor:
         # BACKWARD_WEIGHT
         pending = self._weight_todo.pop((s, mb))
         self._forward.pop((s, mb))
+        if self.on_weight is not None:
+            self.on_weight(s, mb)
         if pending is not None:
             for p, g in backward_weight(pending):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
+        if self.weight_done is not None:
+            self.weight_done(s, mb)
 
     def _trained_params(self, stage: StageProgram) -> list[nn.Parameter]:
         return [self.params[f] for f in dict.fromkeys(stage_params(stage))

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from autopar.errors import InvalidPlanError, ScheduleError
+from autopar.errors import ScheduleError
 
 __all__ = [
     "ScheduleKind",
@@ -629,16 +629,6 @@ class ScheduleSpec:
                     f"a multiple of pp={p} micro-batches",
                     "change the micro-batch count or the schedule")
         return None
-
-    def check_zero(self, zero: int) -> None:
-        """ZeRO-3 gathers a stage's parameters around its forward and backward; a split
-        backward's later weight-gradient actions would need them gathered again."""
-        if zero == 3 and self.splits_backward:
-            raise InvalidPlanError(f"ZeRO-3 with the {self.kind.value} schedule is not supported "
-                                   f"yet", expected=f"zero <= 2 with {self.kind.value}, or a "
-                                                    f"schedule without split backward with "
-                                                    f"zero 3",
-                                   fix="pin zero <= 2, or another schedule")
 
     def fill_drain(self, forward: Sequence[float], backward: Sequence[float],
                    weight: Sequence[float], p: int, v: int) -> float:

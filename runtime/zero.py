@@ -624,13 +624,16 @@ class ParamUnit:
     def __init__(self, name: str, module: nn.Module, buckets: Sequence[FlatBucket], *,
                  reshard_after_forward: bool, is_root: bool,
                  on_backward_start: Callable[[], None],
-                 order: "UnitOrder | None" = None) -> None:
+                 order: "UnitOrder | None" = None,
+                 shared: Sequence[FlatBucket] = ()) -> None:
+        """``shared``: buckets another unit owns that this one also needs gathered (a weight
+        two wrapped modules share); gathered and freed with this unit's own."""
         self.name = name
         self.order = order
         self.module = module
-        self.buckets = list(buckets)
+        self.num_grad_params = sum(len(b.slots) for b in buckets if b.requires_grad)
+        self.buckets = list(buckets) + list(shared)
         self.reshard_after_forward = reshard_after_forward and not is_root
-        self.num_grad_params = sum(len(b.slots) for b in self.buckets if b.requires_grad)
         self.fired = 0
         self.in_backward = False
         self._on_backward_start = on_backward_start

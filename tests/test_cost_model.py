@@ -174,3 +174,21 @@ def test_a_tp_the_model_does_not_divide_is_refused_with_the_search_s_reason(shal
     c = Candidate(2, 3, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0, False)
     reason = cm.evaluate(c).infeasible
     assert "ShardingError" in reason and "16 heads" in reason
+
+
+def test_zero3_under_a_split_backward_pays_a_third_gather(shallow):
+    """ZeRO-3 gathers a stage's parameters for its forward and its backward; a zero-bubble
+    schedule's weight-gradient action gathers them once more (the input-gradient action's end
+    freed them: runtime/data_parallel.py), so its data-parallel time is at least 1F1B's at the
+    same shape, and ZeRO-2 (nothing gathered) pays no such term."""
+    _, costs = shallow["llama-7b"]
+    cm = CostModel(costs, A100.with_devices(64), TrainingSetup(256, 2048))
+
+    def dp_comm(schedule, zero):
+        ev = cm.evaluate(Candidate(16, 1, 4, 1, 1, schedule, RecomputeKind.FULL, zero, False))
+        assert not ev.infeasible, ev.infeasible
+        return ev.prediction.breakdown["dp_comm_s"]
+
+    zb3, one3 = dp_comm(ScheduleKind.ZB_H1, 3), dp_comm(ScheduleKind.ONE_F_ONE_B, 3)
+    assert zb3 > one3 > dp_comm(ScheduleKind.ONE_F_ONE_B, 2)
+    assert dp_comm(ScheduleKind.ZB_H1, 2) == pytest.approx(dp_comm(ScheduleKind.ONE_F_ONE_B, 2))

@@ -5,7 +5,8 @@ and HF LLaMA (kv-heads < heads), and HF BERT (integer position-id buffers) at pp
 with the five schedules (ZB-V with tied weights on one rank's two chunks) and sequence
 parallelism mixed in: after 3 AdamW steps, losses and every
 parameter equal the single-process run. Every model runs ZeRO 1, 2 and 3 with dp > 1 (ZeRO-3 with
-pp > 1), one of them as hybrid sharding (Plan.zero_shard_size); one run clips the global gradient
+pp > 1; ZeRO-3 under ZB-H1 and under ZB-V with a tied weight on one rank's two chunks), one of
+them as hybrid sharding (Plan.zero_shard_size); one run clips the global gradient
 norm, one feeds each data-parallel rank only its share of the batch, three evaluate (``pm(...)``,
 ``eval_step``) and compile every rank's generated code; two run in mixed precision with pipeline
 parallelism. Selective recompute runs on HF GPT-2 and LLaMA with eager attention, whose attention
@@ -81,8 +82,9 @@ EXTRA = [("bert", (1, 2, 2, "interleaved-1f1b", 2, 2, True), 0, {}),
          ("gpt", (2, 2, 1, "1f1b", 1, 2, False), 3, dict(mixed_precision=True)),
          ("gpt_eager", (1, 2, 2, "1f1b", 1, 2, True), 3, dict(pins=SELECTIVE, probe=True)),
          ("gpt_eager", (2, 2, 1, "zb-h1", 1, 2, False), 1, dict(pins=SELECTIVE)),
-         # ZB-V: the tied embedding and LM head on one rank's two chunks; tp with SP
-         ("gpt", (2, 2, 1, "zb-v", 2, 2, False), 2, {}),
+         # ZB-V: the tied embedding and LM head on one rank's two chunks (ZeRO-3 gathers them
+         # again for each weight-gradient action); tp with SP
+         ("gpt", (2, 2, 1, "zb-v", 2, 2, False), 3, {}),
          ("llama", (1, 2, 2, "zb-v", 2, 4, True), 1, {})]
 
 
@@ -97,9 +99,8 @@ def _world4_configs():
         for i, shape in enumerate(WORLD4):
             mesh = shape[:3]
             zero = ZERO_DP[name].get(mesh, (i + j) % 4)
-            if shape[1] == 4 and name == "llama":  # one zero-bubble run (ZeRO <= 2 with ZB-H1)
+            if shape[1] == 4 and name == "llama":  # one zero-bubble run (ZeRO-3 with ZB-H1)
                 shape = shape[:3] + ("zb-h1",) + shape[4:]
-                zero = min(zero, 2)
             options = dict(OPTIONS.get((name, mesh), {}))
             pins = _pins(*shape, zero=zero, **options.pop("pins", {}))
             configs.append((name, pins, options))

@@ -737,6 +737,11 @@ class CostModel:
                                + coll(Collective.ALL_GATHER, rs.largest_layer_params * w_bytes,
                                       rs.largest_layer_params * w_bytes))
                     overlapped = m * (min(ag, rs.forward) + min(ag + rs_t, window))
+                    if c.schedule.spec.splits_backward:
+                        # the weight-gradient action gathers once more (the input-gradient
+                        # action's end freed the parameters), behind work of a forward's size
+                        exposed += m * max(0.0, ag - rs.forward)
+                        overlapped += m * min(ag, rs.forward)
                 # overlapped communication takes SMs from the compute it hides behind
                 exposed += overlapped * interference
                 exposed = max(0.0, exposed - slack)
