@@ -119,7 +119,8 @@ class ParallelModel:
                                          on_weight=self._on_weight,
                                          weight_done=self._weight_done,
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
-                                         copy_tensors=False)  # the rank's own fresh shards
+                                         copy_tensors=False,  # the rank's own fresh shards
+                                         layer_units=self.plan.zero == 3)
         if isinstance(tensors, dict):  # taken over: the parameters are the executor's now
             tensors.clear()
         local = list(self.executor.stage_modules)

@@ -502,7 +502,8 @@ class DataParallel:
                           if b not in buckets and any(id(p) in shares for p in b.params)]
                 unit = ParamUnit(f"unit{u_index}:{type(module).__name__}", module, buckets,
                                  reshard_after_forward=self.config.reshard_after_forward,
-                                 is_root=id(module) in roots, on_backward_start=self._note_backward,
+                                 is_root=id(module) in roots or getattr(module, "root", False),
+                                 on_backward_start=self._note_backward,
                                  order=self.unit_order, shared=shared)
                 self.units.append(unit)
                 for b in buckets:

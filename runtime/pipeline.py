@@ -59,6 +59,7 @@ from autopar.errors import (
     PlanMismatchError,
     ScheduleError,
 )
+from autopar.runtime.layer_units import instrument_layers
 from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import wait_work
 from autopar.runtime.schedules import (
@@ -151,12 +152,24 @@ class StageModule(nn.Module):
     gather before the call, a free after) wraps each stage call.
     """
 
-    def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter]) -> None:
+    def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter], *,
+                 layer_units: bool = False) -> None:
+        """``layer_units``: instrument the graph with one :class:`LayerBoundary` per captured
+        layer (``runtime/layer_units.py``), children of this module, so that ZeRO-3 gathers
+        one layer at a time rather than the whole stage."""
         super().__init__()
         self.index = stage.index
-        object.__setattr__(self, "_graph", getattr(stage, "gm", None))  # not a submodule: no params
+        graph = getattr(stage, "gm", None)
         for fqn in dict.fromkeys(stage_params(stage)):
             self.register_parameter(module_attribute(fqn), params[fqn])
+        if layer_units and graph is not None:
+            attribute_of = {ph.name: module_attribute(ph.key) for ph in stage.placeholders
+                            if _kind(ph) == "parameter"}
+            graph, boundaries = instrument_layers(graph, dict(self.named_parameters()),
+                                                  attribute_of)
+            # registered after the parameters, so named_parameters() keeps their names
+            self.layers = nn.ModuleList(boundaries)
+        object.__setattr__(self, "_graph", graph)  # not a submodule: no params
 
     def forward(self, *args: Any) -> Any:
         return self._graph(*args)
@@ -173,7 +186,7 @@ class PipelineExecutor:
                  on_forward: Callable[[int, int], None] | None = None,
                  on_weight: Callable[[int, int], None] | None = None,
                  weight_done: Callable[[int, int], None] | None = None,
-                 copy_tensors: bool = True) -> None:
+                 copy_tensors: bool = True, layer_units: bool = False) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
@@ -186,7 +199,8 @@ class PipelineExecutor:
         weight-gradient action of a split backward (zero-bubble schedules), whose gradients are
         assigned to ``.grad`` rather than accumulated by autograd: the data-parallel layer
         gathers ZeRO-3 parameters before and takes the gradients into its buckets after.
-        ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
+        ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
+        layer (:class:`StageModule`). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
         self.split = split
         #: Full activation recompute: each stage call keeps only its inputs and runs again in
@@ -256,7 +270,8 @@ class PipelineExecutor:
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
-        self.stage_modules = {s: StageModule(stage, self.params) for s, stage in self.local.items()}
+        self.stage_modules = {s: StageModule(stage, self.params, layer_units=layer_units)
+                              for s, stage in self.local.items()}
         self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
                                                      ActionKind.BACKWARD_INPUT)
         self._last_weight = self._final_microbatch(ActionKind.BACKWARD_WEIGHT)

@@ -637,8 +637,13 @@ class ParamUnit:
         self.fired = 0
         self.in_backward = False
         self._on_backward_start = on_backward_start
-        self._handles = [module.register_forward_pre_hook(self._pre_forward),
-                         module.register_forward_hook(self._post_forward)]
+        if hasattr(module, "bind_unit"):  # a layer inside a graph calls us itself
+            module.bind_unit(lambda: self._pre_forward(module, ()),
+                             lambda tensors: self._post_forward(module, (), tensors))
+            self._handles = []
+        else:
+            self._handles = [module.register_forward_pre_hook(self._pre_forward),
+                             module.register_forward_hook(self._post_forward)]
 
     def gather(self) -> None:
         for b in self.buckets:
@@ -689,6 +694,8 @@ class ParamUnit:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if hasattr(self.module, "bind_unit"):
+            self.module.bind_unit(None, None)
 
 
 class UnitOrder:

@@ -295,3 +295,46 @@ def load_large(checkpoint: str, pins: Mapping[str, Any]):
     return dict(growth=growth, params=params, held=held, memory=memory, largest=largest,
                 predicted_weights=predicted,
                 coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank))
+
+
+def zero3_gathered(blocks: int, pins: Mapping[str, Any]) -> dict[str, Any]:
+    """One ZeRO-3 training step of the own GPT with ``blocks`` blocks; how many parameter
+    elements this rank held gathered at most (whole buckets, a prefetch in flight included),
+    against its stages' parameters and its layers'. Checked after every gather, prefetch and free
+    of every bucket."""
+    from autopar.ir import info
+
+    name = "own_gpt"
+    with torch.device("cpu"):
+        model, loss_fn = build_own_gpt(layers=blocks)
+    data = batches(name, 1)
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                             optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+    buckets = pm.data_parallel.buckets
+    peak = [0]
+
+    def held() -> int:
+        return sum(b.padded_numel for b in buckets if b.gathered or b.prefetching)
+
+    for b in buckets:
+        for method in ("gather", "start_gather", "free"):
+            def traced(*args, _f=getattr(b, method), **kwargs):
+                out = _f(*args, **kwargs)
+                peak[0] = max(peak[0], held())
+                return out
+            setattr(b, method, traced)
+    pm.train_step(*data[0])
+    layer_params: dict[str, int] = {}
+    for s in pm.executor.stage_modules:
+        gm = pm.split.stages[s].gm
+        fqn_of = {ph.name: ph.key for ph in pm.split.stages[s].placeholders
+                  if str(getattr(ph.kind, "value", ph.kind)) == "parameter"}
+        for n in gm.graph.nodes:
+            for a in n.all_input_nodes:
+                if a.name in fqn_of and n.op != "output":
+                    layer_params.setdefault(info(n).layer, set()).add(fqn_of[a.name])
+    sizes = {fqn: p.numel() for fqn, p in model.named_parameters(remove_duplicate=False)}
+    return dict(peak=peak[0], units=len(pm.data_parallel.units),
+                stage=sum(sizes[f] for f in {f for fs in layer_params.values() for f in fs}),
+                layers={k: sum(sizes[f] for f in v) for k, v in layer_params.items()})

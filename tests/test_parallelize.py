@@ -237,6 +237,22 @@ def test_world8_dp2_pp2_tp2(references):
         _check_memory(per_rank, k, pins, False, what)
 
 
+def test_zero3_gathers_one_layer_at_a_time():
+    """ZeRO-3 through parallelize gathers per captured layer (runtime/layer_units.py), not the
+    whole stage: on a 6-block GPT at dp=2 the most a rank holds gathered at once is the tied
+    embedding / LM head (kept with the stage, as FSDP keeps it in its root), the head's layer,
+    the block running and the one prefetched (Rajbhandari et al. 2020's per-layer fetch), about a
+    third of the stage; gathering the whole stage would hold all of it."""
+    with LocalPool(2, timeout_s=300) as pool:
+        found = pool.run(jobs.zero3_gathered, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3))
+    for r in found:
+        layers = r["layers"]
+        block = max(v for k, v in layers.items() if k.startswith("blocks."))
+        assert r["units"] == len(layers) + 1  # one per layer, and the stage's own
+        assert 2 * block <= r["peak"] <= 2 * block + layers["pre"] + layers["post"], r
+        assert r["peak"] < 0.4 * r["stage"], r
+
+
 def test_a_meta_model_trains_from_a_checkpoint_and_initializes_like_one_device(references,
                                                                              tmp_path):
     """Initialized: built on meta from seed 0 and parallelized with ``init=`` (no weights
