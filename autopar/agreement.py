@@ -33,7 +33,7 @@ __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
             "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
-            "cp_attention", "cp_innermost", "ep")
+            "cp_attention", "cp_innermost", "ep", "reshard_after_forward")
 
 
 def rank_device() -> torch.device:
@@ -111,6 +111,11 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
         raise InvalidPlanError("pin sequence_parallel must be True or False",
                                expected="a bool", found=repr(pins["sequence_parallel"]),
                                fix="pin sequence_parallel=True or False")
+    if "reshard_after_forward" in pins and not isinstance(pins["reshard_after_forward"], bool):
+        raise InvalidPlanError("pin reshard_after_forward must be True or False",
+                               expected="a bool", found=repr(pins["reshard_after_forward"]),
+                               fix="pin reshard_after_forward=True (gather again for the "
+                                   "backward) or False (keep the layers gathered)")
     schedule = pins.get("schedule")
     v = pins.get("virtual_stages")
     if schedule is not None and v is not None:  # the micro-batch count is checked with the plan

@@ -176,6 +176,7 @@ class ParallelModel:
         training = self.training
         config = DataParallelConfig(
             zero=plan.zero, bucket_mb=training.bucket_mb, shard_size=shard_size,
+            reshard_after_forward=plan.reshard_after_forward,
             mixed_precision=MixedPrecision() if training.mixed_precision else None,
             max_grad_norm=training.max_grad_norm)
         # the optimizer's group rules speak of the model's parameter names
@@ -251,11 +252,19 @@ class ParallelModel:
         self._before_stage(stage, microbatch, "forward")
 
     def _on_backward(self, stage: int, microbatch: int) -> None:
-        """Gradients stay local until a stage's last micro-batch, whose backward then overlaps
-        the data-parallel reduction."""
+        """ZeRO-0/1: gradients stay local until a stage's last micro-batch, whose backward then
+        overlaps the data-parallel reduction. ZeRO-2/3 reduce-scatter every micro-batch's
+        gradients into the shard (as DeepSpeed's ZeRO-2 does), so that no full gradient buffer
+        outlives a backward: the memory of Rajbhandari et al. 2020's accounting, and the m
+        reduce-scatters per step the cost model prices."""
         self._before_stage(stage, microbatch, "backward")
         self.data_parallel.set_requires_gradient_sync(
-            self.executor.is_last_backward(stage, microbatch), chunk=self._chunk[stage])
+            self._syncs_after(stage, microbatch, self.executor.is_last_backward),
+            chunk=self._chunk[stage])
+
+    def _syncs_after(self, stage: int, microbatch: int,
+                     is_last: Callable[[int, int], bool]) -> bool:
+        return self.plan.zero >= 2 or is_last(stage, microbatch)
 
     def _on_weight(self, stage: int, microbatch: int) -> None:
         """Before a split backward's weight-gradient action (zero-bubble schedules)."""
@@ -264,7 +273,8 @@ class ParallelModel:
 
     def _weight_done(self, stage: int, microbatch: int) -> None:
         self.data_parallel.end_weight_gradients(
-            self._chunk[stage], last=self.executor.is_last_weight(stage, microbatch))
+            self._chunk[stage],
+            last=self._syncs_after(stage, microbatch, self.executor.is_last_weight))
 
     def _before_stage(self, stage: int, microbatch: int, direction: str) -> None:
         """Before each stage call: name the activity (errors say it) and tell dropout which

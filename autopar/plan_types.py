@@ -136,11 +136,20 @@ class Plan:
     #: borrowed from the data-parallel ones (ep divides dp; runtime/moe.py). Each rank holds
     #: E / ep experts; tokens travel to their experts' ranks and back by all-to-all.
     ep: int = 1
+    #: ZeRO-3: free each layer's gathered parameters after its forward and gather them again for
+    #: its backward (True, FSDP's default), or keep them from the forward to the end of the
+    #: backward (False: one all-gather per layer and micro-batch fewer, the stage's weights whole
+    #: in memory meanwhile). Ignored below ZeRO-3.
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
                      "num_micro_batches"):
             _positive(name, getattr(self, name))
+        if not isinstance(self.reshard_after_forward, bool):
+            raise InvalidPlanError("reshard_after_forward must be True or False",
+                                   expected="a bool", found=repr(self.reshard_after_forward),
+                                   fix="set reshard_after_forward=True or False")
         if not isinstance(self.cp_innermost, bool):
             raise InvalidPlanError("cp_innermost must be True or False", expected="a bool",
                                    found=repr(self.cp_innermost), fix="set it to True or False")
@@ -259,6 +268,7 @@ class Plan:
             **({"cp": self.cp, "cp_attention": self.cp_attention,
                 "cp_innermost": self.cp_innermost} if self.cp > 1 else {}),
             **({"ep": self.ep} if self.ep > 1 else {}),
+            **({"reshard_after_forward": False} if not self.reshard_after_forward else {}),
         }
 
     @classmethod

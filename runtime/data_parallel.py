@@ -336,6 +336,8 @@ class DataParallel:
         #: Inside a split backward's weight-gradient pass: its autograd call's end (which may
         #: reach a unit's output hook) must not free the parameters the pass still assigns to.
         self._weight_pass = False
+        #: ZeRO-2/3: the bucket whose reduce-scatter was launched last and not waited yet.
+        self._in_flight: FlatBucket | None = None
 
     # -- construction ---------------------------------------------------------------------------
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -568,6 +570,12 @@ class DataParallel:
                 break
             b.launch_reduce()
             b.launched = True
+            if self.config.zero >= ZeroStage.GRADIENTS:
+                # one reduce-scatter in flight: finishing the previous one frees its full
+                # gradient buffer while the backward goes on (FSDP frees each unit's likewise)
+                if self._in_flight is not None and self._in_flight is not b:
+                    self._in_flight.wait_reduce()
+                self._in_flight = b
             i += 1
         self._next_launch[chunk] = i
 
@@ -577,6 +585,7 @@ class DataParallel:
                 if self._sync[chunk]:
                     self._launch_in_order(chunk, all_remaining=True)  # buckets with unused parameters
                     self._unsynced[chunk] = False  # every local gradient is now being reduced
+                    self._release_full_gradients(chunk)
                 else:
                     self._unsynced[chunk] = True
                 self._next_launch[chunk] = 0
@@ -643,7 +652,10 @@ class DataParallel:
         parameters again."""
         chunks = range(len(self.modules)) if chunk is None else [chunk]
         for b in self.buckets:  # a weight shared with another chunk lives in that one's bucket
-            if b.requires_grad and not (b.reduced or b.pending_wait):
+            # ZeRO-0/1 reduce once per step: a reduced bucket takes no more (the sweep names it);
+            # ZeRO-2/3 reduce every micro-batch and accumulate into the shard
+            done = b.reduced or b.pending_wait
+            if b.requires_grad and (b.stage >= ZeroStage.GRADIENTS or not done):
                 for i, p in enumerate(b.params):
                     if p.grad is not None:
                         b.accumulate(i, p)
@@ -653,6 +665,7 @@ class DataParallel:
             if last and self._sync[c]:
                 self._launch_in_order(c, all_remaining=True)
                 self._unsynced[c] = False
+                self._release_full_gradients(c)
                 self._next_launch[c] = 0
                 for b in buckets:
                     b.fired = 0
@@ -662,6 +675,15 @@ class DataParallel:
         self._weight_pass = False
         for unit in self._units_of(chunk):
             unit.end_backward()
+
+    def _release_full_gradients(self, chunk: int) -> None:
+        """ZeRO-2/3 after a synced backward: wait for the chunk's reduce-scatters, whose end
+        frees each bucket's full gradient buffer (only the shard stays), so that it does not
+        live on into the next micro-batch's forward."""
+        if self.config.zero >= ZeroStage.GRADIENTS:
+            for b in self._chunk_buckets[chunk]:
+                b.wait_reduce()
+            self._in_flight = None
 
     def _units_of(self, chunk: int | None) -> list[ParamUnit]:
         return [u for u in self.units if chunk is None or any(b.chunk == chunk for b in u.buckets)]

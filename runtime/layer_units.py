@@ -131,9 +131,17 @@ def instrument_layers(gm: torch.fx.GraphModule, params: Mapping[str, nn.Paramete
         if n.op == "output":
             graph.node_copy(n, lambda a: env[a])
     root: dict[str, Any] = {f"{BOUNDARIES}.{i}": b for i, b in enumerate(boundaries)}
-    for n in nodes:
+    for n in nodes:  # what the graph reads from its module: constants, recomputed regions
         if n.op == "get_attr":
-            root[n.target] = getattr(gm, n.target)
+            root[n.target] = _attr(gm, n.target)
+        elif n.op == "call_module":
+            root[n.target] = gm.get_submodule(n.target)
     instrumented = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
     return instrumented, boundaries
+
+
+def _attr(module: nn.Module, path: str) -> Any:
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
 

@@ -160,7 +160,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
-        for fqn in dict.fromkeys(stage_params(stage)):
+        for fqn in _in_order_of_use(stage):
             self.register_parameter(module_attribute(fqn), params[fqn])
         if layer_units and graph is not None:
             attribute_of = {ph.name: module_attribute(ph.key) for ph in stage.placeholders
@@ -687,6 +687,27 @@ def _announced(module: Callable[..., Any], hook: Callable[[int, int], None], sta
 def _kind(ph: _Placeholder) -> str:
     kind = ph.kind
     return kind.value if hasattr(kind, "value") else str(kind)
+
+
+def _in_order_of_use(stage: StageProgram) -> list[str]:
+    """The stage's parameters in the order its graph first reads them. Registration order is
+    what the data-parallel engine's buckets follow (reversed: the order gradients arrive in);
+    each bucket's reduction launches in bucket order, so a bucket whose gradients come last
+    must come last, or it holds back the reductions of all the others and every full gradient
+    buffer stays alive until the end of the backward."""
+    fqns = list(dict.fromkeys(stage_params(stage)))
+    graph = getattr(stage, "gm", None)
+    if graph is None:
+        return fqns
+    key_of = {ph.name: ph.key for ph in stage.placeholders if _kind(ph) == "parameter"}
+    first: dict[str, int] = {}
+    for i, node in enumerate(graph.graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        for a in node.all_input_nodes:
+            if a.name in key_of:
+                first.setdefault(key_of[a.name], i)
+    return sorted(fqns, key=lambda f: first.get(f, -1))
 
 
 def stage_params(stage: StageProgram) -> list[str]:

@@ -392,6 +392,8 @@ class FlatBucket:
                 found=f"another backward with gradient sync for bucket {self.index}",
                 fix="run all but the last micro-batch's backward inside no_sync() "
                     "(or call zero_grad() after step())")
+        if self.stage >= ZeroStage.GRADIENTS and self.pending_wait:
+            self.wait_reduce()  # the buffer in flight is the reduction's input: finish it first
         grad = param.grad
         param.grad = None
         if self.local_grad is None:  # stages 2, 3: allocated per reduction

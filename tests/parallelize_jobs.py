@@ -297,34 +297,43 @@ def load_large(checkpoint: str, pins: Mapping[str, Any]):
                 coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank))
 
 
-def zero3_gathered(blocks: int, pins: Mapping[str, Any]) -> dict[str, Any]:
-    """One ZeRO-3 training step of the own GPT with ``blocks`` blocks; how many parameter
-    elements this rank held gathered at most (whole buckets, a prefetch in flight included),
-    against its stages' parameters and its layers'. Checked after every gather, prefetch and free
-    of every bucket."""
+def zero_memory(blocks: int, pins: Mapping[str, Any], bucket_mb: float = 25.0
+                ) -> dict[str, Any]:
+    """One ZeRO training step of the own GPT with ``blocks`` blocks, traced: the most parameter
+    elements this rank held gathered at once (whole buckets, a prefetch in flight included) and
+    the most full (unsharded) gradient elements, against its stages' parameters and its layers'.
+    Sampled after every gather, prefetch, free, accumulation and reduction of every bucket; the
+    loss is returned to compare with another run."""
     from autopar.ir import info
 
-    name = "own_gpt"
     with torch.device("cpu"):
         model, loss_fn = build_own_gpt(layers=blocks)
-    data = batches(name, 1)
+    data = batches("own_gpt", 1)
     pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                              loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                             optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+                             optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
+                             bucket_mb=bucket_mb)
     buckets = pm.data_parallel.buckets
-    peak = [0]
+    peak = {"gathered": 0, "full_grads": 0}
+    gathers = [0]
 
-    def held() -> int:
-        return sum(b.padded_numel for b in buckets if b.gathered or b.prefetching)
+    def sample() -> None:
+        gathered = sum(b.padded_numel for b in buckets if b.gathered or b.prefetching)
+        full = sum(b.local_grad.numel() for b in buckets if b.local_grad is not None)
+        peak["gathered"] = max(peak["gathered"], gathered)
+        peak["full_grads"] = max(peak["full_grads"], full)
 
     for b in buckets:
-        for method in ("gather", "start_gather", "free"):
-            def traced(*args, _f=getattr(b, method), **kwargs):
+        for method in ("gather", "start_gather", "free", "accumulate", "launch_reduce",
+                       "wait_reduce"):
+            def traced(*args, _f=getattr(b, method), _b=b, _m=method, **kwargs):
+                if _m == "start_gather" and not (_b.gathered or _b.prefetching):
+                    gathers[0] += 1  # an all-gather starts
                 out = _f(*args, **kwargs)
-                peak[0] = max(peak[0], held())
+                sample()
                 return out
             setattr(b, method, traced)
-    pm.train_step(*data[0])
+    loss = pm.train_step(*data[0])
     layer_params: dict[str, int] = {}
     for s in pm.executor.stage_modules:
         gm = pm.split.stages[s].gm
@@ -335,6 +344,8 @@ def zero3_gathered(blocks: int, pins: Mapping[str, Any]) -> dict[str, Any]:
                 if a.name in fqn_of and n.op != "output":
                     layer_params.setdefault(info(n).layer, set()).add(fqn_of[a.name])
     sizes = {fqn: p.numel() for fqn, p in model.named_parameters(remove_duplicate=False)}
-    return dict(peak=peak[0], units=len(pm.data_parallel.units),
+    return dict(peak=peak["gathered"], full_grads=peak["full_grads"], loss=loss,
+                gathers=gathers[0],
+                units=len(pm.data_parallel.units), buckets=len(buckets),
                 stage=sum(sizes[f] for f in {f for fs in layer_params.values() for f in fs}),
                 layers={k: sum(sizes[f] for f in v) for k, v in layer_params.items()})

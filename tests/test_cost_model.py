@@ -192,3 +192,35 @@ def test_zero3_under_a_split_backward_pays_a_third_gather(shallow):
     zb3, one3 = dp_comm(ScheduleKind.ZB_H1, 3), dp_comm(ScheduleKind.ONE_F_ONE_B, 3)
     assert zb3 > one3 > dp_comm(ScheduleKind.ONE_F_ONE_B, 2)
     assert dp_comm(ScheduleKind.ZB_H1, 2) == pytest.approx(dp_comm(ScheduleKind.ONE_F_ONE_B, 2))
+
+
+def test_zero3_kept_gathered_trades_memory_for_gathers(shallow):
+    """reshard_after_forward=False (FSDP's option): the backward gathers nothing, so the data-
+    parallel time falls by the backward's all-gathers, and the rank holds its whole stage's
+    weights gathered (bf16: 2 bytes per parameter) instead of two layers'. Below ZeRO-3 the
+    flag changes nothing, and the search only offers it at ZeRO-3."""
+    from autopar.planner.search import SearchSpace, enumerate_candidates
+
+    _, costs = shallow["llama-7b"]
+    cm = CostModel(costs, A100.with_devices(64), TrainingSetup(256, 2048))
+
+    def evaluate(zero, reshard):
+        ev = cm.evaluate(Candidate(16, 1, 4, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL,
+                                   zero, False, reshard_after_forward=reshard))
+        assert not ev.infeasible, ev.infeasible
+        return ev
+
+    kept, freed = evaluate(3, False), evaluate(3, True)
+    assert kept.plan.reshard_after_forward is False and freed.plan.reshard_after_forward
+    assert kept.prediction.breakdown["dp_comm_s"] < freed.prediction.breakdown["dp_comm_s"]
+    # LLaMA-7B's block: 4 x 4096^2 attention + 3 x 4096 x 11008 MLP + two norms; 8 blocks per
+    # rank at pp=4, and at most the 32000 x 4096 embedding or head beside them. The peak rank
+    # holds them gathered in bf16 where the resharded run holds two blocks.
+    block = 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
+    extra = kept.prediction.peak_memory_bytes - freed.prediction.peak_memory_bytes
+    assert 2 * 6 * block <= extra <= 2 * (8 * block + 32000 * 4096), extra
+    two = evaluate(2, False)
+    assert two.prediction.step_time_s == evaluate(2, True).prediction.step_time_s
+    space = enumerate_candidates(cm, SearchSpace(dp=16, tp=1, pp=4))
+    assert {c.reshard_after_forward for c in space if c.zero < 3} == {True}
+    assert {c.reshard_after_forward for c in space if c.zero == 3} == {True, False}

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pins.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",
                       default=None)
     pins.add_argument("--ep", type=int, help="expert parallelism (mixture-of-experts models)")
+    pins.add_argument("--reshard-after-forward", dest="reshard_after_forward",
+                      choices=["yes", "no"],
+                      help="ZeRO-3: free each layer's weights after its forward (yes) or keep "
+                           "them gathered until its backward (no)")
     p.add_argument("--moe-imbalance", dest="moe_imbalance", type=float, default=1.0,
                    metavar="F", help="mixture-of-experts: rows of the busiest expert rank over "
                                      "the mean (default 1: uniform routing)")
@@ -58,7 +62,9 @@ def space_from_args(args: argparse.Namespace):
                            micro_batch_size=args.micro_batch, schedule=args.schedule,
                            recompute=args.recompute, zero=args.zero,
                            sequence_parallel=args.sequence_parallel,
-                           ep=getattr(args, "ep", None))
+                           ep=getattr(args, "ep", None),
+                           reshard_after_forward={"yes": True, "no": False, None: None}[
+                               getattr(args, "reshard_after_forward", None)])
     except ValueError as exc:
         from autopar.errors import InvalidInputError
 
@@ -103,8 +109,10 @@ def print_plan(doc) -> None:
                 "recompute", "ZeRO", "seq. parallel") + (("cp",) if cp > 1 else ()) + (
                 ("ep",) if experts else ()):
         mesh.add_column(col, justify="right")
+    kept = "" if plan.get("reshard_after_forward", True) else " (kept gathered)"
     mesh.add_row(*(str(plan[k]) for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
-                                          "num_micro_batches", "schedule", "recompute", "zero")),
+                                          "num_micro_batches", "schedule", "recompute")),
+                 f"{plan['zero']}{kept}",
                  "yes" if plan["sequence_parallel"] else "no",
                  *((f"{cp} ({plan.get('cp_attention', 'ring')}"
                      f"{', innermost' if plan.get('cp_innermost') else ''})",) if cp > 1 else ()),

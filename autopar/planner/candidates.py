@@ -37,12 +37,15 @@ class Candidate(NamedTuple):
     cp_attention: str | None = None
     #: Expert parallelism: data-parallel ranks each block's experts are split over.
     ep: int = 1
+    #: ZeRO-3: free each layer's weights after its forward (gather again for the backward).
+    reshard_after_forward: bool = True
 
     def key(self) -> tuple:
         """Deterministic order for ties."""
         return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
                 self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
-                self.cp, self.cp_innermost, self.cp_attention or "", self.ep)
+                self.cp, self.cp_innermost, self.cp_attention or "", self.ep,
+                not self.reshard_after_forward)
 
     def label(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -51,7 +54,8 @@ class Candidate(NamedTuple):
               f"{' ' + self.cp_attention if self.cp_attention else ''}" if self.cp > 1 else "")
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp}{cp}{ep} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
-                f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}")
+                f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}"
+                f"{'' if self.reshard_after_forward or self.zero < 3 else ' kept-gathered'}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -733,10 +733,12 @@ class CostModel:
                     unit = max(rs.params / max(rs.layers, 1), 1.0)
                     ag = coll(Collective.ALL_GATHER, weights, unit * w_bytes)
                     rs_t = coll(Collective.REDUCE_SCATTER, grads, unit * g_bytes)
-                    exposed = (m * (max(0.0, ag - rs.forward) + max(0.0, ag + rs_t - window))
+                    # kept gathered from forward to backward: the backward gathers nothing
+                    ag_b = ag if c.reshard_after_forward else 0.0
+                    exposed = (m * (max(0.0, ag - rs.forward) + max(0.0, ag_b + rs_t - window))
                                + coll(Collective.ALL_GATHER, rs.largest_layer_params * w_bytes,
                                       rs.largest_layer_params * w_bytes))
-                    overlapped = m * (min(ag, rs.forward) + min(ag + rs_t, window))
+                    overlapped = m * (min(ag, rs.forward) + min(ag_b + rs_t, window))
                     if c.schedule.spec.splits_backward:
                         # the weight-gradient action gathers once more (the input-gradient
                         # action's end freed the parameters), behind work of a forward's size
@@ -786,6 +788,7 @@ class CostModel:
             stage_partition=dict(partition or {"method": "min-max split (first pass)",
                                                "pipeline": pipe.method}))
         plan = Plan(dp=c.dp, tp=c.tp, pp=p, ep=c.ep, virtual_stages=v,
+                    reshard_after_forward=c.reshard_after_forward or c.zero < 3,
                     micro_batch_size=c.micro_batch_size,
                     num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
                     sequence_parallel=c.sequence_parallel, cp=c.cp,
@@ -823,8 +826,14 @@ class CostModel:
             acts = rank_acts[r] if rank_acts is not None else \
                 rs.activations * flight[r] + rs.working
             # ZeRO-3: the gathered weights of the layer running and of the one prefetched, and
-            # the unsharded gradients of the layer computed and of the one reduce-scattered
+            # the unsharded gradients of the layer computed and of the one reduce-scattered;
+            # kept gathered between forward and backward, the whole stage's weights
             buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
+            if c.zero == 3 and not c.reshard_after_forward:
+                buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
+            elif c.zero == 3 and c.schedule.spec.splits_backward:  # W gathers its whole stage
+                buffers = max(buffers, rs.params / c.virtual_stages * w_bytes
+                              + 2 * rs.largest_layer_params * g_bytes)
             dense, ex = rs.params - rs.expert_params, rs.expert_params
             ranks.append(RankMemory(
                 r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,

@@ -74,6 +74,8 @@ class SearchSpace:
     cp_attention: str | None = None
     #: Expert parallelism (searched over the divisors of dp that divide the experts).
     ep: int | None = None
+    #: ZeRO-3 candidates: reshard after forward (True), keep gathered (False), or both (None).
+    reshard_after_forward: bool | None = None
     max_virtual_stages: int = 8
     max_micro_batch: int = 32
 
@@ -95,7 +97,7 @@ class SearchSpace:
         out = {}
         for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "schedule",
                      "recompute", "zero", "sequence_parallel", "cp_innermost", "cp_attention",
-                     "ep"):
+                     "ep", "reshard_after_forward"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = getattr(value, "value", value)
@@ -196,9 +198,21 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
                     for sp in sps:
                         for inner in inners:
                             for ep in eps:
-                                out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero, sp,
-                                                     cp, inner, pin.cp_attention, ep))
+                                for reshard in _reshard_options(zero, pin):
+                                    out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero,
+                                                         sp, cp, inner, pin.cp_attention, ep,
+                                                         reshard))
     return out
+
+
+def _reshard_options(zero: int, pin: SearchSpace) -> tuple[bool, ...]:
+    """ZeRO-3 may keep each layer gathered from its forward to its backward; below it there is
+    nothing to reshard."""
+    if zero < 3:
+        return (True,)
+    if pin.reshard_after_forward is not None:
+        return (pin.reshard_after_forward,)
+    return (True, False)
 
 
 def _expert_degrees(cm: CostModel, dp: int, cp: int, pin: int | None) -> list[int]:
