@@ -118,6 +118,11 @@ class ParallelModel:
                                          on_forward=self._on_forward,
                                          on_weight=self._on_weight,
                                          weight_done=self._weight_done,
+                                         weight_group_hooks=(
+                                             lambda ps: self.data_parallel.gather_weights(ps),
+                                             lambda ps, later: self.data_parallel
+                                             .release_weights(ps, later))
+                                         if self.plan.zero == 3 else None,
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False,  # the rank's own fresh shards
                                          layer_units=self.plan.zero == 3)
@@ -177,6 +182,7 @@ class ParallelModel:
         config = DataParallelConfig(
             zero=plan.zero, bucket_mb=training.bucket_mb, shard_size=shard_size,
             reshard_after_forward=plan.reshard_after_forward,
+            split_backward=plan.schedule.spec.splits_backward,
             mixed_precision=MixedPrecision() if training.mixed_precision else None,
             max_grad_norm=training.max_grad_norm)
         # the optimizer's group rules speak of the model's parameter names

@@ -120,6 +120,9 @@ class DataParallelConfig:
     shard_size: int | None = None
     mixed_precision: MixedPrecision | None = None
     reshard_after_forward: bool = True
+    #: The modules' backward is split into input- and weight-gradient passes (zero-bubble
+    #: schedules): ZeRO-3 layers of a stage graph free themselves once their input side has run.
+    split_backward: bool = False
     prefetch: bool = True
     sync_module_states: bool = True
     max_grad_norm: float | None = None
@@ -502,11 +505,13 @@ class DataParallel:
                 shares = self._unit_shares.get(u_index, set())
                 shared = [b for b in self.buckets
                           if b not in buckets and any(id(p) in shares for p in b.params)]
+                early = (lambda: not self._weight_pass) if self.config.split_backward and \
+                    hasattr(module, "bind_unit") else None
                 unit = ParamUnit(f"unit{u_index}:{type(module).__name__}", module, buckets,
                                  reshard_after_forward=self.config.reshard_after_forward,
                                  is_root=id(module) in roots or getattr(module, "root", False),
                                  on_backward_start=self._note_backward,
-                                 order=self.unit_order, shared=shared)
+                                 order=self.unit_order, shared=shared, free_after_inputs=early)
                 self.units.append(unit)
                 for b in buckets:
                     self._unit_of_bucket[b.index] = unit
@@ -637,13 +642,44 @@ class DataParallel:
 
     # -- a split backward's weight gradients (zero-bubble schedules) ------------------------------
     def begin_weight_gradients(self, chunk: int | None = None) -> None:
-        """Before a weight-gradient pass of a split backward on ``chunk`` (None: every chunk):
-        ZeRO-3 gathers the chunk's parameters, which the input-gradient pass's end freed. The
-        pass assigns ``.grad`` (``torch.autograd.grad`` on the weights) instead of accumulating
-        through autograd, so no hook fires: :meth:`end_weight_gradients` takes the gradients."""
+        """Before a weight-gradient pass of a split backward on ``chunk`` (None: every chunk).
+        The pass assigns ``.grad`` (``torch.autograd.grad`` on the weights) instead of
+        accumulating through autograd, so no hook fires. ZeRO-3 gathers the weights of each
+        group the pass computes (:meth:`gather_weights`, the input-gradient pass's end freed
+        them) and frees them after (:meth:`release_weights`); :meth:`end_weight_gradients` takes
+        what is left."""
         self._weight_pass = True
-        for unit in self._units_of(chunk):
+
+    def gather_weights(self, params: Sequence[torch.Tensor]) -> None:
+        """ZeRO-3, inside a weight-gradient pass: gather the units that hold ``params``."""
+        for unit in self._units_holding(params):
             unit.gather()
+
+    def release_weights(self, params: Sequence[torch.Tensor], later: set[int]) -> None:
+        """ZeRO-3, inside a weight-gradient pass: take the gradients just assigned to ``params``
+        into their buckets, and free every gathered unit none of whose parameters the pass
+        still reads (``later``: their ids)."""
+        self._take_assigned(params)
+        for unit in self._units_holding(params):
+            if not any(id(p) in later for b in unit.buckets for p in b.params):
+                unit.free()
+
+    def _units_holding(self, params: Sequence[torch.Tensor]) -> list[ParamUnit]:
+        ids = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in ids for b in u.buckets for p in b.params)]
+
+    def _take_assigned(self, params: Sequence[torch.Tensor] | None = None) -> None:
+        """Move assigned ``.grad`` into the buckets (of ``params``; None: every parameter)."""
+        ids = None if params is None else {id(p) for p in params}
+        for b in self.buckets:  # a weight shared with another chunk lives in that one's bucket
+            # ZeRO-0/1 reduce once per step: a reduced bucket takes no more (the sweep names it);
+            # ZeRO-2/3 reduce every micro-batch and accumulate into the shard
+            done = b.reduced or b.pending_wait
+            if b.requires_grad and (b.stage >= ZeroStage.GRADIENTS or not done):
+                for i, p in enumerate(b.params):
+                    if p.grad is not None and (ids is None or id(p) in ids):
+                        b.accumulate(i, p)
+                        self._unsynced[b.chunk] = True
 
     def end_weight_gradients(self, chunk: int | None = None, *, last: bool) -> None:
         """After a weight-gradient pass: move the assigned gradients into the chunk's buckets;
@@ -651,15 +687,7 @@ class DataParallel:
         their reduction, which then overlaps the passes still to run; ZeRO-3 frees the chunk's
         parameters again."""
         chunks = range(len(self.modules)) if chunk is None else [chunk]
-        for b in self.buckets:  # a weight shared with another chunk lives in that one's bucket
-            # ZeRO-0/1 reduce once per step: a reduced bucket takes no more (the sweep names it);
-            # ZeRO-2/3 reduce every micro-batch and accumulate into the shard
-            done = b.reduced or b.pending_wait
-            if b.requires_grad and (b.stage >= ZeroStage.GRADIENTS or not done):
-                for i, p in enumerate(b.params):
-                    if p.grad is not None:
-                        b.accumulate(i, p)
-                        self._unsynced[b.chunk] = True
+        self._take_assigned()
         for c in chunks:
             buckets = self._chunk_buckets[c]
             if last and self._sync[c]:

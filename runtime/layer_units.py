@@ -5,8 +5,9 @@ the whole stage: a rank would hold every parameter of its stage at once, which i
 exists to avoid (FSDP gathers one block at a time; the planner prices ZeRO-3 per layer). This
 module instruments a stage graph instead. Each captured layer (``meta["autopar"].layer``: the
 embeddings, each block, the head) gets a :class:`LayerBoundary` module, and the graph calls it
-twice: ``("enter",)`` right before the layer's first node, and ``("exit", *tensors)`` right after
-its last node, with every tensor of the layer that a node outside it reads. The data-parallel
+twice: ``("enter", *tensors)`` right before the layer's first node, with every tensor from
+outside the layer its nodes read (parameters and buffers aside), and ``("exit", *tensors)`` right
+after its last node, with every tensor of the layer that a node outside it reads. The data-parallel
 engine binds its ZeRO-3 unit to those calls (``runtime/zero.py`` ``ParamUnit``): enter gathers the
 layer's parameters, exit frees them and hooks the exit tensors, whose first gradient gathers them
 again for the layer's backward (``torch.autograd.graph.register_multi_grad_hook``).
@@ -46,18 +47,19 @@ class LayerBoundary(nn.Module):
         self.root = root
         for attr, p in params.items():
             self.register_parameter(attr, p)
-        self._enter: Callable[[], None] | None = None
+        self._enter: Callable[[tuple[Any, ...]], None] | None = None
         self._exit: Callable[[tuple[Any, ...]], None] | None = None
 
-    def bind_unit(self, enter: Callable[[], None] | None,
+    def bind_unit(self, enter: Callable[[tuple[Any, ...]], None] | None,
                   exit: Callable[[tuple[Any, ...]], None] | None) -> None:
-        """Route the graph's calls to a ZeRO-3 unit (None, None: unbind)."""
+        """Route the graph's calls to a ZeRO-3 unit (None, None: unbind). ``enter`` gets the
+        tensors entering the layer, ``exit`` those leaving it."""
         self._enter, self._exit = enter, exit
 
     def forward(self, event: str, *tensors: Any) -> None:
         if event == "enter":
             if self._enter is not None:
-                self._enter()
+                self._enter(tensors)
         elif self._exit is not None:
             self._exit(tensors)
 
@@ -106,7 +108,18 @@ def instrument_layers(gm: torch.fx.GraphModule, params: Mapping[str, nn.Paramete
     final = max(order, key=last.__getitem__) if order else None
     boundaries = [LayerBoundary(layer, reads[layer], root=layer == final) for layer in order]
     index = {layer: i for i, layer in enumerate(order)}
-    # the tensors of each layer read outside it (or returned)
+    # the tensors each layer reads from outside (not its weights) and those read outside it
+    entering: dict[str, list[torch.fx.Node]] = {layer: [] for layer in order}
+    for n in body:
+        layer = layer_of[n]
+        if layer is None:
+            continue
+        for a in n.all_input_nodes:
+            # (buffers, constants and non-tensors pass too; the unit keeps what needs a grad)
+            outside = a.name not in attribute_of if a.op == "placeholder" else \
+                layer_of.get(a) != layer
+            if outside and a not in entering[layer]:
+                entering[layer].append(a)
     leaving: dict[str, list[torch.fx.Node]] = {layer: [] for layer in order}
     for n in body:
         layer = layer_of[n]
@@ -122,7 +135,9 @@ def instrument_layers(gm: torch.fx.GraphModule, params: Mapping[str, nn.Paramete
             env[n] = graph.node_copy(n, lambda a: env[a])
     for i, n in enumerate(body):
         if i in starts:
-            graph.call_module(f"{BOUNDARIES}.{index[starts[i]]}", ("enter",))
+            layer = starts[i]
+            graph.call_module(f"{BOUNDARIES}.{index[layer]}",
+                              ("enter", *[env[x] for x in entering[layer] if x in env]))
         env[n] = graph.node_copy(n, lambda a: env[a])
         for layer in ends.get(i, ()):
             tensors = [env[x] for x in leaving[layer]]  # the unit keeps those needing a grad

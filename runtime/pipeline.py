@@ -72,7 +72,8 @@ from autopar.runtime.schedules import (
 from autopar.runtime.split_backward import (
     PendingWeightGradients,
     backward_input,
-    backward_weight,
+    weight_gradient_groups,
+    weight_groups,
 )
 
 __all__ = ["PipelineExecutor", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
@@ -186,6 +187,9 @@ class PipelineExecutor:
                  on_forward: Callable[[int, int], None] | None = None,
                  on_weight: Callable[[int, int], None] | None = None,
                  weight_done: Callable[[int, int], None] | None = None,
+                 weight_group_hooks: tuple[Callable[[list[torch.Tensor]], None],
+                                           Callable[[list[torch.Tensor], set[int]], None]]
+                 | None = None,
                  copy_tensors: bool = True, layer_units: bool = False) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
@@ -199,6 +203,10 @@ class PipelineExecutor:
         weight-gradient action of a split backward (zero-bubble schedules), whose gradients are
         assigned to ``.grad`` rather than accumulated by autograd: the data-parallel layer
         gathers ZeRO-3 parameters before and takes the gradients into its buckets after.
+        ``weight_group_hooks = (before, after)`` go finer, around each group of weights such an
+        action computes: ``before(weights)`` ahead of the group, ``after(weights, later)`` once
+        its gradients are assigned (``later``: ids of the weights the action's later groups
+        read), so ZeRO-3 holds one layer at a time there too.
         ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
         layer (:class:`StageModule`). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
@@ -211,6 +219,7 @@ class PipelineExecutor:
         self.on_forward = on_forward
         self.on_weight = on_weight
         self.weight_done = weight_done
+        self.weight_group_hooks = weight_group_hooks
         self.bindings = dict(bindings or {})
         self.schedule = add_communication(schedule)
         self.mesh = mesh
@@ -554,9 +563,18 @@ class PipelineExecutor:
         if self.on_weight is not None:
             self.on_weight(s, mb)
         if pending is not None:
-            for p, g in backward_weight(pending):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+            groups = weight_groups(pending)
+            # after group i, the weights no later group of this action reads
+            later: list[set[int]] = [set() for _ in groups]
+            for i in range(len(groups) - 2, -1, -1):
+                later[i] = later[i + 1] | {id(p) for p in groups[i + 1]}
+            before = self.weight_group_hooks[0] if self.weight_group_hooks else None
+            for i, pairs in enumerate(weight_gradient_groups(pending, before)):
+                for p, g in pairs:
+                    if g is not None:
+                        p.grad = g if p.grad is None else p.grad.add_(g)
+                if self.weight_group_hooks:
+                    self.weight_group_hooks[1]([p for p, _ in pairs], later[i])
         if self.weight_done is not None:
             self.weight_done(s, mb)
 

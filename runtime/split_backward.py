@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["PendingWeightGradients", "backward_input", "backward_weight"]
+__all__ = ["PendingWeightGradients", "backward_input", "backward_weight", "weight_groups",
+           "weight_gradient_groups"]
 
 
 @dataclass
@@ -166,7 +167,21 @@ def backward_weight(pending: PendingWeightGradients
                     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """The weight gradients :func:`backward_input` left: (parameter, gradient) pairs (None for a
     weight that got no gradient). Releases the graph."""
-    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    return [pair for pairs in weight_gradient_groups(pending) for pair in pairs]
+
+
+def weight_groups(pending: PendingWeightGradients) -> list[list[torch.Tensor]]:
+    """The weights of each group :func:`weight_gradient_groups` computes, in its order."""
+    return [list(group.params) for group in pending.groups]
+
+
+def weight_gradient_groups(pending: PendingWeightGradients,
+                           before: Callable[[list[torch.Tensor]], None] | None = None
+                           ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """:func:`backward_weight` one group at a time: ``before(weights)`` runs ahead of each
+    group's autograd call (ZeRO-3 gathers those weights' layer), and the group's (parameter,
+    gradient) pairs are yielded as soon as they are computed, so that a caller can take them and
+    free the layer before the next group. Releases the graph at the end."""
     for group in pending.groups:
         edges: list[Any] = []
         seeds: list[torch.Tensor] = []
@@ -179,8 +194,10 @@ def backward_weight(pending: PendingWeightGradients
             edges.append(root)
             seeds.append(g if g is not None else torch.ones_like(root))
         if not edges:
-            out += [(p, None) for p in group.params]
+            yield [(p, None) for p in group.params]
             continue
+        if before is not None:
+            before(list(group.params))
         pins = []
         if len(edges) > 1:  # a cut node below another one on a path: keep its captured input
             for node, grads in zip(group.cut, group.captured):
@@ -192,7 +209,6 @@ def backward_weight(pending: PendingWeightGradients
         finally:
             for h in pins:
                 h.remove()
-        out += list(zip(group.params, found))
+        yield list(zip(group.params, found))
     pending.groups = []
     pending.roots = []
-    return out

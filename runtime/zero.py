@@ -627,9 +627,15 @@ class ParamUnit:
                  reshard_after_forward: bool, is_root: bool,
                  on_backward_start: Callable[[], None],
                  order: "UnitOrder | None" = None,
-                 shared: Sequence[FlatBucket] = ()) -> None:
+                 shared: Sequence[FlatBucket] = (),
+                 free_after_inputs: Callable[[], bool] | None = None) -> None:
         """``shared``: buckets another unit owns that this one also needs gathered (a weight
-        two wrapped modules share); gathered and freed with this unit's own."""
+        two wrapped modules share); gathered and freed with this unit's own.
+        ``free_after_inputs`` (a graph layer under a split backward, whose input-gradient pass
+        accumulates no weight gradient to count): free the unit once the gradients of every
+        tensor entering it are computed, if the callable says so then; the layer's input side
+        has run, and the weight-gradient pass gathers it again."""
+        self._free_after_inputs = free_after_inputs
         self.name = name
         self.order = order
         self.module = module
@@ -640,7 +646,7 @@ class ParamUnit:
         self.in_backward = False
         self._on_backward_start = on_backward_start
         if hasattr(module, "bind_unit"):  # a layer inside a graph calls us itself
-            module.bind_unit(lambda: self._pre_forward(module, ()),
+            module.bind_unit(lambda tensors: self._enter(module, tensors),
                              lambda tensors: self._post_forward(module, (), tensors))
             self._handles = []
         else:
@@ -664,6 +670,21 @@ class ParamUnit:
         self.gather()
         if self.order is not None and not self.in_backward:
             self.order.forward(self)
+
+    def _enter(self, module: nn.Module, tensors: tuple[Any, ...]) -> None:
+        self._pre_forward(module, ())
+        if self._free_after_inputs is None or self.in_backward or not torch.is_grad_enabled():
+            return
+        # leaves (a stage's received activations) cannot carry an "all" hook under
+        # autograd.grad; the stage's first layer is freed at the pass's end instead
+        entering = [t for t in _flatten_tensors(tensors)
+                    if t.requires_grad and t.grad_fn is not None]
+        if entering:
+            torch.autograd.graph.register_multi_grad_hook(entering, self._inputs_done, mode="all")
+
+    def _inputs_done(self, grads: Any) -> None:
+        if self._free_after_inputs is not None and self._free_after_inputs():
+            self.end_backward()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.in_backward:  # a recomputation (activation checkpointing) inside backward

@@ -109,16 +109,18 @@ def print_plan(doc) -> None:
                 "recompute", "ZeRO", "seq. parallel") + (("cp",) if cp > 1 else ()) + (
                 ("ep",) if experts else ()):
         mesh.add_column(col, justify="right")
-    kept = "" if plan.get("reshard_after_forward", True) else " (kept gathered)"
     mesh.add_row(*(str(plan[k]) for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
                                           "num_micro_batches", "schedule", "recompute")),
-                 f"{plan['zero']}{kept}",
+                 str(plan["zero"]),
                  "yes" if plan["sequence_parallel"] else "no",
                  *((f"{cp} ({plan.get('cp_attention', 'ring')}"
                      f"{', innermost' if plan.get('cp_innermost') else ''})",) if cp > 1 else ()),
                  *((f"{plan.get('ep', 1)} ({experts // plan.get('ep', 1)}/{experts} experts)",)
                    if experts else ()))
     out.print(mesh)
+    if plan["zero"] == 3 and not plan.get("reshard_after_forward", True):
+        out.print("ZeRO-3 keeps each layer's weights gathered from its forward to its backward "
+                  "(reshard_after_forward=False)")
 
     stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")
     for col in ("stage", "pp rank", "chunk", "layers", "from", "to", "forward", "backward",

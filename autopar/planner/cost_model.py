@@ -831,9 +831,6 @@ class CostModel:
             buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
             if c.zero == 3 and not c.reshard_after_forward:
                 buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
-            elif c.zero == 3 and c.schedule.spec.splits_backward:  # W gathers its whole stage
-                buffers = max(buffers, rs.params / c.virtual_stages * w_bytes
-                              + 2 * rs.largest_layer_params * g_bytes)
             dense, ex = rs.params - rs.expert_params, rs.expert_params
             ranks.append(RankMemory(
                 r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,
