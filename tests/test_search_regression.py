@@ -49,6 +49,7 @@ def summary(doc) -> dict:
         "plan": {**{k: plan[k] for k in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
                                          "num_micro_batches", "schedule", "recompute", "zero",
                                          "sequence_parallel")},
+                 "reshard_after_forward": plan.get("reshard_after_forward", True),
                  "stages": [s["layers"] for s in plan["stages"]]},
         "prediction": {k: pred[k] for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu",
                                             "mfu", "hfu", "peak_memory_bytes", "breakdown")},
