@@ -121,8 +121,7 @@ class ParallelModel:
                                          weight_group_hooks=(
                                              lambda ps: self.data_parallel.gather_weights(ps),
                                              lambda ps, later: self.data_parallel
-                                             .release_weights(ps, later))
-                                         if self.plan.zero == 3 else None,
+                                             .release_weights(ps, later)),
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False,  # the rank's own fresh shards
                                          layer_units=self.plan.zero == 3)

@@ -319,6 +319,14 @@ class DataParallel:
         self._build_buckets(named, specs, units)
         #: Parameter name -> (its bucket, its slot there): where :meth:`load` writes.
         self._slot_of = {slot.name: (b, i) for b in self.buckets for i, slot in enumerate(b.slots)}
+        #: Parameter id -> (its bucket, its slot), and -> the ZeRO-3 units that gather it (its
+        #: own and any sharing it): what a weight-gradient pass looks up for each group.
+        self._slot_of_param = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._units_of_param: dict[int, list[ParamUnit]] = {}
+        for unit in self.units:
+            for b in unit.buckets:
+                for p in b.params:
+                    self._units_of_param.setdefault(id(p), []).append(unit)
         self._hooks = []
         for bucket in self.buckets:
             if not bucket.requires_grad:
@@ -651,35 +659,37 @@ class DataParallel:
         self._weight_pass = True
 
     def gather_weights(self, params: Sequence[torch.Tensor]) -> None:
-        """ZeRO-3, inside a weight-gradient pass: gather the units that hold ``params``."""
+        """Inside a weight-gradient pass, before a group of weights: ZeRO-3 gathers the units
+        that hold them (nothing to do below ZeRO-3)."""
         for unit in self._units_holding(params):
             unit.gather()
 
     def release_weights(self, params: Sequence[torch.Tensor], later: set[int]) -> None:
-        """ZeRO-3, inside a weight-gradient pass: take the gradients just assigned to ``params``
-        into their buckets, and free every gathered unit none of whose parameters the pass
+        """Inside a weight-gradient pass, after a group: take the gradients just assigned to
+        ``params`` into their buckets; ZeRO-3 frees every unit none of whose parameters the pass
         still reads (``later``: their ids)."""
-        self._take_assigned(params)
+        for p in params:
+            self._take_assigned(p)
         for unit in self._units_holding(params):
             if not any(id(p) in later for b in unit.buckets for p in b.params):
                 unit.free()
 
     def _units_holding(self, params: Sequence[torch.Tensor]) -> list[ParamUnit]:
-        ids = {id(p) for p in params}
-        return [u for u in self.units if any(id(p) in ids for b in u.buckets for p in b.params)]
+        units = {id(u): u for p in params for u in self._units_of_param.get(id(p), ())}
+        return list(units.values())
 
-    def _take_assigned(self, params: Sequence[torch.Tensor] | None = None) -> None:
-        """Move assigned ``.grad`` into the buckets (of ``params``; None: every parameter)."""
-        ids = None if params is None else {id(p) for p in params}
-        for b in self.buckets:  # a weight shared with another chunk lives in that one's bucket
-            # ZeRO-0/1 reduce once per step: a reduced bucket takes no more (the sweep names it);
-            # ZeRO-2/3 reduce every micro-batch and accumulate into the shard
-            done = b.reduced or b.pending_wait
-            if b.requires_grad and (b.stage >= ZeroStage.GRADIENTS or not done):
-                for i, p in enumerate(b.params):
-                    if p.grad is not None and (ids is None or id(p) in ids):
-                        b.accumulate(i, p)
-                        self._unsynced[b.chunk] = True
+    def _take_assigned(self, param: torch.Tensor) -> None:
+        """Move ``param``'s assigned ``.grad`` into its bucket. ZeRO-0/1 reduce once per step:
+        a reduced bucket takes no more (the sweep at the step names it); ZeRO-2/3 reduce every
+        micro-batch and accumulate into the shard."""
+        slot = self._slot_of_param.get(id(param))
+        if slot is None or param.grad is None:
+            return
+        b, i = slot
+        if b.requires_grad and (b.stage >= ZeroStage.GRADIENTS or
+                                not (b.reduced or b.pending_wait)):
+            b.accumulate(i, param)
+            self._unsynced[b.chunk] = True
 
     def end_weight_gradients(self, chunk: int | None = None, *, last: bool) -> None:
         """After a weight-gradient pass: move the assigned gradients into the chunk's buckets;
@@ -687,7 +697,9 @@ class DataParallel:
         their reduction, which then overlaps the passes still to run; ZeRO-3 frees the chunk's
         parameters again."""
         chunks = range(len(self.modules)) if chunk is None else [chunk]
-        self._take_assigned()
+        for b in self.buckets:  # a weight shared with another chunk lives in that one's bucket
+            for p in b.params:
+                self._take_assigned(p)
         for c in chunks:
             buckets = self._chunk_buckets[c]
             if last and self._sync[c]:
