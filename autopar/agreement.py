@@ -33,7 +33,7 @@ __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
             "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
-            "cp_attention", "cp_innermost", "ep", "reshard_after_forward")
+            "cp_attention", "cp_innermost", "ep", "reshard_after_forward", "vocab_multiple")
 
 
 def rank_device() -> torch.device:
@@ -116,6 +116,13 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                expected="a bool", found=repr(pins["reshard_after_forward"]),
                                fix="pin reshard_after_forward=True (gather again for the "
                                    "backward) or False (keep the layers gathered)")
+    vm = pins.get("vocab_multiple")
+    if "vocab_multiple" in pins and (not isinstance(vm, int) or isinstance(vm, bool) or vm < 0):
+        raise InvalidPlanError(f"pin vocab_multiple={vm!r} is not a padding multiple",
+                               expected="an integer >= 0 (the vocabulary is padded to a multiple "
+                                        "of vocab_multiple x tp; 0: only what tp needs)",
+                               found=repr(vm), fix="pin vocab_multiple=128 (Megatron-LM's "
+                                                   "default), or leave it out")
     schedule = pins.get("schedule")
     v = pins.get("virtual_stages")
     if schedule is not None and v is not None:  # the micro-batch count is checked with the plan
@@ -234,8 +241,11 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
                                    found=f"ep={ep}", fix="pin dp to a multiple of ep too")
         return decided.replace(ep=ep, model_fingerprint=fingerprint), None, None
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
+    vocab_multiple = pins.pop("vocab_multiple", None)  # nor is this (any value makes tp divide)
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
                                           mixed_precision)
+    if vocab_multiple is not None:
+        decided = decided.replace(vocab_multiple=vocab_multiple)
     if shard_size is not None:
         try:
             decided = decided.replace(zero_shard_size=shard_size)

@@ -183,7 +183,8 @@ class RankProgram:
         from autopar.sharding import shard_tensor
 
         return self._expert_slice(layout.fqn, shard_tensor(
-            value.to(layout.dtype), layout.placement, self.plan.tp, self.tp_rank, layout.fqn))
+            layout.to_program(value.to(layout.dtype)), layout.placement, self.plan.tp,
+            self.tp_rank, layout.fqn))
 
     def shards(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors by FQN, sliced from the full model's (tied names accepted),
@@ -205,8 +206,10 @@ class RankProgram:
         def stream(sink: Callable[[str, torch.Tensor], None]) -> None:
             for layout in self.held:
                 entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
-                                    layout.full_shape, layout.dtype)
-                if checkpoint.key_of(entry) is not None and layout.fqn in self.experts \
+                                    layout.model_shape, layout.dtype)
+                if checkpoint.key_of(entry) is not None and layout.logical_shape is not None:
+                    piece = self._slice(layout, checkpoint.read(entry))  # padded: read whole
+                elif checkpoint.key_of(entry) is not None and layout.fqn in self.experts \
                         and self.plan.ep > 1:  # whole over tp: read only this rank's experts
                     piece = checkpoint.read(entry, Shard(0), self.plan.ep, self.ep_rank)
                 elif checkpoint.key_of(entry) is not None:
@@ -329,7 +332,7 @@ def shard_program(captured: "CapturedGraph", plan: Plan, *, cost: "TPCostSpec | 
 
     program = tensor_parallelize(captured, plan.tp, sequence_parallel=plan.sequence_parallel,
                                  cost=cost, sizes=sizes, pins=plan.gemm_sharding or None,
-                                 strict=strict)
+                                 strict=strict, vocab_multiple=plan.vocab_multiple)
     retarget_device(program.gm, device)  # device= arguments recorded at capture (cpu)
     return program
 
@@ -374,7 +377,8 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
     if has_experts:  # the experts run on the ep group (of one rank at ep = 1: all local)
         gm = _PM([expert_parallel_pass]).run(gm, _Ctx(captured=captured, plan=plan))
     split = split_into_stages(gm, captured.layers, [s.layers for s in stages],
-                              constants={k: v.to(device) for k, v in captured.constants.items()})
+                              constants={k: v.to(device)
+                                         for k, v in sharded.captured.constants.items()})
     if plan.recompute is RecomputeKind.SELECTIVE:  # attention cores recomputed in backward
         for stage in split.stages:
             recompute_attention_cores(stage.gm)

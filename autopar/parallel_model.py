@@ -419,9 +419,7 @@ class ParallelModel:
             owner = self.executor.stage_to_rank[next(
                 k for k, stage in enumerate(self.split.stages) if fqn in stage.buffers)]
             local = self.executor.buffers[fqn].detach() if self.mesh.pp_rank == owner else None
-            layout = layouts.get(fqn)
-            yield fqn, self._assemble(fqn, local, owner, spec,
-                                      layout.placement if layout is not None else None)
+            yield fqn, self._assemble(fqn, local, owner, spec, layouts.get(fqn))
 
     def _full_parameters(self):
         """(FQN, full tensor on the CPU) of every parameter, one at a time, in FQN order
@@ -444,22 +442,26 @@ class ParallelModel:
                     collective(dist.all_gather, pieces, shard, group=self.mesh.ep_group,
                                what=f"the expert-parallel gather of {fqn}")
                     shard = torch.cat(pieces)
-            yield fqn, self._assemble(fqn, shard, owner, pinfo.spec, layouts[fqn].placement)
+            yield fqn, self._assemble(fqn, shard, owner, pinfo.spec, layouts[fqn])
 
     def _assemble(self, fqn: str, local: torch.Tensor | None, owner: int, spec: Any,
-                  placement: Any) -> torch.Tensor:
-        """The full tensor ``fqn`` on the CPU, from ``local`` (this rank's piece on pipeline
-        rank ``owner``, None elsewhere): gathered over the tensor-parallel group where the
-        piece is a shard, then broadcast from ``owner`` (collective over tp and pp)."""
+                  layout: Any) -> torch.Tensor:
+        """The full tensor ``fqn`` on the CPU at the model's shape (a padded vocabulary cut
+        back), from ``local`` (this rank's piece on pipeline rank ``owner``, None elsewhere):
+        gathered over the tensor-parallel group where the piece is a shard, then broadcast from
+        ``owner`` (collective over tp and pp)."""
         full_shape = tuple(int(d) for d in spec.shape)
+        if layout is not None:
+            full_shape = layout.model_shape
         if local is not None:
             local = local.contiguous()
-            if self.plan.tp > 1 and tuple(local.shape) != full_shape:
+            if self.plan.tp > 1 and layout is not None \
+                    and tuple(local.shape) != tuple(layout.full_shape):
                 pieces = [torch.empty_like(local) for _ in range(self.plan.tp)]
                 collective(dist.all_gather, pieces, local, group=self.mesh.tp_group,
                            what=f"the tensor-parallel gather of {fqn}")
-                local = unshard_tensors(pieces, placement)
-            full = local
+                local = unshard_tensors(pieces, layout.placement)
+            full = layout.to_model(local).contiguous() if layout is not None else local
         else:
             full = torch.empty(full_shape, dtype=spec.dtype, device=self.device)
         if self.plan.pp > 1:
@@ -602,7 +604,8 @@ class ParallelModel:
                                          self.mesh.ep_rank, writes)
                 continue
             out[name] = TensorLayout(fqn, tuple(layout.full_shape), layout.placement,
-                                     self.plan.tp, self.mesh.tp_rank, writes)
+                                     self.plan.tp, self.mesh.tp_rank, writes,
+                                     tuple(layout.model_shape))
         return out
 
     def _checkpoint_sidecar(self) -> dict[str, Any]:

@@ -141,6 +141,11 @@ class Plan:
     #: backward (False: one all-gather per layer and micro-batch fewer, the stage's weights whole
     #: in memory meanwhile). Ignored below ZeRO-3.
     reshard_after_forward: bool = True
+    #: Pad the vocabulary (word embedding, LM head, loss) to a multiple of
+    #: ``vocab_multiple * tp`` with the padded classes masked (Megatron-LM's
+    #: ``--make-vocab-size-divisible-by``, default 128): the vocabulary splits over tp and the LM
+    #: head's GEMM is aligned. 0 pads only where tp does not divide the vocabulary.
+    vocab_multiple: int = 128
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
@@ -150,6 +155,12 @@ class Plan:
             raise InvalidPlanError("reshard_after_forward must be True or False",
                                    expected="a bool", found=repr(self.reshard_after_forward),
                                    fix="set reshard_after_forward=True or False")
+        if isinstance(self.vocab_multiple, bool) or not isinstance(self.vocab_multiple, int) \
+                or self.vocab_multiple < 0:
+            raise InvalidPlanError("vocab_multiple must be a non-negative integer",
+                                   expected="e.g. 128 (Megatron-LM's default) or 0",
+                                   found=repr(self.vocab_multiple),
+                                   fix="set vocab_multiple=128, or 0 to pad only for tp")
         if not isinstance(self.cp_innermost, bool):
             raise InvalidPlanError("cp_innermost must be True or False", expected="a bool",
                                    found=repr(self.cp_innermost), fix="set it to True or False")
@@ -269,6 +280,7 @@ class Plan:
                 "cp_innermost": self.cp_innermost} if self.cp > 1 else {}),
             **({"ep": self.ep} if self.ep > 1 else {}),
             **({"reshard_after_forward": False} if not self.reshard_after_forward else {}),
+            **({"vocab_multiple": self.vocab_multiple} if self.vocab_multiple != 128 else {}),
         }
 
     @classmethod

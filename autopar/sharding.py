@@ -47,6 +47,8 @@ __all__ = [
     "local_shape",
     "shard_tensor",
     "unshard_tensors",
+    "pad_to",
+    "crop_to",
     "shard_slices",
     "Collective",
     "CollectiveStep",
@@ -139,6 +141,23 @@ def unshard_tensors(pieces: Sequence[torch.Tensor], p: Any) -> torch.Tensor:
     k = num_blocks(p)
     blocks = [x.chunk(k, dim=p.dim) for x in pieces]
     return torch.cat([blocks[r][j] for j in range(k) for r in range(len(pieces))], dim=p.dim)
+
+
+def crop_to(value: torch.Tensor, logical: tuple[int, ...]) -> torch.Tensor:
+    """A padded tensor cut back to its logical shape (a view)."""
+    for d, size in enumerate(logical):
+        if value.shape[d] != size:
+            value = value.narrow(d, 0, size)
+    return value
+
+
+def pad_to(value: torch.Tensor, full: tuple[int, ...]) -> torch.Tensor:
+    """A logical tensor zero-padded to the program's shape ``full``."""
+    if tuple(value.shape) == tuple(full):
+        return value
+    out = value.new_zeros(full)
+    out[tuple(slice(0, s) for s in value.shape)] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import linecache
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import sympy
 import torch
@@ -40,6 +40,9 @@ __all__ = ["tensor_parallelize", "TPProgram", "CollectiveCall", "LayerComm", "Di
            "TPCostSpec"]
 
 from autopar.passes.shard import TPCostSpec  # noqa: E402  (re-exported vocabulary)
+
+if TYPE_CHECKING:
+    from autopar.passes.pad_vocab import VocabPadding
 
 
 class Direction(enum.Enum):
@@ -106,7 +109,7 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
-                     sequence_parallel: bool, strict: bool) -> None:
+                     sequence_parallel: bool, strict: bool, unpadded: str | None = None) -> None:
     """Attention heads and vocabulary must split evenly (unless strict=False: replicated)."""
     problems: list[str] = []
     for n in captured.gm.graph.nodes:
@@ -129,7 +132,8 @@ def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
         raise ShardingError(
             f"tp={tp} does not divide the model",
             expected=f"attention heads and vocabulary divisible by {tp}",
-            found="; ".join(sorted(set(problems))),
+            found="; ".join(sorted(set(problems)))
+            + (f" (the vocabulary cannot be padded: {unpadded})" if unpadded else ""),
             fix="choose a tp that divides them, pad the vocabulary to a multiple of tp (e.g. "
                 "GPT-2's 50257 -> 50304), or pass strict=False (CLI: --no-strict) to run those "
                 "parts replicated")
@@ -158,7 +162,8 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
                        cost: TPCostSpec | None = None, sizes: Mapping[str, int] | None = None,
                        pins: Mapping[str, GemmSharding | str] | None = None,
                        strict: bool = True, depth: int | None = None,
-                       warn_unruled: bool = True) -> "TPProgram":
+                       warn_unruled: bool = True,
+                       vocab_multiple: int | None = None) -> "TPProgram":
     """Shard ``captured`` over ``tp`` ranks.
 
     Args:
@@ -173,6 +178,9 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
             planner captures two): the search weighs the blocks as the real model has them.
         warn_unruled: warn (``UnsupportedOpWarning``) about ops without a sharding rule (the
             planner lists them in its layout instead).
+        vocab_multiple: pad the vocabulary to a multiple of ``vocab_multiple * tp`` first
+            (``autopar.passes.pad_vocab``; Megatron-LM pads to 128 * tp; 0 pads only where tp
+            does not divide it); None leaves it as it is.
     """
     from autopar.passes.analyze import analyze
     from autopar.passes.infra import PassContext, PassManager
@@ -189,7 +197,14 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
         raise InvalidInputError("sequence parallelism needs tp > 1", found="tp=1",
                                 fix="drop sequence_parallel or raise tp")
     sizes = dict(sizes or captured.example_size_kwargs())
-    _check_divisible(captured, tp, sizes, sequence_parallel, strict)
+    padding = None
+    if vocab_multiple is not None:
+        from autopar.passes.pad_vocab import pad_vocabulary
+
+        padding = pad_vocabulary(captured, vocab_multiple, tp)
+        captured = padding.captured
+    _check_divisible(captured, tp, sizes, sequence_parallel, strict,
+                     padding.skipped if padding is not None else None)
     analyze(captured)
     gm = _copy_graph_module(captured.gm)
     ctx = PassContext(captured=captured,
@@ -203,7 +218,8 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
     sharded = gm
     return TPProgram(captured=captured, tp=tp, sequence_parallel=sequence_parallel,
                      sharded=sharded, gm=local, solution=ctx.results["shard_graph"],
-                     cost=ctx.options["cost"], sizes=sizes, timings=dict(ctx.timings))
+                     cost=ctx.options["cost"], sizes=sizes, timings=dict(ctx.timings),
+                     vocab_padding=padding)
 
 
 class TPProgram:
@@ -211,7 +227,8 @@ class TPProgram:
 
     def __init__(self, *, captured: CapturedGraph, tp: int, sequence_parallel: bool,
                  sharded: torch.fx.GraphModule, gm: torch.fx.GraphModule, solution: Any,
-                 cost: TPCostSpec, sizes: Mapping[str, int], timings: Mapping[str, float]) -> None:
+                 cost: TPCostSpec, sizes: Mapping[str, int], timings: Mapping[str, float],
+                 vocab_padding: "VocabPadding | None" = None) -> None:
         from autopar.passes.tp_codegen import param_layouts
 
         self.captured = captured
@@ -226,7 +243,10 @@ class TPProgram:
         self.cost = cost
         self.sizes = dict(sizes)
         self.timings = dict(timings)
-        self.layouts = param_layouts(gm)
+        #: What padding the vocabulary did (None: not asked for).
+        self.vocab_padding = vocab_padding
+        self.layouts = param_layouts(
+            gm, vocab_padding.logical_shapes if vocab_padding is not None else None)
         self._aliases = {p.fqn: p.aliases for p in captured.params.values()}
         self._sources: dict[int, str] = {}
 
@@ -373,15 +393,18 @@ class TPProgram:
         for p in self.layouts:
             names = (p.fqn,) + tuple(self._aliases.get(p.fqn, ()))
             tensor = next((full[k] for k in names if k in full), None)
+            if tensor is None and p.kind is NodeKind.CONSTANT:  # e.g. the vocabulary's mask
+                tensor = self.captured.constants.get(p.placeholder)
             if tensor is None:
                 raise InvalidInputError(f"the full state dict has no {p.fqn!r}",
                                         expected=f"every parameter and buffer of the model ({len(self.layouts)})",
                                         fix="pass the model itself (non-persistent buffers are "
                                             "not in its state_dict)")
-            if tuple(tensor.shape) != p.full_shape:
+            if tuple(tensor.shape) not in (p.model_shape, p.full_shape):
                 raise InvalidInputError(f"{p.fqn} has the wrong shape",
-                                        expected=str(p.full_shape), found=str(tuple(tensor.shape)))
-            out[p.attribute] = shard_tensor(tensor.detach(), p.placement, self.tp, rank, p.fqn)
+                                        expected=str(p.model_shape), found=str(tuple(tensor.shape)))
+            out[p.attribute] = shard_tensor(p.to_program(tensor.detach()), p.placement, self.tp,
+                                            rank, p.fqn)
         return out
 
     def gather_state_dict(self, local: Sequence[Mapping[str, torch.Tensor]],
@@ -407,7 +430,7 @@ class TPProgram:
                     if not torch.allclose(t, pieces[0], atol=atol, rtol=0):
                         raise ShardingError(f"replicated {p.fqn} differs between ranks 0 and {r}",
                                             found=f"max difference {(t - pieces[0]).abs().max().item():.3g}")
-            full = unshard_tensors(pieces, p.placement)
+            full = p.to_model(unshard_tensors(pieces, p.placement))
             for name in (p.fqn,) + tuple(self._aliases.get(p.fqn, ())):
                 out[name] = full
         return out

@@ -19,14 +19,14 @@ import math
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
 
 from autopar.errors import UnsupportedOpError
 from autopar.ir import META_KEY, NodeKind, TensorSpec, info
-from autopar.sharding import Replicate, is_sharded, placement_str, shard_slices
+from autopar.sharding import Replicate, crop_to, is_sharded, pad_to, placement_str, shard_slices
 from autopar.runtime.cp import FUNCTIONS as CP_FUNCTIONS
 from autopar.runtime.tp import FUNCTIONS
 
@@ -44,9 +44,25 @@ class ParamLayout:
     attribute: str
     kind: NodeKind
     placement: Any
+    #: The program's global shape (the vocabulary padded: passes/pad_vocab.py).
     full_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     dtype: torch.dtype
+    #: The model's own shape where the program pads the tensor (None: ``full_shape``).
+    logical_shape: tuple[int, ...] | None = None
+
+    @property
+    def model_shape(self) -> tuple[int, ...]:
+        """The tensor's shape in the user's model (state dicts, checkpoints)."""
+        return self.logical_shape if self.logical_shape is not None else self.full_shape
+
+    def to_program(self, value: torch.Tensor) -> torch.Tensor:
+        """A tensor of the model's shape zero-padded to the program's (itself when equal)."""
+        return pad_to(value, self.full_shape) if self.logical_shape is not None else value
+
+    def to_model(self, value: torch.Tensor) -> torch.Tensor:
+        """A tensor of the program's shape cut to the model's (itself when equal)."""
+        return crop_to(value, self.logical_shape) if self.logical_shape is not None else value
 
 
 def attribute_name(fqn: str, taken: set[str]) -> str:
@@ -62,8 +78,11 @@ def attribute_name(fqn: str, taken: set[str]) -> str:
     return name
 
 
-def param_layouts(gm: torch.fx.GraphModule) -> list[ParamLayout]:
-    """Parameters, buffers and constants of a per-rank graph, in placeholder order."""
+def param_layouts(gm: torch.fx.GraphModule,
+                  logical: Mapping[str, tuple[int, ...]] | None = None) -> list[ParamLayout]:
+    """Parameters, buffers and constants of a per-rank graph, in placeholder order; ``logical``:
+    FQN -> the model's shape of each tensor the program pads."""
+    logical = logical or {}
     taken: set[str] = set()
     out = []
     for n in gm.graph.nodes:
@@ -76,7 +95,7 @@ def param_layouts(gm: torch.fx.GraphModule) -> list[ParamLayout]:
         out.append(ParamLayout(n.name, meta.fqn or n.name, attribute_name(meta.fqn or n.name, taken),
                                meta.kind, meta.placement if meta.placement is not None else Replicate(),
                                tuple(int(d) for d in spec.shape), tuple(int(d) for d in local.shape),
-                               spec.dtype))
+                               spec.dtype, logical.get(meta.fqn or n.name)))
     return out
 
 

@@ -109,6 +109,10 @@ class TensorLayout:
     tp: int = 1
     tp_rank: int = 0
     writes: bool = True
+    #: The shape stored, where the program pads the tensor (a vocabulary padded to a multiple of
+    #: 128 x tp): blocks are cut to it, so a checkpoint holds the model's own shape whatever tp
+    #: wrote it (None: ``full_shape``).
+    stored_shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.placement, Replicate) or is_sharded(self.placement)):
@@ -212,9 +216,26 @@ def range_blocks(layout: TensorLayout, start: int, stop: int, flat: torch.Tensor
         d = layout.placement.dim if is_sharded(layout.placement) else None
         for cut, length, glob in local_box_to_global(layout, offsets, sizes):
             view = box if d is None or not sizes else box.narrow(d, cut, length)
-            out.append(Block(key, tuple(layout.full_shape), glob, view))
+            block = _stored_part(layout, Block(key, tuple(layout.full_shape), glob, view))
+            if block is not None:
+                out.append(block)
     assert pos == stop, (pos, stop)
     return out
+
+
+def _stored_part(layout: TensorLayout, block: Block) -> Block | None:
+    """``block`` cut to the layout's stored shape (None when it lies wholly in the padding)."""
+    stored = layout.stored_shape
+    if stored is None or tuple(stored) == tuple(layout.full_shape):
+        return block
+    view = block.tensor
+    for d, (offset, limit) in enumerate(zip(block.offsets, stored)):
+        keep = min(view.shape[d], limit - offset)
+        if keep <= 0:
+            return None
+        if keep < view.shape[d]:
+            view = view.narrow(d, 0, keep)
+    return Block(block.key, tuple(stored), block.offsets, view)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -266,7 +266,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         in_range = (target >= start) & (target < start + v_local) & valid
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
-        picked = local.gather(1, local_target.unsqueeze(1)).squeeze(1) * in_range
+        # where, not a product: a padded class's logit is -inf (passes/pad_vocab.py)
+        picked = torch.where(in_range, local.gather(1, local_target.unsqueeze(1)).squeeze(1),
+                             torch.zeros((), dtype=local.dtype, device=local.device))
         both = torch.stack([torch.logsumexp(local, dim=1), picked])  # [2, tokens]
         if group is not None:
             gathered = torch.empty((n * 2, both.shape[1]), dtype=both.dtype, device=both.device)

@@ -20,16 +20,23 @@ LR = 1e-3
 EPS = 1e-5
 
 
+def _vocab(name: str) -> int:
+    """The vocabulary of a model name: ``<name>:<vocab>`` overrides the tiny models' 128."""
+    return int(name.partition(":")[2] or 128)
+
+
 def make_model(name: str, device: str = "cpu"):
     """``own_gpt``, a zoo family (``gpt``, ``llama``, ``bert``: fused attention), or a family
-    with ``_eager`` appended (explicit softmax attention: what selective recompute recomputes);
-    on ``device`` ("meta": no weights allocated)."""
+    with ``_eager`` appended (explicit softmax attention: what selective recompute recomputes),
+    optionally with ``:<vocab>`` appended (another vocabulary size, e.g. ``gpt:101``, which
+    every tp pads); on ``device`` ("meta": no weights allocated)."""
+    name, vocab = name.partition(":")[0], _vocab(name)
     if name == "own_gpt":
         with torch.device(device):
-            model, loss_fn = build_own_gpt()
+            model, loss_fn = build_own_gpt(vocab=vocab)
         return model, loss_fn
     family, _, attention = name.partition("_")
-    zm = build_tiny(family, attention=attention or "sdpa", device=device)
+    zm = build_tiny(family, attention=attention or "sdpa", device=device, vocab=vocab)
     return zm.model, zm.loss_fn
 
 
@@ -45,7 +52,7 @@ def batches(name: str, steps: int, batch: int = 8, seq: int = 16):
     gen = torch.Generator().manual_seed(11)
     out = []
     for _ in range(steps):
-        tokens = torch.randint(0, 128, (batch, seq + 1), generator=gen)
+        tokens = torch.randint(0, _vocab(name), (batch, seq + 1), generator=gen)
         out.append(((tokens[:, :-1].contiguous(),), (tokens[:, 1:].contiguous(),)))
     return out
 
@@ -178,6 +185,7 @@ def train(configs, steps: int = 3):
             coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
             regions=recomputed_regions(pm), plan=pm.plan.to_json(),
             shard_size=pm.data_parallel.groups.shard_size, held_bytes=held_bytes,
+            vocab=(pm.tp_program.vocab_padding.vocab, pm.tp_program.vocab_padding.padded),
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))
         pm.close()
         result["seconds"] = time.perf_counter() - start

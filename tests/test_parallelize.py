@@ -484,3 +484,48 @@ def test_mixed_precision_computes_the_loss_in_fp32():
     got = pm.eval_step(inputs, targets)
     pm.close()
     assert abs(got - want) <= 1e-3 * abs(want), (got, want)
+
+
+def test_an_odd_vocabulary_is_padded_and_trains_like_one_process(tmp_path):
+    """A vocabulary of 101 (prime: no tp divides it) is padded to a multiple of 128 x tp
+    (Megatron-LM's default; passes/pad_vocab.py): under tp 2, with the tied GPT-2 head and with
+    LLaMA's untied one (and sequence parallelism), 3 AdamW steps give the single-process losses
+    and parameters (the tolerances above), and ``state_dict`` has the model's 101 rows.
+    ``save_pretrained`` writes 101 rows that transformers' ``from_pretrained`` reads back exactly.
+    A checkpoint saved at tp 2 (101 padded to 256) stores 101 rows and resumes at dp 2 x tp 1
+    (padded to 128) to the uninterrupted run."""
+    import checkpoint_jobs as ckpt
+    from autopar.runtime import checkpoint
+
+    names = ("gpt:101", "llama:101")
+    refs = {name: jobs.reference(name) for name in names}
+    resumed_ref = jobs.reference("gpt:101", steps=ckpt.TOTAL)
+    hf_dir = str(tmp_path / "hf")
+    configs = [("gpt:101", _pins(1, 1, 2, "1f1b", 1, 2, False, 0),
+                dict(save_pretrained=hf_dir)),
+               ("llama:101", _pins(1, 1, 2, "1f1b", 1, 2, True, 0), {})]
+    save_pins = _pins(1, 1, 2, "1f1b", 1, 2, False, 0)
+    load_pins = _pins(2, 1, 1, "1f1b", 1, 1, False, 1)
+    root = str(tmp_path / "ckpt")
+    with LocalPool(2, timeout_s=300) as pool:
+        per_rank = pool.run(jobs.train, configs, timeout_s=600)
+        saved = pool.run(ckpt.train_and_save, [("gpt:101", save_pins)], root)[0]
+        resumed = pool.run(ckpt.load_and_continue, [("gpt:101", load_pins)], root)[0]
+    for k, (name, pins, _) in enumerate(configs):
+        result = per_rank[0][k]
+        _compare(result, refs[name], f"{name} {pins}")
+        assert result["vocab"] == (101, 256), name  # padded to a multiple of 128 x tp
+        assert {tuple(v.shape) for key, v in result["state"].items()
+                if "embed" in key or "wte" in key or "lm_head" in key} == {(101, 64)}, name
+    loaded = type(jobs.make_model("gpt:101", "meta")[0]).from_pretrained(hf_dir)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, per_rank[0][0]["state"][key]), key
+    entries = checkpoint.read_metadata(f"{root}/gpt:101").state_dict_metadata
+    assert tuple(entries["model/lm_head.weight"].size) == (101, 64)
+    assert tuple(entries["optim/exp_avg/lm_head.weight"].size) == (101, 64)
+    assert saved[0]["losses"] == pytest.approx(resumed_ref["losses"][:ckpt.SAVED_AT], rel=1e-5)
+    for key, want in saved[0]["state"].items():
+        assert torch.equal(resumed[0]["loaded"][key], want), key
+    assert resumed[0]["losses"] == pytest.approx(resumed_ref["losses"][ckpt.SAVED_AT:], rel=1e-5)
+    for key, want in resumed_ref["state"].items():
+        torch.testing.assert_close(resumed[0]["final"][key], want, rtol=0, atol=1e-5, msg=key)

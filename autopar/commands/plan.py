@@ -121,6 +121,15 @@ def print_plan(doc) -> None:
     if plan["zero"] == 3 and not plan.get("reshard_after_forward", True):
         out.print("ZeRO-3 keeps each layer's weights gathered from its forward to its backward "
                   "(reshard_after_forward=False)")
+    vocab = model.get("vocab_padded_from", model.get("vocab"))
+    if vocab:
+        from autopar.passes.pad_vocab import padded_size
+
+        multiple = plan.get("vocab_multiple", 128)
+        padded = padded_size(int(vocab), multiple, plan["tp"])
+        if padded != vocab:
+            out.print(f"vocabulary {vocab} padded to {padded} (a multiple of {multiple} x tp "
+                      f"{plan['tp']}; the padded classes are masked out of the loss)")
 
     stages = Table(title="pipeline stages (per micro-batch, one tensor-parallel rank)")
     for col in ("stage", "pp rank", "chunk", "layers", "from", "to", "forward", "backward",

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from autopar.ir import META_KEY, info
-from autopar.plan_types import GemmSharding
+from autopar.plan_types import GemmSharding, Plan
 from autopar.sharding import Collective, is_sharded
 
 __all__ = ["CommCall", "TPLayout", "solve_layout", "tp_cost_spec"]
@@ -139,12 +139,17 @@ def tp_cost_spec(cluster: Any, dtype: str) -> Any:
 
 
 def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
-                 sizes: Mapping[str, int], depth: int | None = None) -> TPLayout:
+                 sizes: Mapping[str, int], depth: int | None = None,
+                 vocab_multiple: int = Plan().vocab_multiple) -> TPLayout:
     """Run the sharding search on ``captured`` (not modified) and read its layout; ``depth``
-    is the real model's number of blocks when ``captured`` is a shallower copy of it.
+    is the real model's number of blocks when ``captured`` is a shallower copy of it. The
+    vocabulary is padded as the runtime pads it (``vocab_multiple``: every value makes tp divide
+    it, so the plan's own value decides nothing here); the layout is read for the captured
+    nodes (the LM head's FLOPs stay the captured vocabulary's: at most 128 x tp rows more).
 
-    Raises :class:`autopar.errors.ShardingError` when ``tp`` does not divide the model's heads or
-    vocabulary (or, with sequence parallelism, the sequence)."""
+    Raises :class:`autopar.errors.ShardingError` when ``tp`` does not divide the model's heads
+    (or, with sequence parallelism, the sequence), or its vocabulary where that cannot be
+    padded."""
     from autopar.tensor_parallel import tensor_parallelize
 
     start = time.perf_counter()
@@ -152,7 +157,7 @@ def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
     # a flag, not warnings.catch_warnings, which is not safe on the planner's threads
     program = tensor_parallelize(captured, tp, sequence_parallel=sequence_parallel, cost=cost,
                                  sizes=dict(sizes), strict=True, depth=depth,
-                                 warn_unruled=False)
+                                 warn_unruled=False, vocab_multiple=vocab_multiple)
     names = {n.name for n in captured.gm.graph.nodes}
     scale: dict[str, float] = {}
     placements: dict[str, Any] = {}
