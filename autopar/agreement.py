@@ -23,7 +23,7 @@ from autopar.errors import (
     PlanMismatchError,
     error_from_parts,
 )
-from autopar.plan_types import CP_ATTENTION_KINDS, Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.plan_types import CP_ATTENTION_KINDS, OFFLOAD_KINDS, Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.runtime.comm import collective
 from autopar.runtime.schedules import schedule_spec
 
@@ -33,7 +33,8 @@ __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
             "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
-            "cp_attention", "cp_innermost", "ep", "reshard_after_forward", "vocab_multiple")
+            "cp_attention", "cp_innermost", "ep", "reshard_after_forward", "vocab_multiple",
+            "offload")
 
 
 def rank_device() -> torch.device:
@@ -116,6 +117,12 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
                                expected="a bool", found=repr(pins["reshard_after_forward"]),
                                fix="pin reshard_after_forward=True (gather again for the "
                                    "backward) or False (keep the layers gathered)")
+    if "offload" in pins and pins["offload"] not in OFFLOAD_KINDS:
+        raise InvalidPlanError(f"pin offload={pins['offload']!r} is not a place for the "
+                               "optimizer state", expected=f"one of {OFFLOAD_KINDS}",
+                               found=repr(pins["offload"]),
+                               fix="pin offload='none', 'optimizer' (host memory) or 'disk' "
+                                   "(files under offload_dir)")
     vm = pins.get("vocab_multiple")
     if "vocab_multiple" in pins and (not isinstance(vm, int) or isinstance(vm, bool) or vm < 0):
         raise InvalidPlanError(f"pin vocab_multiple={vm!r} is not a padding multiple",
@@ -164,7 +171,8 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 
 
 def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
-                   seq: int, mixed_precision: bool, seed: int | None = None) -> Planned:
+                   seq: int, mixed_precision: bool, seed: int | None = None, *,
+                   offload_choices: tuple[str, ...] = ("optimizer",)) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
     message), and the dropout seed."""
     decided = None
@@ -173,7 +181,7 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
     if dist.get_rank() == 0:
         try:
             decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
-                                                  seq, mixed_precision)
+                                                  seq, mixed_precision, offload_choices)
             payload = {"plan": decided.to_json(),
                        "prediction": prediction.to_json() if prediction else None,
                        "seed": int(seed if seed is not None else torch.initial_seed())}
@@ -222,7 +230,8 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
-            mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+            mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",)
+            ) -> tuple[Plan, Prediction | None, Any]:
     fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
         check_plan(plan, fingerprint, world, global_batch)
@@ -243,7 +252,7 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     vocab_multiple = pins.pop("vocab_multiple", None)  # nor is this (any value makes tp divide)
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
-                                          mixed_precision)
+                                          mixed_precision, offload_choices)
     if vocab_multiple is not None:
         decided = decided.replace(vocab_multiple=vocab_multiple)
     if shard_size is not None:
@@ -327,7 +336,8 @@ def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_b
 
 
 def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
-            mixed_precision: bool) -> tuple[Plan, Prediction | None, Any]:
+            mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",)
+            ) -> tuple[Plan, Prediction | None, Any]:
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.planner.search import SearchSpace, search
 
@@ -344,7 +354,8 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
     dtype = "bf16" if mixed_precision else "fp32"
     costs = ModelCosts(captured, name=type(captured.model).__name__)
     cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype))
-    result = search(cost_model, SearchSpace(**space_pins), top_k=5, progress=False)
+    result = search(cost_model, SearchSpace(**space_pins, offload_choices=offload_choices),
+                    top_k=5, progress=False)
     for ev in (result.best, *result.alternatives):
         if ev.plan is not None:
             return _with_stages(ev.plan, captured), ev.prediction, result

@@ -58,7 +58,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                 seq: int | None = None, seed: int | None = None, verify: bool = False,
                 verify_tolerance: float | None = None,
                 checkpoint: str | os.PathLike | None = None,
-                init: Callable[[nn.Module], None] | None = None) -> ParallelModel:
+                init: Callable[[nn.Module], None] | None = None,
+                offload_dir: str | os.PathLike | None = None) -> ParallelModel:
     """Parallelize ``model`` for this job; call on every rank. See the module docstring.
 
     Args:
@@ -113,6 +114,9 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
             each module's ``reset_parameters``. It draws from rank 0's CPU random state as of
             this call, so every shard holds what the same model initialized on one device from
             that state would hold there, on every plan (see :mod:`autopar.runtime.meta_init`).
+        offload_dir: where a plan with ``offload="disk"`` keeps the optimizer state (each rank
+            in a folder of its own, removed by ``close``); checked writable before any training
+            (OffloadError). A plan pinned to ``offload="disk"`` needs it.
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InvalidInputError("timeout_s must be a positive number of seconds",
@@ -153,14 +157,29 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     if loss_fn is None:
         raise InvalidInputError("parallelize needs a loss", fix="pass loss_fn=...")
     cl = _resolve_cluster(cluster, world, device)  # a bad cluster file fails before the capture
+    pinned_offload = plan.offload if isinstance(plan, Plan) else \
+        plan.get("offload") if isinstance(plan, dict) else None
+    if pinned_offload == "disk" and offload_dir is None:
+        raise InvalidInputError("offload='disk' keeps the optimizer state in files",
+                                expected="parallelize(..., offload_dir=<a writable directory>)",
+                                found="no offload_dir", fix="pass offload_dir, or pin "
+                                                            "offload='optimizer' or 'none'")
     training = TrainingOptions(_optimizer_factory(optimizer, model), max_grad_norm=max_grad_norm,
-                               mixed_precision=mixed_precision, bucket_mb=bucket_mb)
+                               mixed_precision=mixed_precision, bucket_mb=bucket_mb,
+                               offload_dir=os.fspath(offload_dir) if offload_dir else None)
     if source is None:  # with a checkpoint every rank reads the same weights
         _broadcast_model(model)
     captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
     global_batch = global_batch or _batch_size(example_inputs)
     seq = seq or _seq_len(example_inputs)
-    planned = agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed)
+    # the search offloads only where memory requires it; to disk only with a directory
+    planned = agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed,
+                            offload_choices=("optimizer", "disk") if offload_dir is not None
+                            else ("optimizer",))
+    if planned.plan.offload == "disk" and offload_dir is None:  # a Plan (file) given whole
+        raise InvalidInputError("the plan keeps the optimizer state on disk",
+                                expected="parallelize(..., offload_dir=<a writable directory>)",
+                                found="no offload_dir", fix="pass offload_dir")
     planned = _at_micro_batch(planned, model, example_inputs, example_targets, loss_fn,
                               mixed_precision)
     chosen = planned.plan

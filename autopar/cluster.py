@@ -370,6 +370,16 @@ class Cluster:
     #: (Megatron-LM's local DDP of 2021-2022, the software of the published runs that
     #: benchmarks/published_runs.py checks the model against).
     overlap_grad_reduce: bool = True
+    #: Bytes/s one device moves to or from host memory, one direction (PCIe); 0 when the
+    #: device is the host (CPU clusters). What optimizer offload streams gradients and updated
+    #: weights over (Plan.offload).
+    host_link_bandwidth: float = 0.0
+    #: Bytes/s of one node's host memory (all its sockets), shared by its devices' offloaded
+    #: optimizer steps; 0 when the device is the host (its own optimizer_s_per_param prices it).
+    host_memory_bandwidth: float = 0.0
+    #: Bytes/s of one node's local disk (read or write), shared by its devices: what
+    #: ``offload="disk"`` pages the optimizer state through; 0: no disk to offload to.
+    disk_bandwidth: float = 0.0
     #: Collectives that inside a node do not perform as rings over ``intra_node`` (name from
     #: :data:`COLLECTIVE_NAMES` -> :class:`CollectiveSpec`); ``autopar calibrate`` measures
     #: them on the local backend. Empty for NCCL clusters (every collective a ring or a tree
@@ -415,6 +425,12 @@ class Cluster:
                f"cluster {self.name!r}: overlap_grad_reduce must be true or false",
                expected="a boolean", found=repr(self.overlap_grad_reduce),
                fix="true when gradients are reduced during the backward, false when after it")
+        for name in ("host_link_bandwidth", "host_memory_bandwidth", "disk_bandwidth"):
+            value = parse_quantity(getattr(self, name), "bytes/s", what=name)
+            _check(math.isfinite(value) and value >= 0, f"cluster {self.name!r}: {name} must "
+                   f"be a bandwidth", expected=">= 0 bytes/s (0: none)", found=value,
+                   fix=f"give e.g. {name}: 25 GB/s, or leave it out")
+            object.__setattr__(self, name, value)
         _check(isinstance(self.collectives, Mapping),
                f"cluster {self.name!r}: collectives must be a mapping",
                expected=f"{{name: {{latency_s, bus_bandwidth}}}} with names among "
@@ -500,6 +516,9 @@ class Cluster:
             "cores_per_node": self.cores_per_node,
             "oversubscription_efficiency": self.oversubscription_efficiency,
             "overlap_grad_reduce": self.overlap_grad_reduce,
+            "host_link_bandwidth": self.host_link_bandwidth,
+            "host_memory_bandwidth": self.host_memory_bandwidth,
+            "disk_bandwidth": self.disk_bandwidth,
             "device": {"name": d.name, "peak_flops": dict(d.peak_flops),
                        "memory_bytes": d.memory_bytes, "memory_bandwidth": d.memory_bandwidth,
                        "gemm_efficiency": d.gemm_efficiency,

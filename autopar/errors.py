@@ -23,6 +23,7 @@ __all__ = [
     "PassError",
     "CommunicationTimeoutError",
     "VerificationError",
+    "OffloadError",
     "error_from_parts",
 ]
 
@@ -108,6 +109,11 @@ class VerificationError(AutoparError):
     def __init__(self, message: str = "", *, report: object = None, **parts: str | None) -> None:
         super().__init__(message, **parts)
         self.report = report
+
+
+class OffloadError(AutoparError):
+    """Offloaded optimizer state cannot be kept where the plan puts it: the offload directory
+    is missing, not writable, or full (``Plan.offload = "disk"``)."""
 
 
 def error_from_parts(class_name: str, summary: str, expected: str | None = None,

@@ -53,6 +53,8 @@ class TrainingOptions:
     mixed_precision: bool = False
     #: Data-parallel gradient bucket size.
     bucket_mb: float = 25.0
+    #: Where a plan with ``offload="disk"`` keeps the optimizer state (one folder per rank).
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerFactory):
@@ -183,7 +185,8 @@ class ParallelModel:
             reshard_after_forward=plan.reshard_after_forward,
             split_backward=plan.schedule.spec.splits_backward,
             mixed_precision=MixedPrecision() if training.mixed_precision else None,
-            max_grad_norm=training.max_grad_norm)
+            max_grad_norm=training.max_grad_norm, offload=plan.offload,
+            offload_dir=training.offload_dir)
         # the optimizer's group rules speak of the model's parameter names
         optimizer = training.optimizer.renamed({name: fqn for fqn, name in self._dp_name.items()})
         return DataParallel(list(executor.stage_modules.values()), mesh, optimizer,
@@ -664,8 +667,14 @@ class ParallelModel:
         return self.program.staged.source(dist.get_rank() if rank is None else rank)
 
     def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: parameters, gradients, master weights and
+        optimizer state (in host memory under ``offload``), and with ``offload="disk"`` the
+        optimizer state in the offload directory's files."""
         report = self.data_parallel.memory_bytes()
-        return {"params": report.params, "grads": report.grads, "optimizer": report.optimizer}
+        out = {"params": report.params, "grads": report.grads, "optimizer": report.optimizer}
+        if report.disk:
+            out["disk"] = report.disk
+        return out
 
     def fingerprint(self) -> str:
         """A hash of what this rank was built from (equal on every rank: the plan and the

@@ -32,6 +32,8 @@ __all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "StagePlan", "Plan",
 PLAN_FORMAT_VERSION = 1
 #: Context-parallel attention algorithms (autopar/runtime/cp.py).
 CP_ATTENTION_KINDS = ("ring", "allgather")
+#: Where a plan keeps the optimizer state (Plan.offload).
+OFFLOAD_KINDS = ("none", "optimizer", "disk")
 
 
 class RecomputeKind(str, enum.Enum):
@@ -146,8 +148,17 @@ class Plan:
     #: ``--make-vocab-size-divisible-by``, default 128): the vocabulary splits over tp and the LM
     #: head's GEMM is aligned. 0 pads only where tp does not divide the vocabulary.
     vocab_multiple: int = 128
+    #: Where the optimizer state lives: "none" (with the parameters), "optimizer" (ZeRO-Offload,
+    #: Ren et al. 2021: master weights and state in host memory, the step on the host) or
+    #: "disk" (ZeRO-Infinity, Rajbhandari et al. 2021: as "optimizer", with the element-wise
+    #: state in files under ``parallelize(offload_dir=...)``, paged per bucket).
+    offload: str = "none"
 
     def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_KINDS:
+            raise InvalidPlanError(f"offload must be one of {OFFLOAD_KINDS}",
+                                   expected=str(OFFLOAD_KINDS), found=repr(self.offload),
+                                   fix="set offload='none', 'optimizer' or 'disk'")
         for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
                      "num_micro_batches"):
             _positive(name, getattr(self, name))
@@ -281,6 +292,7 @@ class Plan:
             **({"ep": self.ep} if self.ep > 1 else {}),
             **({"reshard_after_forward": False} if not self.reshard_after_forward else {}),
             **({"vocab_multiple": self.vocab_multiple} if self.vocab_multiple != 128 else {}),
+            **({"offload": self.offload} if self.offload != "none" else {}),
         }
 
     @classmethod

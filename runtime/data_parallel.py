@@ -54,7 +54,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import InvalidInputError, PlanMismatchError
+from autopar.plan_types import OFFLOAD_KINDS
 from autopar.runtime.mesh import ParallelMesh
+from autopar.runtime.offload import StatePager
 from autopar.runtime.optim import MixedPrecision, OptimizerFactory, clip_coefficient, global_grad_norm
 from autopar.runtime.zero import (FlatBucket, ParamUnit, ShardGroups, UnitOrder, ZeroStage,
                                   iter_unique_storages, wait_work)
@@ -127,8 +129,19 @@ class DataParallelConfig:
     sync_module_states: bool = True
     max_grad_norm: float | None = None
     norm_type: float = 2.0
+    #: Where the optimizer state lives (ZeRO-Offload / ZeRO-Infinity): "none" (with the
+    #: parameters), "optimizer" (master weights and state in host memory, the step on the host),
+    #: "disk" (as "optimizer", the element-wise state in files under ``offload_dir``, paged per
+    #: bucket: runtime/offload.py).
+    offload: str = "none"
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_KINDS:
+            raise ValueError(f"offload must be one of {OFFLOAD_KINDS}, got {self.offload!r}")
+        if self.offload == "disk" and not self.offload_dir:
+            raise ValueError("offload='disk' needs offload_dir (a directory for the optimizer "
+                             "state files)")
         try:
             object.__setattr__(self, "zero", ZeroStage(self.zero))
         except ValueError:
@@ -164,7 +177,10 @@ class MemoryReport:
 
     params: int
     grads: int
+    #: Master weights and optimizer state in memory (host memory under offload).
     optimizer: int
+    #: Optimizer state in the offload directory's files (offload="disk").
+    disk: int = 0
 
     @property
     def total(self) -> int:
@@ -337,6 +353,11 @@ class DataParallel:
                     self._make_grad_hook(bucket, i, unit)))
         self.optimizer = optimizer.build(
             [(name, piece) for b in self.buckets for name, piece, _, _ in b.pieces])
+        self.pager: StatePager | None = None
+        if config.offload == "disk":
+            assert config.offload_dir is not None
+            self.pager = StatePager(config.offload_dir, dist.get_rank(), self.optimizer,
+                                    self.buckets)
         n_chunks = len(self.modules)
         self._sync = [True] * n_chunks
         self._unsynced = [False] * n_chunks
@@ -489,7 +510,7 @@ class DataParallel:
                 requires_grad=requires_grad, chunk=chunk, broadcast_src=src,
                 tie=tie if self.config.sync_module_states and not self._deferred else None,
                 sum_group=sum_group, deferred=self._deferred,
-                counts_in_norm=counts))
+                counts_in_norm=counts, host_optimizer=self.config.offload != "none"))
         self._chunk_buckets = [[b for b in self.buckets if b.chunk == c and b.requires_grad]
                                for c in range(len(self.modules))]
         # Shared-gradient sums run in one global order: tp-partial first (by parameter name, the
@@ -776,17 +797,36 @@ class DataParallel:
         norm = None
         if self.config.max_grad_norm is not None:
             norm = self.clip_grad_norm_(self.config.max_grad_norm, self.config.norm_type)
-        for b in self.buckets:
-            if b.requires_grad:
-                b.set_optimizer_grads()
-        self.optimizer.step()
-        for b in self.buckets:
-            if b.requires_grad:
-                b.after_step()
+        if self.pager is not None:
+            self._paged_step(self.pager)
+        else:
+            for b in self.buckets:
+                if b.requires_grad:
+                    b.set_optimizer_grads()
+            self.optimizer.step()
+            for b in self.buckets:
+                if b.requires_grad:
+                    b.after_step()
         for b in self.buckets:
             b.wait_gather()
             b.clear_optimizer_grads()
         return norm
+
+    def _paged_step(self, pager: StatePager) -> None:
+        """The step one bucket at a time, its optimizer state read from disk ahead of it and
+        written back behind it (runtime/offload.py): only the stepping bucket's pieces have
+        gradients, so the optimizer updates those alone."""
+        order = [b for b in self.buckets if b.requires_grad]
+        ahead = pager.read_ahead(order[0]) if order else None
+        for k, b in enumerate(order):
+            pager.install(b, ahead)
+            ahead = pager.read_ahead(order[k + 1]) if k + 1 < len(order) else None
+            b.set_optimizer_grads()
+            self.optimizer.step()
+            b.clear_optimizer_grads()
+            b.after_step()
+            pager.page_out(b)
+        pager.wait_writes()
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -812,7 +852,8 @@ class DataParallel:
         state = {k: v for k, v in state.items() if k not in held}
         return MemoryReport(params=sum(kinds["params"].values()),
                             grads=sum(kinds["grads"].values()),
-                            optimizer=sum(kinds["master"].values()) + sum(state.values()))
+                            optimizer=sum(kinds["master"].values()) + sum(state.values()),
+                            disk=self.pager.on_disk_bytes() if self.pager is not None else 0)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every local parameter, whole, from the master weights (collective over the shard
@@ -847,7 +888,13 @@ class DataParallel:
         from autopar.runtime import checkpoint
 
         info = {"optimizer": {"class": self.optimizer.__class__.__name__}, **(sidecar or {})}
-        checkpoint.save(path, self, layouts or self.checkpoint_layouts(), info)
+        if self.pager is not None:
+            self.pager.page_in_all()
+        try:
+            checkpoint.save(path, self, layouts or self.checkpoint_layouts(), info)
+        finally:
+            if self.pager is not None:
+                self.pager.page_out_all()
 
     def load_checkpoint(self, path: str, layouts: Mapping[str, Any] | None = None) -> dict:
         """Load what :meth:`save_checkpoint` wrote (collective; between steps), refresh the
@@ -863,7 +910,13 @@ class DataParallel:
                                     found=f"{saved} state",
                                     fix=f"train with {saved}, or load the weights alone with "
                                         f"load_state_dict")
-        checkpoint.load(path, self, layouts or self.checkpoint_layouts(), sidecar)
+        if self.pager is not None:
+            self.pager.page_in_all()
+        try:
+            checkpoint.load(path, self, layouts or self.checkpoint_layouts(), sidecar)
+        finally:
+            if self.pager is not None:
+                self.pager.page_out_all()
         return sidecar
 
     def remove(self, gather: bool = True) -> None:
@@ -885,6 +938,8 @@ class DataParallel:
         """Remove the hooks (see :meth:`remove`) and destroy the process groups this object
         created. Collective."""
         self.remove(gather)
+        if self.pager is not None:
+            self.pager.close()
         self.groups.destroy()
         self.tied.destroy()
 

@@ -167,7 +167,7 @@ class FlatBucket:
                  requires_grad: bool, chunk: int = 0, broadcast_src: int | None = None,
                  tie: tuple[dist.ProcessGroup, int] | None = None,
                  sum_group: dist.ProcessGroup | None = None, counts_in_norm: bool = True,
-                 deferred: bool = False) -> None:
+                 deferred: bool = False, host_optimizer: bool = False) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
@@ -199,6 +199,14 @@ class FlatBucket:
         self.param_dtype = mixed_precision.param_dtype if mixed_precision else first.dtype
         self.master_dtype = mixed_precision.master_dtype if mixed_precision else first.dtype
         self.grad_dtype = mixed_precision.grad_dtype if mixed_precision else first.dtype
+        #: Offloaded optimizer (ZeRO-Offload, Ren et al. 2021): the master weights the optimizer
+        #: updates live in host memory (pinned under CUDA), a copy of their own even in fp32;
+        #: the reduced gradients go to the host for the step and the updated weights come back.
+        #: Where the device is the host (CPU processes) nothing moves.
+        self.host_optimizer = host_optimizer
+        self.master_device = torch.device("cpu") if host_optimizer else self.device
+        #: The master weights are a tensor of their own (not a view of the compute parameters).
+        self.separate_master = mixed_precision is not None or self.master_device != self.device
 
         for p in self.params:
             if p.dtype != first.dtype or p.device != first.device:
@@ -249,15 +257,24 @@ class FlatBucket:
                       f"broadcast of tied bucket {self.index}")
         return full
 
+    def _master_zeros(self, numel: int) -> torch.Tensor:
+        pin = self.host_optimizer and self.device.type == "cuda"
+        return torch.zeros(numel, dtype=self.master_dtype, device=self.master_device,
+                           pin_memory=pin)
+
+    def _master_copy(self, value: torch.Tensor) -> torch.Tensor:
+        out = self._master_zeros(value.numel())
+        out.copy_(value)
+        return out
+
     def _init_empty_storage(self) -> None:
         """The stage's buffers, zero, for :meth:`load` to fill: no full buffer under ZeRO-3."""
-        mp = self.mp is not None
+        mp = self.separate_master
         zeros = functools.partial(torch.zeros, device=self.device)
         self.param_shard = None
         if self.stage is ZeroStage.PARAMETERS:
             self.param_shard = zeros(self.shard_numel, dtype=self.param_dtype)
-            self.master = zeros(self.shard_numel, dtype=self.master_dtype) if mp \
-                else self.param_shard
+            self.master = self._master_zeros(self.shard_numel) if mp else self.param_shard
             self.flat_param = torch.empty(self.padded_numel, dtype=self.param_dtype,
                                           device=self.device)
             self._free_storage()
@@ -266,10 +283,9 @@ class FlatBucket:
             return
         self.flat_param = zeros(self.padded_numel, dtype=self.param_dtype)
         if self.stage is ZeroStage.NONE:
-            self.master = zeros(self.padded_numel, dtype=self.master_dtype) if mp \
-                else self.flat_param
+            self.master = self._master_zeros(self.padded_numel) if mp else self.flat_param
         else:
-            self.master = zeros(self.shard_numel, dtype=self.master_dtype) if mp \
+            self.master = self._master_zeros(self.shard_numel) if mp \
                 else self.flat_param[self.own]
         self.gathered = True
         self._bind()
@@ -292,7 +308,7 @@ class FlatBucket:
                 self.param_shard[mine].copy_(flat[lo - a:hi - a])  # type: ignore[index]
         else:
             self.flat_param[a:b].copy_(flat)
-        if self.mp is not None:
+        if self.separate_master:
             if self.stage is ZeroStage.NONE:
                 self.master[a:b].copy_(flat)
             elif lo < hi:
@@ -300,24 +316,25 @@ class FlatBucket:
         self.loaded[slot_index] = True
 
     def _init_storage(self, full: torch.Tensor) -> None:
-        mp = self.mp is not None
+        mp = self.separate_master
         stage = self.stage
         self.param_shard: torch.Tensor | None = None
         if stage is ZeroStage.PARAMETERS:
             shard = full[self.own]
             self.param_shard = shard.to(self.param_dtype).clone()
-            self.master = shard.clone() if mp else self.param_shard
+            self.master = self._master_copy(shard) if mp else self.param_shard
             self.flat_param = torch.empty(self.padded_numel, dtype=self.param_dtype,
                                           device=self.device)
             self._free_storage()
             self.gathered = False
             self._unbind()
         else:
-            self.flat_param = full.to(self.param_dtype) if mp else full
+            self.flat_param = full.to(self.param_dtype)
             if stage is ZeroStage.NONE:
-                self.master = full.clone() if mp else self.flat_param
+                self.master = self._master_copy(full) if mp else self.flat_param
             else:
-                self.master = full[self.own].clone() if mp else self.flat_param[self.own]
+                self.master = self._master_copy(full[self.own]) if mp \
+                    else self.flat_param[self.own]
             self.gathered = True
             self._bind()
 
@@ -520,8 +537,8 @@ class FlatBucket:
 
     def set_optimizer_grads(self) -> None:
         grad = self.reduced_grad()
-        if grad.dtype != self.master_dtype:
-            self._grad32 = grad.to(self.master_dtype)
+        if grad.dtype != self.master_dtype or grad.device != self.master_device:
+            self._grad32 = grad.to(self.master_device, self.master_dtype)
             grad = self._grad32
         for _, piece, a, b in self.pieces:
             piece.grad = grad[a:b].view(piece.shape)
@@ -533,7 +550,7 @@ class FlatBucket:
 
     def after_step(self) -> None:
         """Carry the updated master weights to the compute parameters (async gather, 1-2)."""
-        mp = self.mp is not None
+        mp = self.separate_master
         with torch.no_grad():
             if self.stage is ZeroStage.NONE:
                 if mp:
@@ -556,9 +573,9 @@ class FlatBucket:
     def full_master(self) -> torch.Tensor:
         """The whole flat master buffer (gathered for stages 1-3). Collective over the shard group."""
         if self.stage is ZeroStage.NONE or self.groups.shard_size == 1:
-            return self.master.detach().clone()
+            return self.master.detach().to(self.device, copy=True)
         out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.device)
-        wait_work(dist.all_gather_single(out, self.master.contiguous(),
+        wait_work(dist.all_gather_single(out, self.master.to(self.device).contiguous(),
                                          group=self.groups.shard_group, async_op=True),
                   f"gather of master bucket {self.index}")
         return out
@@ -570,7 +587,7 @@ class FlatBucket:
         slot = self.slots[slot_index]
         a, b = slot.offset, slot.offset + slot.numel
         if self.stage is ZeroStage.NONE or self.groups.shard_size == 1:
-            return self.master[a:b].detach().view(slot.shape).clone()
+            return self.master[a:b].detach().view(slot.shape).to(self.device, copy=True)
         out = torch.empty(slot.numel, dtype=self.master_dtype, device=self.device)
         size = self.shard_numel
         for r in range(self.shard_count):

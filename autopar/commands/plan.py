@@ -43,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       choices=["yes", "no"],
                       help="ZeRO-3: free each layer's weights after its forward (yes) or keep "
                            "them gathered until its backward (no)")
+    pins.add_argument("--offload", choices=["none", "optimizer", "disk"],
+                      help="where the optimizer state lives: with the weights (none), in host "
+                           "memory (optimizer) or in files (disk); default: none, offloaded "
+                           "only where memory requires it")
     p.add_argument("--moe-imbalance", dest="moe_imbalance", type=float, default=1.0,
                    metavar="F", help="mixture-of-experts: rows of the busiest expert rank over "
                                      "the mean (default 1: uniform routing)")
@@ -64,7 +68,8 @@ def space_from_args(args: argparse.Namespace):
                            sequence_parallel=args.sequence_parallel,
                            ep=getattr(args, "ep", None),
                            reshard_after_forward={"yes": True, "no": False, None: None}[
-                               getattr(args, "reshard_after_forward", None)])
+                               getattr(args, "reshard_after_forward", None)],
+                           offload=getattr(args, "offload", None))
     except ValueError as exc:
         from autopar.errors import InvalidInputError
 
@@ -121,6 +126,10 @@ def print_plan(doc) -> None:
     if plan["zero"] == 3 and not plan.get("reshard_after_forward", True):
         out.print("ZeRO-3 keeps each layer's weights gathered from its forward to its backward "
                   "(reshard_after_forward=False)")
+    where = {"optimizer": "host memory (the step runs on the host)",
+             "disk": "files under parallelize(offload_dir=...), paged per bucket"}
+    if plan.get("offload", "none") != "none":
+        out.print(f"optimizer state offloaded to {where[plan['offload']]}")
     vocab = model.get("vocab_padded_from", model.get("vocab"))
     if vocab:
         from autopar.passes.pad_vocab import padded_size

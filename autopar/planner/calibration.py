@@ -214,6 +214,39 @@ def measure_optimizer_step(repeat: int = 5) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
+#: Bytes written, synced and read back by :func:`measure_disk_bandwidth`.
+DISK_PROBE_BYTES = 64 * 2**20
+
+
+def measure_disk_bandwidth(directory: str | None = None, nbytes: int = DISK_PROBE_BYTES) -> float:
+    """Bytes/s of the disk under ``directory`` (default: the temporary directory), as
+    ``offload="disk"`` uses it: ``nbytes`` written in 4 MiB chunks and ``fsync``ed, then read
+    back after dropping the file's pages where the OS allows (``posix_fadvise DONTNEED``); the
+    slower of the two rates (a step writes what it reads)."""
+    import os
+    import tempfile
+
+    chunk = os.urandom(4 * 2**20)
+    with tempfile.TemporaryDirectory(dir=directory) as root:
+        path = os.path.join(root, "probe.bin")
+        start = time.perf_counter()
+        with open(path, "wb") as fh:
+            for _ in range(max(1, nbytes // len(chunk))):
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        write = time.perf_counter() - start
+        with open(path, "rb") as fh:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            while fh.read(len(chunk)):
+                pass
+            read = time.perf_counter() - start
+    size = max(1, nbytes // len(chunk)) * len(chunk)
+    return size / max(write, read)
+
+
 def measure_compute(quick: bool = False) -> dict[str, float]:
     """GEMM FLOP/s (fp32, bf16), streaming bandwidth, kernel floor and fused-attention rate of
     one process with one thread."""
@@ -502,6 +535,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
         "name": name or f"calibrated-{platform.node() or 'local'}",
         "nodes": 1, "devices_per_node": world, "backend": "gloo",
         "collective_latency_s": arrival, "cores_per_node": cores,
+        "disk_bandwidth": measure_disk_bandwidth(),
         "oversubscription_efficiency": round(efficiency, 4),
         "device": {
             "name": f"{platform.processor() or platform.machine()} (1 thread per process)",
@@ -540,6 +574,9 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.node_backward_overhead_s": f"per node of backward() over the same chain, "
                                                f"less the kernel floor; {where}",
             "cores_per_node": f"CPU cores of the host (affinity mask); {where}",
+            "disk_bandwidth": f"{DISK_PROBE_BYTES // 2**20} MiB written with fsync and read "
+                              f"back in 4 MiB chunks in the temporary directory, the slower "
+                              f"rate; {where}",
             "oversubscription_efficiency": (
                 f"2 t(cores) / t(2 x cores): {cores} then {2 * cores} processes running the "
                 f"same MLP block (2048 x 256 -> 1024 -> 256, forward and backward) at once, median "

@@ -12,12 +12,16 @@ from autopar.plan_types import Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.planner.kernels import PRECISION_BYTES
 from autopar.planner.memory import RankMemory
 
-__all__ = ["Candidate", "StageCost", "RankSums", "Staging", "Evaluation", "TrainingSetup"]
+__all__ = ["Candidate", "OFFLOAD_ORDER", "StageCost", "RankSums", "Staging", "Evaluation", "TrainingSetup"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Candidates and their evaluation
 # ---------------------------------------------------------------------------------------------
+
+#: Offload choices in the order the search tries them (cheapest first).
+OFFLOAD_ORDER = ("none", "optimizer", "disk")
+
 
 class Candidate(NamedTuple):
     dp: int
@@ -39,13 +43,15 @@ class Candidate(NamedTuple):
     ep: int = 1
     #: ZeRO-3: free each layer's weights after its forward (gather again for the backward).
     reshard_after_forward: bool = True
+    #: Where the optimizer state lives (Plan.offload): "none", "optimizer" (host) or "disk".
+    offload: str = "none"
 
     def key(self) -> tuple:
         """Deterministic order for ties."""
         return (self.tp, self.pp, self.dp, self.virtual_stages, self.micro_batch_size,
                 self.schedule.value, self.recompute.value, self.zero, self.sequence_parallel,
                 self.cp, self.cp_innermost, self.cp_attention or "", self.ep,
-                not self.reshard_after_forward)
+                not self.reshard_after_forward, OFFLOAD_ORDER.index(self.offload))
 
     def label(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -55,7 +61,8 @@ class Candidate(NamedTuple):
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp}{cp}{ep} tp={self.tp} pp={self.pp}{v} mbs={self.micro_batch_size} "
                 f"{self.schedule.value} recompute={self.recompute.value} zero={self.zero}{sp}"
-                f"{'' if self.reshard_after_forward or self.zero < 3 else ' kept-gathered'}")
+                f"{'' if self.reshard_after_forward or self.zero < 3 else ' kept-gathered'}"
+                f"{'' if self.offload == 'none' else ' offload=' + self.offload}")
 
 
 @dataclass(frozen=True, slots=True)

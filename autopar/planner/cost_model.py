@@ -51,12 +51,13 @@ from autopar.ir import LayerKind
 from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link, p2p_time
 from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
-                                     memory_time, optimizer_time, wave_efficiency)
+                                     memory_time, offloaded_optimizer_time, optimizer_time,
+                                     wave_efficiency)
 from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, RankSums, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
-from autopar.planner.memory import STATE_BYTES, RankMemory
+from autopar.planner.memory import STATE_BYTES, RankMemory, offloaded_state_bytes
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
                                             closed_form_pipeline_time, in_flight_micro_batches,
@@ -262,10 +263,20 @@ class CostModel:
         """Structural problems (no pricing needed); None if the candidate is well formed.
         (Cached: recompute and ZeRO play no part, and the search asks for each of their
         combinations.)"""
+        if c.offload != "none":
+            problem = self.offload_problem(c.offload)
+            if problem is not None:
+                return problem
         key = self._check_key(c)
         if key not in self._check_cache:
             self._check_cache[key] = self._check(c)
         return self._check_cache[key]
+
+    def offload_problem(self, offload: str) -> str | None:
+        """Why this cluster cannot keep the optimizer state at ``offload`` (None: it can)."""
+        if offload == "disk" and self.cluster.disk_bandwidth <= 0:
+            return "offload=disk needs a disk (the cluster's disk_bandwidth is 0)"
+        return None
 
     @staticmethod
     def _check_key(c: Candidate) -> tuple:
@@ -753,7 +764,8 @@ class CostModel:
             local = (rs.params - rs.expert_params) / replicas \
                 + rs.expert_params / max(replicas // c.ep, 1) if c.zero >= 1 else rs.params
             # every rank steps at once: on a CPU host they share its cores
-            optimizer_s = max(optimizer_s, optimizer_time(cl, local) / self.host.optimizer_share())
+            optimizer_s = max(optimizer_s, offloaded_optimizer_time(cl, local, c.offload, w_bytes)
+                              / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)
@@ -789,7 +801,7 @@ class CostModel:
                                                "pipeline": pipe.method}))
         plan = Plan(dp=c.dp, tp=c.tp, pp=p, ep=c.ep, virtual_stages=v,
                     reshard_after_forward=c.reshard_after_forward or c.zero < 3,
-                    micro_batch_size=c.micro_batch_size,
+                    offload=c.offload, micro_batch_size=c.micro_batch_size,
                     num_micro_batches=m, schedule=c.schedule, recompute=c.recompute, zero=c.zero,
                     sequence_parallel=c.sequence_parallel, cp=c.cp,
                     cp_attention=self.cp_attention(c), cp_innermost=c.cp_innermost,
@@ -809,6 +821,7 @@ class CostModel:
         every rank of every candidate), the activations of the micro-batches the schedule keeps
         in flight (``rank_acts`` when the caller counted them), ZeRO-3's gathered buffers."""
         w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
+        o_bytes = offloaded_state_bytes(o_bytes, c.offload, self.cluster.host_link_bandwidth > 0)
         n = c.dp * c.cp  # replicas
         w_per = w_bytes / (n if c.zero >= 3 else 1)
         g_per = g_bytes / (n if c.zero >= 2 else 1)

@@ -92,6 +92,37 @@ def memory_time(cluster: Cluster, nbytes: float) -> float:
     return max(nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
 
 
+def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
+                             weight_bytes: float, state_bytes: float = 8.0) -> float:
+    """One device's optimizer step over ``params`` parameters with its state offloaded
+    (``Plan.offload``), as the runtime does it (runtime/data_parallel.py, runtime/offload.py):
+
+    - the reduced fp32 gradients go to the host and the updated weights (``weight_bytes`` per
+      parameter) come back over ``host_link_bandwidth``, after the backward and before the next
+      forward (not overlapped);
+    - the host steps: ``OPTIMIZER_BYTES_PER_PARAM`` of memory traffic per parameter at the
+      node's ``host_memory_bandwidth`` shared by its devices (a CPU cluster's device is the host:
+      its own :func:`optimizer_time`);
+    - ``disk``: each bucket's ``state_bytes`` per parameter (Adam's two fp32 moments) is read
+      before its step and written after it, at the node's ``disk_bandwidth`` shared by its
+      devices, overlapped with the other buckets' steps: the longer of the two.
+    """
+    if offload == "none":
+        return optimizer_time(cluster, params)
+    per_node = cluster.devices_per_node
+    if cluster.host_link_bandwidth > 0:
+        link = params * (4.0 + weight_bytes) / cluster.host_link_bandwidth
+        host = OPTIMIZER_BYTES_PER_PARAM * params * per_node / cluster.host_memory_bandwidth \
+            if cluster.host_memory_bandwidth > 0 else optimizer_time(cluster, params)
+    else:
+        link, host = 0.0, optimizer_time(cluster, params)
+    if offload == "disk":
+        if cluster.disk_bandwidth <= 0:
+            return math.inf
+        host = max(host, 2 * state_bytes * params * per_node / cluster.disk_bandwidth)
+    return link + host
+
+
 def optimizer_time(cluster: Cluster, params: float) -> float:
     """One device's Adam step over ``params`` parameters, alone on its core: the memory traffic
     (``OPTIMIZER_BYTES_PER_PARAM``) or the measured time per parameter, whichever is longer."""

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "RankMemory"]
+__all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "offloaded_state_bytes",
+           "RankMemory"]
 
 #: bytes per parameter (weights, gradients, optimizer states) by training precision.
 STATE_BYTES: dict[str, tuple[int, int, int]] = {
@@ -35,6 +36,22 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {
     "fp16": (2, 2, 12),
     "fp32": (4, 4, 8),
 }
+
+
+#: Bytes per parameter of Adam's two fp32 moments: what ``offload="disk"`` keeps in files.
+MOMENT_BYTES = 8
+
+
+def offloaded_state_bytes(optimizer_bytes: float, offload: str, separate_host: bool) -> float:
+    """Optimizer bytes per parameter left in the device's memory when its state is offloaded
+    (``Plan.offload``; runtime/zero.py, runtime/offload.py): none on a GPU (``separate_host``:
+    the master weights and moments live in host memory or files); on a CPU cluster, whose
+    device is the host, "optimizer" moves nothing and "disk" takes the moments out."""
+    if offload == "none":
+        return optimizer_bytes
+    if separate_host:
+        return 0.0
+    return optimizer_bytes if offload == "optimizer" else optimizer_bytes - MOMENT_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from typing import Iterator, Mapping, Sequence
 from autopar.errors import InfeasiblePlanError
 from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.runtime.schedules import SCHEDULES
+from autopar.planner.candidates import OFFLOAD_ORDER
 from autopar.planner.cost_model import (COMPONENTS, Candidate, CostModel, Evaluation,
                                         lower_bound_step)
 
@@ -76,6 +77,12 @@ class SearchSpace:
     ep: int | None = None
     #: ZeRO-3 candidates: reshard after forward (True), keep gathered (False), or both (None).
     reshard_after_forward: bool | None = None
+    #: Where the optimizer state lives; None: "none", and where a candidate does not fit in
+    #: memory, the first of ``offload_choices`` that makes it fit.
+    offload: str | None = None
+    #: What the search may offload to when memory requires it (``parallelize`` drops "disk"
+    #: without an offload directory).
+    offload_choices: tuple[str, ...] = ("optimizer", "disk")
     max_virtual_stages: int = 8
     max_micro_batch: int = 32
 
@@ -97,7 +104,7 @@ class SearchSpace:
         out = {}
         for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "schedule",
                      "recompute", "zero", "sequence_parallel", "cp_innermost", "cp_attention",
-                     "ep", "reshard_after_forward"):
+                     "ep", "reshard_after_forward", "offload"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = getattr(value, "value", value)
@@ -201,8 +208,23 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
                                 for reshard in _reshard_options(zero, pin):
                                     out.append(Candidate(dp, tp, pp, v, mbs, sched, rec, zero,
                                                          sp, cp, inner, pin.cp_attention, ep,
-                                                         reshard))
+                                                         reshard, pin.offload or "none"))
     return out
+
+
+def _offloaded(cm: CostModel, c: Candidate, ev: Evaluation,
+               choices: Sequence[str]) -> Evaluation:
+    """A candidate that does not fit in memory, with its optimizer state offloaded to the
+    first of ``choices`` the cluster has and that makes it fit (``ev`` when none does):
+    offloading only costs time, so the search tries it only where memory requires it."""
+    if "peak_memory_bytes" not in ev.extra:  # infeasible for another reason than memory
+        return ev
+    for where in OFFLOAD_ORDER[1:]:
+        if where in choices and cm.offload_problem(where) is None:
+            alt = cm.evaluate(c._replace(offload=where), memory_first=True)
+            if alt.feasible:
+                return alt
+    return ev
 
 
 def _reshard_options(zero: int, pin: SearchSpace) -> tuple[bool, ...]:
@@ -299,6 +321,8 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
                     continue
                 ev = cm.evaluate(c, memory_first=True)
                 evaluated += 1
+                if not ev.feasible and space.offload is None:
+                    ev = _offloaded(cm, c, ev, space.offload_choices)
                 if not ev.feasible:
                     pruned["memory"] += 1
                     if "peak_memory_bytes" in ev.extra and (leanest is None or
