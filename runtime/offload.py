@@ -39,6 +39,10 @@ from autopar.errors import OffloadError
 __all__ = ["StatePager"]
 
 
+#: Each state tensor starts at a multiple of this many bytes in its bucket's file.
+_ALIGN = 64
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     """One state tensor of one optimizer piece inside its bucket's file."""
@@ -109,11 +113,13 @@ class StatePager:
         for i, name, t in tensors:
             nbytes = t.numel() * t.element_size()
             entries.append(_Entry(i, name, tuple(t.shape), t.dtype, offset, nbytes))
-            offset += nbytes
+            offset += -(-nbytes // _ALIGN) * _ALIGN  # every tensor aligned in the file
         try:
             with open(path, "wb") as fh:
-                for _, _, t in tensors:
+                for e, (_, _, t) in zip(entries, tensors):
+                    fh.seek(e.offset)
                     fh.write(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+                fh.truncate(offset)
         except OSError as exc:
             path.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
@@ -129,21 +135,21 @@ class StatePager:
         self.bytes_written += offset
 
     def _read(self, bucket: Any) -> list[tuple[_Entry, torch.Tensor]]:
+        """The bucket's file in one buffer (one allocation: large enough for the C allocator to
+        map it on its own and give it back to the OS when it is freed, where many tensor-sized
+        ones would stay in its heap) and its state tensors as views of it."""
         entries = self._index.get(bucket.index, [])
         if not entries:
             return []
-        out = []
+        size = self._path(bucket).stat().st_size
+        buf = torch.empty(size, dtype=torch.uint8)
         with open(self._path(bucket), "rb") as fh:
-            for e in entries:
-                t = torch.empty(e.shape, dtype=e.dtype, device=bucket.master_device)
-                view = t.view(torch.uint8).view(-1) if t.device.type == "cpu" else None
-                if view is not None:
-                    fh.readinto(memoryview(view.numpy()))
-                else:
-                    t.copy_(torch.frombuffer(bytearray(fh.read(e.nbytes)),
-                                             dtype=e.dtype).view(e.shape))
-                out.append((e, t))
-        self.bytes_read += sum(e.nbytes for e in entries)
+            fh.readinto(memoryview(buf.numpy()))
+        out = []
+        for e in entries:
+            t = buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            out.append((e, t.to(bucket.master_device)))
+        self.bytes_read += size
         return out
 
     # -- paging ---------------------------------------------------------------------------------
