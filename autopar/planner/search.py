@@ -219,6 +219,11 @@ def _offloaded(cm: CostModel, c: Candidate, ev: Evaluation,
     offloading only costs time, so the search tries it only where memory requires it."""
     if "peak_memory_bytes" not in ev.extra:  # infeasible for another reason than memory
         return ev
+    # offload removes at most the optimizer state: skip the candidates it cannot bring under
+    # the device's memory (most of them; pricing each again would double the search)
+    usable = cm.cluster.device.usable_memory_bytes
+    if all(r.total - r.optimizer > usable for r in ev.ranks):
+        return ev
     for where in OFFLOAD_ORDER[1:]:
         if where in choices and cm.offload_problem(where) is None:
             alt = cm.evaluate(c._replace(offload=where), memory_first=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from autopar.ir import META_KEY, info
-from autopar.plan_types import GemmSharding, Plan
+from autopar.plan_types import GemmSharding
 from autopar.sharding import Collective, is_sharded
 
 __all__ = ["CommCall", "TPLayout", "solve_layout", "tp_cost_spec"]
@@ -140,12 +140,14 @@ def tp_cost_spec(cluster: Any, dtype: str) -> Any:
 
 def solve_layout(captured: Any, tp: int, sequence_parallel: bool, *, cost: Any,
                  sizes: Mapping[str, int], depth: int | None = None,
-                 vocab_multiple: int = Plan().vocab_multiple) -> TPLayout:
+                 vocab_multiple: int = 0) -> TPLayout:
     """Run the sharding search on ``captured`` (not modified) and read its layout; ``depth``
-    is the real model's number of blocks when ``captured`` is a shallower copy of it. The
-    vocabulary is padded as the runtime pads it (``vocab_multiple``: every value makes tp divide
-    it, so the plan's own value decides nothing here); the layout is read for the captured
-    nodes (the LM head's FLOPs stay the captured vocabulary's: at most 128 x tp rows more).
+    is the real model's number of blocks when ``captured`` is a shallower copy of it. A
+    vocabulary tp does not divide is padded as the runtime pads it (``vocab_multiple`` 0: only
+    to a multiple of tp; any multiple makes tp divide it, which is all that decides the layout,
+    and a vocabulary tp divides is left alone, so the search does not analyze a second graph);
+    the layout is read for the captured nodes (the LM head's FLOPs stay the captured
+    vocabulary's: at most 128 x tp rows more).
 
     Raises :class:`autopar.errors.ShardingError` when ``tp`` does not divide the model's heads
     (or, with sequence parallelism, the sequence), or its vocabulary where that cannot be
