@@ -211,6 +211,23 @@ def _follow(head: torch.fx.Node, vocab: int
     return path, edges
 
 
+def _only_read_as_vocabulary(tables: list[torch.fx.Node], heads: list[torch.fx.Node]) -> None:
+    """Every tensor about to be padded is read only as a table of token rows (``embedding``)
+    or as an LM head's weight or bias: anything else (a norm of the table, a second product)
+    would see the padded rows."""
+    allowed = set(heads)
+    weights = set(tables)
+    for h in heads:
+        weights.update(a for a in h.args[1:3] if isinstance(a, torch.fx.Node))
+    for w in weights:
+        for user in w.users:
+            if user in allowed or (user.op == "call_function" and op_name(user) == "embedding"
+                                   and user.args[0] is w):
+                continue
+            raise _Refused(f"{user.name} ({op_name(user) if user.op == 'call_function' else user.op}) "
+                           f"reads {info(w).fqn or w.name} other than as a vocabulary")
+
+
 def _lm_heads(gm: torch.fx.GraphModule, vocab: int) -> list[torch.fx.Node]:
     """``linear`` nodes whose weight has ``vocab`` output features."""
     out = []
@@ -257,6 +274,7 @@ def pad_vocabulary(captured: CapturedGraph, multiple: int, tp: int) -> VocabPadd
     heads = _lm_heads(captured.gm, vocab)
     try:
         walks = [_follow(h, vocab) for h in heads]
+        _only_read_as_vocabulary(tables, heads)
     except _Refused as why:
         return VocabPadding(captured, vocab, vocab, skipped=str(why))
 

@@ -135,6 +135,22 @@ def test_a_label_smoothed_loss_is_not_padded_and_says_why():
         tensor_parallelize(captured, 2, cost=TINY_COST, vocab_multiple=128)
 
 
+class NormedLM(TinyLM):
+    """A regularizer reads the whole table: padding would change its mean."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) * self.emb.weight.square().mean()
+        return self.head(torch.tanh(x))
+
+
+def test_a_table_read_otherwise_is_not_padded():
+    torch.manual_seed(0)
+    inputs, targets = _batch()
+    captured = autopar.capture(NormedLM(), inputs, _ce, example_targets=targets)
+    padding = pad_vocabulary(captured, 128, 1)
+    assert not padding.active and "other than as a vocabulary" in padding.skipped
+
+
 def test_captured_graph_is_left_as_it_was(tiny_models):
     captured = tiny_models["gpt"][4]
     before = {n.name: str(n.meta["autopar"].spec) for n in captured.gm.graph.nodes
