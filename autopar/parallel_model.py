@@ -34,6 +34,7 @@ from autopar.errors import InvalidInputError, PlanMismatchError
 from autopar.plan_types import RecomputeKind
 from autopar.runtime.comm import activity, collective, set_activity
 from autopar.runtime.optim import OptimizerFactory
+from autopar.runtime.pipeline import ExecutorHooks
 from autopar.sharding import unshard_tensors
 
 if TYPE_CHECKING:
@@ -66,6 +67,33 @@ class TrainingOptions:
                                     fix="pass a positive norm, or None for no clipping")
         if not self.bucket_mb > 0:
             raise InvalidInputError("bucket_mb must be positive", found=repr(self.bucket_mb))
+
+
+class _RankHooks(ExecutorHooks):
+    """What this rank does around the executor's actions (:class:`ExecutorHooks`): name the
+    activity and set dropout's rows, and drive the data-parallel engine's gradient sync and
+    ZeRO-3 gathers."""
+
+    def __init__(self, pm: "ParallelModel") -> None:
+        self.pm = pm
+
+    def before_forward(self, stage: int, microbatch: int) -> None:
+        self.pm._before_stage(stage, microbatch, "forward")
+
+    def before_backward(self, stage: int, microbatch: int) -> None:
+        self.pm._on_backward(stage, microbatch)
+
+    def before_weight(self, stage: int, microbatch: int) -> None:
+        self.pm._on_weight(stage, microbatch)
+
+    def after_weight(self, stage: int, microbatch: int) -> None:
+        self.pm._weight_done(stage, microbatch)
+
+    def before_weight_group(self, weights: list[torch.Tensor]) -> None:
+        self.pm.data_parallel.gather_weights(weights)
+
+    def after_weight_group(self, weights: list[torch.Tensor], later: set[int]) -> None:
+        self.pm.data_parallel.release_weights(weights, later)
 
 
 class ParallelModel:
@@ -116,14 +144,7 @@ class ParallelModel:
                                          tensors=tensors,
                                          bindings={"tp": self.tp_group, "cp": self.cp_group,
                                                    "ep": EPGroup.from_mesh(mesh)},
-                                         sync_tied=False, on_backward=self._on_backward,
-                                         on_forward=self._on_forward,
-                                         on_weight=self._on_weight,
-                                         weight_done=self._weight_done,
-                                         weight_group_hooks=(
-                                             lambda ps: self.data_parallel.gather_weights(ps),
-                                             lambda ps, later: self.data_parallel
-                                             .release_weights(ps, later)),
+                                         sync_tied=False, hooks=_RankHooks(self),
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False,  # the rank's own fresh shards
                                          layer_units=self.plan.zero == 3)
@@ -255,9 +276,6 @@ class ParallelModel:
     def _set_dropout(self, *, training: bool) -> None:
         self.tp_group.rng.training = training
         self.tp_group.rng.step = self.steps
-
-    def _on_forward(self, stage: int, microbatch: int) -> None:
-        self._before_stage(stage, microbatch, "forward")
 
     def _on_backward(self, stage: int, microbatch: int) -> None:
         """ZeRO-0/1: gradients stay local until a stage's last micro-batch, whose backward then

@@ -76,7 +76,7 @@ from autopar.runtime.split_backward import (
     weight_groups,
 )
 
-__all__ = ["PipelineExecutor", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
+__all__ = ["PipelineExecutor", "ExecutorHooks", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
            "module_attribute"]
 
 
@@ -176,37 +176,55 @@ class StageModule(nn.Module):
         return self._graph(*args)
 
 
+class ExecutorHooks:
+    """What the executor tells the layer above it (the data-parallel engine) around its
+    actions; every method does nothing here. ``stage`` and ``microbatch`` name the action.
+
+    - :meth:`before_forward` runs right before each stage forward, inside the recomputed region,
+      so a recompute in backward calls it again (the program's dropout masks depend on it);
+    - :meth:`before_backward` before each backward (or input-gradient) action: the data-parallel
+      layer decides there whether this backward's gradients are reduced;
+    - :meth:`before_weight` and :meth:`after_weight` bracket each weight-gradient action of a
+      split backward (zero-bubble schedules), whose gradients are assigned to ``.grad`` rather
+      than accumulated by autograd: ZeRO-3 gathers parameters before, and the gradients are
+      taken into the buckets after;
+    - :meth:`before_weight_group` and :meth:`after_weight_group` go finer, around each group of
+      weights such an action computes (``later``: ids of the weights its later groups read), so
+      ZeRO-3 holds one layer at a time there too.
+    """
+
+    def before_forward(self, stage: int, microbatch: int) -> None:
+        pass
+
+    def before_backward(self, stage: int, microbatch: int) -> None:
+        pass
+
+    def before_weight(self, stage: int, microbatch: int) -> None:
+        pass
+
+    def after_weight(self, stage: int, microbatch: int) -> None:
+        pass
+
+    def before_weight_group(self, weights: list[torch.Tensor]) -> None:
+        pass
+
+    def after_weight_group(self, weights: list[torch.Tensor], later: set[int]) -> None:
+        pass
+
+
 class PipelineExecutor:
     """One pipeline rank: its stages, parameters and action list."""
 
     def __init__(self, split: Any, schedule: PipelineSchedule, mesh: Any, *,
                  tensors: Mapping[str, torch.Tensor], bindings: Mapping[str, Any] | None = None,
                  timeout: timedelta | None = None, sync_tied: bool = True,
-                 on_backward: Callable[[int, int], None] | None = None,
-                 recompute: bool = False,
-                 on_forward: Callable[[int, int], None] | None = None,
-                 on_weight: Callable[[int, int], None] | None = None,
-                 weight_done: Callable[[int, int], None] | None = None,
-                 weight_group_hooks: tuple[Callable[[list[torch.Tensor]], None],
-                                           Callable[[list[torch.Tensor], set[int]], None]]
-                 | None = None,
+                 hooks: ExecutorHooks | None = None, recompute: bool = False,
                  copy_tensors: bool = True, layer_units: bool = False) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
         gradient sum of tied weights to the caller (the data-parallel layer does it on its
-        buckets); ``on_backward(stage, microbatch)`` runs before each backward action (the
-        data-parallel layer enables gradient sync for a stage's last one); ``on_forward(stage,
-        microbatch)`` runs right before each stage forward, inside the recomputed region, so a
-        recompute in backward sees it again (the program's dropout masks depend on it).
-        ``on_weight(stage, microbatch)`` and ``weight_done(stage, microbatch)`` bracket each
-        weight-gradient action of a split backward (zero-bubble schedules), whose gradients are
-        assigned to ``.grad`` rather than accumulated by autograd: the data-parallel layer
-        gathers ZeRO-3 parameters before and takes the gradients into its buckets after.
-        ``weight_group_hooks = (before, after)`` go finer, around each group of weights such an
-        action computes: ``before(weights)`` ahead of the group, ``after(weights, later)`` once
-        its gradients are assigned (``later``: ids of the weights the action's later groups
-        read), so ZeRO-3 holds one layer at a time there too.
+        buckets); ``hooks`` (:class:`ExecutorHooks`) are told of each action as it runs.
         ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
         layer (:class:`StageModule`). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
@@ -215,11 +233,7 @@ class PipelineExecutor:
         #: backward (torch.utils.checkpoint), so in-flight micro-batches hold one tensor set each.
         self.recompute = recompute
         self.sync_tied = sync_tied
-        self.on_backward = on_backward
-        self.on_forward = on_forward
-        self.on_weight = on_weight
-        self.weight_done = weight_done
-        self.weight_group_hooks = weight_group_hooks
+        self.hooks = hooks
         self.bindings = dict(bindings or {})
         self.schedule = add_communication(schedule)
         self.mesh = mesh
@@ -501,8 +515,8 @@ class PipelineExecutor:
             leaves = [t.detach().requires_grad_(c.requires_grad)
                       for t, c in zip(received, stage.inputs)]
             module, args = self.stage_modules[s], self._args(stage, mb, leaves)
-            if self.on_forward is not None:
-                module = _announced(module, self.on_forward, s, mb)
+            if self.hooks is not None:
+                module = _announced(module, self.hooks.before_forward, s, mb)
             with torch.enable_grad():
                 if self.recompute and not self._inference:
                     out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
@@ -530,8 +544,8 @@ class PipelineExecutor:
             self._land(Action(s, ActionKind.RECV_B, mb))
             leaves, outs = (self._forward.pop((s, mb)) if a.kind is ActionKind.BACKWARD
                             else self._forward[(s, mb)])
-            if self.on_backward is not None:
-                self.on_backward(s, mb)
+            if self.hooks is not None:
+                self.hooks.before_backward(s, mb)
             roots, grads = self._roots(stage, s, mb, outs)
             wanted = [x for x, c in zip(leaves, stage.inputs) if c.requires_grad]
             if a.kind is ActionKind.BACKWARD:
@@ -560,23 +574,21 @@ class PipelineExecutor:
         # BACKWARD_WEIGHT
         pending = self._weight_todo.pop((s, mb))
         self._forward.pop((s, mb))
-        if self.on_weight is not None:
-            self.on_weight(s, mb)
+        hooks = self.hooks or ExecutorHooks()
+        hooks.before_weight(s, mb)
         if pending is not None:
             groups = weight_groups(pending)
             # after group i, the weights no later group of this action reads
             later: list[set[int]] = [set() for _ in groups]
             for i in range(len(groups) - 2, -1, -1):
                 later[i] = later[i + 1] | {id(p) for p in groups[i + 1]}
-            before = self.weight_group_hooks[0] if self.weight_group_hooks else None
-            for i, pairs in enumerate(weight_gradient_groups(pending, before)):
+            for i, pairs in enumerate(weight_gradient_groups(pending,
+                                                             hooks.before_weight_group)):
                 for p, g in pairs:
                     if g is not None:
                         p.grad = g if p.grad is None else p.grad.add_(g)
-                if self.weight_group_hooks:
-                    self.weight_group_hooks[1]([p for p, _ in pairs], later[i])
-        if self.weight_done is not None:
-            self.weight_done(s, mb)
+                hooks.after_weight_group([p for p, _ in pairs], later[i])
+        hooks.after_weight(s, mb)
 
     def _trained_params(self, stage: StageProgram) -> list[nn.Parameter]:
         return [self.params[f] for f in dict.fromkeys(stage_params(stage))
