@@ -144,7 +144,7 @@ class StatePager:
         size = self._path(bucket).stat().st_size
         buf = torch.empty(size, dtype=torch.uint8)
         with open(self._path(bucket), "rb") as fh:
-            fh.readinto(memoryview(buf.numpy()))
+            fh.readinto(buf.numpy().data)
         out = []
         for e in entries:
             t = buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
