@@ -23,7 +23,8 @@ from autopar.errors import (
     PlanMismatchError,
     error_from_parts,
 )
-from autopar.plan_types import CP_ATTENTION_KINDS, OFFLOAD_KINDS, Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, Plan, Prediction,
+                                 RecomputeKind, ScheduleKind)
 from autopar.runtime.comm import collective
 from autopar.runtime.schedules import schedule_spec
 

@@ -11,6 +11,7 @@ This is a leaf module: it imports nothing from autopar except :mod:`autopar.erro
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, TypeAlias
@@ -36,6 +37,7 @@ __all__ = [
     "spec_from_value",
     "op_name",
     "iter_tensor_specs",
+    "copy_graph_module",
 ]
 
 META_KEY = "autopar"
@@ -243,6 +245,22 @@ def op_name(node: torch.fx.Node) -> str:
     if isinstance(target, torch._ops.HigherOrderOperator):
         return target.name()
     return getattr(target, "__name__", str(target))
+
+
+def copy_graph_module(gm: torch.fx.GraphModule
+                      ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
+    """A structural copy of ``gm`` (same node names) whose annotations can be changed without
+    touching ``gm``'s, and the map from each node to its copy."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        new = graph.node_copy(n, lambda a: env[a])
+        new.meta = dict(n.meta)
+        if META_KEY in n.meta:
+            old = info(n)
+            new.meta[META_KEY] = dataclasses.replace(old, extra=dict(old.extra))
+        env[n] = new
+    return torch.fx.GraphModule(gm, graph), env
 
 
 def iter_tensor_specs(value: Any) -> Iterable[TensorSpec]:

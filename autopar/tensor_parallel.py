@@ -12,7 +12,6 @@ The design and its limits are in docs/tensor-parallel.md.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import linecache
 import os
@@ -27,7 +26,7 @@ import torch.nn as nn
 
 from autopar.errors import InvalidInputError, ShardingError
 from autopar.frontend import CapturedGraph
-from autopar.ir import META_KEY, NodeKind, info, op_name
+from autopar.ir import META_KEY, NodeKind, copy_graph_module, info, op_name
 from autopar.plan_types import GemmSharding, Plan
 from autopar.sharding import (
     Collective,
@@ -93,19 +92,6 @@ class LayerComm:
     def ring_bytes(self, tp: int, collective: Collective | None = None,
                    direction: Direction | None = None) -> Any:
         return sympy.Add(*[c.ring_bytes(tp) for c in self.select(collective, direction)])
-
-
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A structural copy whose node annotations can be changed without touching ``gm``."""
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for n in gm.graph.nodes:
-        new = graph.node_copy(n, lambda a: env[a])
-        new.meta = dict(n.meta)
-        if META_KEY in n.meta:
-            new.meta[META_KEY] = dataclasses.replace(info(n), extra=dict(info(n).extra))
-        env[n] = new
-    return torch.fx.GraphModule(gm, graph)
 
 
 def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
@@ -206,7 +192,7 @@ def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: b
     _check_divisible(captured, tp, sizes, sequence_parallel, strict,
                      padding.skipped if padding is not None else None)
     analyze(captured)
-    gm = _copy_graph_module(captured.gm)
+    gm, _ = copy_graph_module(captured.gm)
     ctx = PassContext(captured=captured,
                       options={"tp": tp, "sequence_parallel": sequence_parallel,
                                "cost": cost or TPCostSpec(), "sizes": sizes,

@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 from autopar.captured import CapturedGraph
-from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name
+from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, copy_graph_module, info, op_name
 
 __all__ = ["VocabPadding", "pad_vocabulary", "padded_size", "MASK_CONSTANT"]
 
@@ -241,18 +241,6 @@ def _lm_heads(gm: torch.fx.GraphModule, vocab: int) -> list[torch.fx.Node]:
     return out
 
 
-def _copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for n in gm.graph.nodes:
-        new = graph.node_copy(n, lambda a: env[a])
-        new.meta = dict(n.meta)
-        if META_KEY in n.meta:
-            new.meta[META_KEY] = dataclasses.replace(info(n), extra=dict(info(n).extra))
-        env[n] = new
-    return torch.fx.GraphModule(gm, graph), env
-
-
 def _widen(node: torch.fx.Node, vocab: int, padded: int, dim: int = -1) -> None:
     spec = _spec(node)
     shape = list(spec.shape)
@@ -278,7 +266,7 @@ def pad_vocabulary(captured: CapturedGraph, multiple: int, tp: int) -> VocabPadd
     except _Refused as why:
         return VocabPadding(captured, vocab, vocab, skipped=str(why))
 
-    gm, env = _copy(captured.gm)
+    gm, env = copy_graph_module(captured.gm)
     weights = {env[w] for w in tables}
     for h in heads:
         head_args: Any = h.args
