@@ -39,6 +39,7 @@ __all__ = ["tensor_parallelize", "TPProgram", "CollectiveCall", "LayerComm", "Di
            "TPCostSpec"]
 
 from autopar.passes.shard import TPCostSpec  # noqa: E402  (re-exported vocabulary)
+from autopar.passes.pad_vocab import reads_model_input  # noqa: E402
 
 if TYPE_CHECKING:
     from autopar.passes.pad_vocab import VocabPadding
@@ -110,7 +111,7 @@ def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
             classes = info(n.args[0]).spec.shape[-1]
             if classes.is_Integer and int(classes) % tp:
                 problems.append(f"the loss {n.name} has {classes} classes")
-        elif name == "embedding" and _reads_input(n.args[1]):
+        elif name == "embedding" and reads_model_input(n.args[1]):
             rows = info(n.args[0]).spec.shape[0]
             if rows.is_Integer and int(rows) % tp:
                 problems.append(f"embedding {n.name} has {rows} rows (vocabulary)")
@@ -127,21 +128,6 @@ def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
         raise ShardingError("sequence parallelism splits the sequence over the tp ranks",
                             expected=f"a sequence length divisible by tp={tp}",
                             found=f"s={sizes.get('s')}", fix="change the sequence length or tp")
-
-
-def _reads_input(node: Any) -> bool:
-    """Whether a tensor is derived from a model input through views only (token ids)."""
-    seen = 0
-    while isinstance(node, torch.fx.Node) and seen < 32:
-        if node.op == "placeholder":
-            return info(node).kind is NodeKind.INPUT
-        if node.op != "call_function" or op_name(node) not in (
-                "view", "reshape", "_unsafe_view", "flatten", "slice", "clone", "contiguous",
-                "to", "_to_copy", "alias", "detach"):
-            return False
-        node = node.args[0]
-        seen += 1
-    return False
 
 
 def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: bool = False,

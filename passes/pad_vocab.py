@@ -41,7 +41,7 @@ import torch.fx
 from autopar.captured import CapturedGraph
 from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, copy_graph_module, info, op_name
 
-__all__ = ["VocabPadding", "pad_vocabulary", "padded_size", "MASK_CONSTANT"]
+__all__ = ["VocabPadding", "pad_vocabulary", "padded_size", "reads_model_input", "MASK_CONSTANT"]
 
 aten = torch.ops.aten
 
@@ -83,7 +83,7 @@ class VocabPadding:
         return bool(self.logical_shapes)
 
 
-def _reads_input(node: Any) -> bool:
+def reads_model_input(node: Any) -> bool:
     """Whether a tensor is a model input seen through views only (token ids)."""
     for _ in range(32):
         if not isinstance(node, torch.fx.Node):
@@ -120,7 +120,7 @@ def _word_embeddings(gm: torch.fx.GraphModule) -> tuple[int, list[torch.fx.Node]
     table read with model inputs."""
     found: list[tuple[int, torch.fx.Node]] = []
     for n in gm.graph.nodes:
-        if n.op == "call_function" and op_name(n) == "embedding" and _reads_input(n.args[1]):
+        if n.op == "call_function" and op_name(n) == "embedding" and reads_model_input(n.args[1]):
             w = n.args[0]
             if isinstance(w, torch.fx.Node) and w.op == "placeholder" \
                     and info(w).kind is NodeKind.PARAMETER and _rows(w):
