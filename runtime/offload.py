@@ -58,7 +58,8 @@ class _Entry:
 def _fix(directory: Path) -> str:
     return (f"give parallelize(offload_dir=...) a writable directory on a disk with room for "
             f"the optimizer state (8 bytes per parameter for Adam), or plan without "
-            f"offload=\"disk\" (now: {directory})")
+            f"offload=\"disk\" (now: {directory}); a run stopped by this error resumes from its "
+            f"last checkpoint (ParallelModel.save)")
 
 
 class StatePager:
@@ -89,7 +90,7 @@ class StatePager:
                                           thread_name_prefix="autopar-offload-write")
         self._pending: dict[int, Future] = {}  # bucket index -> its write in flight
         self._checked = False
-        #: Bytes written per step and in all (for the report and the tests).
+        #: Bytes written and read since construction (diagnostics).
         self.bytes_written = 0
         self.bytes_read = 0
 
