@@ -17,15 +17,24 @@ rank's blocked action and what it waits for. The result has the step time, each 
 communication and idle time, the bubble fraction and a timeline of (rank, action, start, end)
 events for Chrome traces and Gantt charts.
 
-Shared processors (``cores=``): the ranks of a CPU host are processes that share its cores.
-With ``cores`` processors for this pipeline and ``replicas - 1`` identical copies of it running
-the same list at the same time (its data- and tensor-parallel peers on the host), a rank
-computing while k of the pipeline's ranks compute progresses at 1 while ``k replicas <= cores``,
-else at ``efficiency x cores / (k replicas)`` of its own speed (processor sharing: the kernel's
-scheduler gives runnable processes of one thread equal shares, and time-sliced processes run on
-colder caches, the measured ``efficiency``; a rank waiting on a receive sleeps and takes none).
-The durations are then times on a processor of one's own, and the simulation runs in time order,
-rate changes included.
+One event engine runs every case, in time order: a rank moves when its previous action ends or
+a message for it is posted, and the ranks computing at once progress at the rate a model of the
+processors gives (``processors=``, a :class:`Processors`):
+
+- :class:`Dedicated` (the default): every rank has processors of its own (a GPU each): rate 1,
+  so a compute takes exactly its duration;
+- :class:`SharedCores` (``cores=``): the ranks of a CPU host are processes that share its cores.
+  With ``cores`` processors for this pipeline and ``replicas - 1`` identical copies of it
+  running the same list at the same time (its data- and tensor-parallel peers on the host), a
+  rank computing while k of the pipeline's ranks compute progresses at 1 while
+  ``k replicas <= cores``, else at ``efficiency x cores / (k replicas)`` of its own speed
+  (processor sharing: the kernel's scheduler gives runnable processes of one thread equal
+  shares, and time-sliced processes run on colder caches, the measured ``efficiency``; a rank
+  waiting on a receive, or on its peers inside a compute (``Durations.forward_wait``), sleeps
+  and takes none). The durations are then times on a processor of one's own.
+
+A receive is posted when its rank reaches it and completes ``send_overhead`` later or when the
+message arrives, whichever is last.
 
 This is the cost model's schedule model: the plan search prices its finalists by simulating
 ``build_schedule(kind, p, m, v)`` with the cost model's per-stage forward, backward (input and
@@ -35,15 +44,17 @@ draws that simulation. (The runtime does not import the planner; the planner imp
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 from autopar.cluster import processor_share
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import Action, ActionKind, PipelineSchedule, add_communication
 
-__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate", "processor_share"]
+__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate", "processor_share",
+           "Processors", "Dedicated", "SharedCores"]
 
 
 def _floats(name: str, values: Sequence[float], length: int) -> tuple[float, ...]:
@@ -251,245 +262,283 @@ class _Dependencies:
                f"{where[key[0]]}"
 
 
+class Processors(Protocol):
+    """How fast a computing rank progresses while ``computing`` of the pipeline's ranks
+    compute (relative to a processor of its own): the simulator's one model of the hardware."""
+
+    def rate(self, computing: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Dedicated:
+    """Every rank has processors of its own (a GPU per rank): always full speed."""
+
+    def rate(self, computing: int) -> float:
+        return 1.0
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """The ranks are processes sharing ``cores`` processors with ``replicas - 1`` identical
+    copies of the pipeline (see the module docstring): :func:`processor_share`."""
+
+    cores: float
+    replicas: int = 1
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.cores > 0:
+            raise ScheduleError("cores must be positive", found=str(self.cores))
+        if self.replicas < 1:
+            raise ScheduleError("replicas must be >= 1", found=str(self.replicas))
+
+    def rate(self, computing: int) -> float:
+        return processor_share(computing * self.replicas, self.cores, self.efficiency)
+
+
 def simulate(schedule: PipelineSchedule, durations: Durations, *,
              strict_order: bool = False, cores: float | None = None,
-             replicas: int = 1, efficiency: float = 1.0) -> SimulationResult:
+             replicas: int = 1, efficiency: float = 1.0,
+             processors: Processors | None = None) -> SimulationResult:
     """Execute ``schedule`` (lowered with sends and receives if it is not) under ``durations``.
 
-    ``cores``: processors the ranks share (with ``replicas`` copies of the pipeline running at
-    once, see the module docstring); None: every rank has its own. ``efficiency``: the cores'
-    throughput while oversubscribed, relative to fair sharing."""
+    ``processors``: the model of processor sharing (default :class:`Dedicated`, or
+    :class:`SharedCores` when ``cores`` is given: processors the ranks share, with ``replicas``
+    copies of the pipeline running at once; ``efficiency``: the cores' throughput while
+    oversubscribed, relative to fair sharing)."""
     if durations.num_stages != schedule.num_stages:
         raise ScheduleError("durations and schedule disagree on the number of stages",
                             expected=f"{schedule.num_stages} stages",
                             found=f"{durations.num_stages}")
-    if cores is not None and not cores > 0:
-        raise ScheduleError("cores must be positive", found=str(cores))
-    if replicas < 1:
-        raise ScheduleError("replicas must be >= 1", found=str(replicas))
-    if cores is not None and cores < schedule.num_ranks * replicas:
-        if strict_order:  # message order does not depend on the processors: check it apart
-            simulate(schedule, durations, strict_order=True)
-        return _simulate_shared(add_communication(schedule), durations, float(cores), replicas,
-                                efficiency)
-    schedule = add_communication(schedule)
-    where = schedule.stage_to_rank
-    p = schedule.num_ranks
-    clock = [0.0] * p
-    pos = [0] * p
-    busy = [0.0] * p
-    comm = [0.0] * p
-    deps = _Dependencies(schedule)
-    done, posted, ready_time, waits_for = deps.done, deps.posted, deps.ready_time, deps.waits_for
-    channel_sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
-    channel_taken: dict[tuple[int, int], int] = {}
-    events: list[TimelineEvent] = []
+    if processors is None:
+        processors = Dedicated() if cores is None and replicas == 1 else SharedCores(
+            float(cores if cores is not None else float("inf")), replicas, efficiency)
+    return _Engine(add_communication(schedule), durations, processors, strict_order).run()
 
-    F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
-                  ActionKind.BACKWARD_WEIGHT)
-    SEND_F, SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
 
-    compute_time = {F: durations.forward, B: durations.backward, I: durations.backward_input,
-                    W: durations.backward_weight}
-    in_flight = [0] * p
-    peaks = [0] * p
-    remaining = sum(len(r) for r in schedule.ranks)
-    while remaining:
-        progressed = False
-        for rank in range(p):
-            actions = schedule.ranks[rank]
-            while pos[rank] < len(actions):
-                a = actions[pos[rank]]
-                ready = ready_time(rank, a)
-                if ready is None:
+class _Running:
+    """A compute action holding a processor: its work left (seconds on a processor of its own)
+    as of ``since``."""
+
+    __slots__ = ("action", "begin", "left", "since", "shared")
+
+    def __init__(self, action: Action, begin: float, work: float) -> None:
+        self.action, self.begin, self.left, self.since = action, begin, work, begin
+        self.shared = False  # whether it ever ran at a rate other than 1
+
+
+class _Engine:
+    """The one event loop: in time order, every rank takes its next actions as soon as it is
+    free and their inputs are there (:class:`_Dependencies`); computing ranks progress at the
+    processors' common rate, recomputed whenever the number computing changes.
+
+    A rank is woken only by what can unblock it (its own previous action ending, a message for
+    it being posted), so a step costs O(actions log actions) whatever the number of ranks."""
+
+    def __init__(self, schedule: PipelineSchedule, durations: Durations,
+                 processors: Processors, strict_order: bool) -> None:
+        self.schedule, self.durations, self.processors = schedule, durations, processors
+        self.strict_order = strict_order
+        p = schedule.num_ranks
+        self.deps = _Dependencies(schedule)
+        self.where = self.deps.where
+        self.clock = [0.0] * p  # when each rank is free of its posting or receiving
+        self.pos = [0] * p
+        self.busy = [0.0] * p
+        self.comm = [0.0] * p
+        self.in_flight = [0] * p
+        self.peaks = [0] * p
+        self.running: dict[int, _Running] = {}
+        self.waiting: dict[int, tuple[Action, float, float]] = {}  # on peers: (a, begin, end)
+        self.wakes: list[tuple[float, int]] = []  # (time, rank): when a rank may move
+        self.finishes: list[tuple[float, int, int]] = []  # (time, rank, version)
+        self.version = 0  # finish times of an older version are stale (the rate changed)
+        self.rate = processors.rate(0)
+        self.channel_sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+        self.channel_taken: dict[tuple[int, int], int] = {}
+        self.events: list[TimelineEvent] = []
+        self.now = 0.0
+        d = durations
+        self.compute_time = {ActionKind.FORWARD: d.forward, ActionKind.BACKWARD: d.backward,
+                             ActionKind.BACKWARD_INPUT: d.backward_input,
+                             ActionKind.BACKWARD_WEIGHT: d.backward_weight}
+
+    def wake(self, rank: int, time: float) -> None:
+        heapq.heappush(self.wakes, (time, rank))
+
+    # -- one rank's moves -------------------------------------------------------------------
+
+    def advance(self, rank: int) -> list[int]:
+        """Take the rank's actions that can happen now; the ranks a posted message may wake."""
+        now, actions, deps = self.now, self.schedule.ranks[rank], self.deps
+        woken: list[int] = []
+        waiting = self.waiting.get(rank)
+        if waiting is not None and waiting[2] <= now:
+            del self.waiting[rank]
+            self.finish(rank, waiting[0], waiting[1], waiting[2])
+        while rank not in self.running and rank not in self.waiting \
+                and self.pos[rank] < len(actions) and self.clock[rank] <= now:
+            a = actions[self.pos[rank]]
+            kind = a.kind
+            if kind is ActionKind.RECV_F or kind is ActionKind.RECV_B:
+                if not self.receive(rank, a):
                     break
-                start = clock[rank]
-                kind = a.kind
-                if kind in compute_time:
-                    begin = max(start, ready)
-                    end = begin + compute_time[kind][a.stage]
-                    busy[rank] += end - begin
-                    done[(a.stage, kind, a.microbatch)] = end
-                    events.append(TimelineEvent(rank, a, begin, end))
-                    if kind is F:
-                        in_flight[rank] += 1
-                        peaks[rank] = max(peaks[rank], in_flight[rank])
-                    elif kind is B or kind is W:
-                        in_flight[rank] -= 1
-                elif kind is SEND_F or kind is SEND_B:
-                    begin = max(start, ready)
-                    end = begin + durations.send_overhead
-                    comm[rank] += durations.send_overhead
-                    transfer = (durations.p2p[a.stage] if kind is SEND_F
-                                else durations.p2p_grad[a.stage - 1])
-                    key = _message_key(a)
-                    dst = where[a.stage + 1] if kind is SEND_F else where[a.stage - 1]
-                    sent = channel_sent.setdefault((rank, dst), [])
-                    posted[key] = (end + transfer, len(sent))
-                    sent.append(key)
-                    events.append(TimelineEvent(rank, a, begin, end))
-                else:  # receive
-                    key = _message_key(a)
-                    src = where[key[0]]
-                    channel = (src, rank)
-                    order = channel_taken.get(channel, 0)
-                    if strict_order and posted[key][1] != order:
-                        expected = channel_sent[channel][order] if order < len(
-                            channel_sent[channel]) else None
-                        raise ScheduleError(
-                            f"rank {rank} receives {a} out of order from rank {src}",
-                            expected=f"the message rank {src} sent next on that link "
-                                     f"({expected})",
-                            found=f"message {key} (sent as number {posted[key][1]})",
-                            fix="post sends and receives between a pair of ranks in the same "
-                                "order on both sides")
-                    channel_taken[channel] = order + 1
-                    end = max(start + durations.send_overhead, ready)
-                    comm[rank] += durations.send_overhead
-                    done[(a.stage, a.kind, a.microbatch)] = end
-                    events.append(TimelineEvent(rank, a, start, end))
-                clock[rank] = end
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
+            else:
+                ready = deps.ready_time(rank, a)
+                if ready is None or ready > now:
+                    break
+                if kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
+                    woken.append(self.send(rank, a))
+                else:
+                    self.start(rank, a)
+            self.pos[rank] += 1
+        return woken
+
+    def start(self, rank: int, a: Action) -> None:
+        work = self.compute_time[a.kind][a.stage] - self.durations.wait(a)
+        self.running[rank] = _Running(a, self.now, max(work, 0.0))
+        if a.kind is ActionKind.FORWARD:
+            self.in_flight[rank] += 1
+            self.peaks[rank] = max(self.peaks[rank], self.in_flight[rank])
+
+    def send(self, rank: int, a: Action) -> int:
+        d, now = self.durations, self.now
+        end = now + d.send_overhead
+        self.comm[rank] += d.send_overhead
+        transfer = d.p2p[a.stage] if a.kind is ActionKind.SEND_F else d.p2p_grad[a.stage - 1]
+        key = _message_key(a)
+        dst = self.where[a.stage + 1 if a.kind is ActionKind.SEND_F else a.stage - 1]
+        sent = self.channel_sent.setdefault((rank, dst), [])
+        self.deps.posted[key] = (end + transfer, len(sent))
+        sent.append(key)
+        self.events.append(TimelineEvent(rank, a, now, end))
+        self.clock[rank] = end
+        self.wake(rank, end)
+        return dst
+
+    def receive(self, rank: int, a: Action) -> bool:
+        """A posted receive completes once its message has arrived and the rank has spent
+        ``send_overhead`` posting it (False: the message was not sent yet)."""
+        key = _message_key(a)
+        arrival = self.deps.posted.get(key)
+        if arrival is None:
+            return False
+        src = self.where[key[0]]
+        channel = (src, rank)
+        order = self.channel_taken.get(channel, 0)
+        if self.strict_order and arrival[1] != order:
+            expected = self.channel_sent[channel][order] if order < len(
+                self.channel_sent[channel]) else None
+            raise ScheduleError(
+                f"rank {rank} receives {a} out of order from rank {src}",
+                expected=f"the message rank {src} sent next on that link ({expected})",
+                found=f"message {key} (sent as number {arrival[1]})",
+                fix="post sends and receives between a pair of ranks in the same order on both "
+                    "sides")
+        self.channel_taken[channel] = order + 1
+        start = self.clock[rank]
+        end = max(start + self.durations.send_overhead, arrival[0])
+        self.comm[rank] += self.durations.send_overhead
+        self.deps.done[(a.stage, a.kind, a.microbatch)] = end
+        self.events.append(TimelineEvent(rank, a, start, end))
+        self.clock[rank] = end
+        self.wake(rank, end)
+        return True
+
+    def finish(self, rank: int, a: Action, begin: float, end: float) -> None:
+        self.deps.done[(a.stage, a.kind, a.microbatch)] = end
+        self.busy[rank] += end - begin
+        self.events.append(TimelineEvent(rank, a, begin, end))
+        if a.kind is ActionKind.BACKWARD or a.kind is ActionKind.BACKWARD_WEIGHT:
+            self.in_flight[rank] -= 1
+        self.clock[rank] = end
+        self.wake(rank, end)
+
+    # -- the processors ---------------------------------------------------------------------
+
+    def finish_time(self, r: _Running) -> float:
+        return r.since + r.left / self.rate if r.left > 0 else r.since
+
+    def set_rate(self, started: list[int]) -> None:
+        """After the moves at ``now``: the common rate for the ranks computing now; the finish
+        times of those that started now, or of all of them when the rate changed."""
+        rate = self.processors.rate(len(self.running))
+        if rate != self.rate:
+            for r in self.running.values():  # the work done at the old rate until now
+                r.left = max(r.left - (self.now - r.since) * self.rate, 0.0)
+                r.since = self.now
+                r.shared = True
+            self.rate, self.version = rate, self.version + 1
+            started = list(self.running)
+        elif rate != 1.0:
+            for rank in started:
+                self.running[rank].shared = True
+        for rank in started:
+            heapq.heappush(self.finishes,
+                           (self.finish_time(self.running[rank]), rank, self.version))
+
+    def end_computes(self) -> None:
+        """Complete the computes whose processor work ends now (then their wait on peers)."""
+        while self.finishes and self.finishes[0][0] <= self.now:
+            _, rank, version = heapq.heappop(self.finishes)
+            if version != self.version or rank not in self.running:
+                continue
+            r = self.running.pop(rank)
+            a = r.action
+            wait = self.durations.wait(a)
+            if not r.shared:  # at full speed throughout: exactly begin + duration
+                end = r.begin + self.compute_time[a.kind][a.stage]
+            else:
+                end = self.now + wait
+            if end > self.now:  # its peers' arrival: no processor taken
+                self.waiting[rank] = (a, r.begin, end)
+                self.wake(rank, end)
+            else:
+                self.finish(rank, a, r.begin, end)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> SimulationResult:
+        schedule = self.schedule
+        p = schedule.num_ranks
+        for rank in range(p):
+            self.wake(rank, 0.0)
+        while True:
+            self.end_computes()
+            started: list[int] = []
+            while self.wakes and self.wakes[0][0] <= self.now:
+                rank = heapq.heappop(self.wakes)[1]
+                was_running = rank in self.running
+                for dst in self.advance(rank):
+                    self.wake(dst, self.now)
+                if not was_running and rank in self.running:
+                    started.append(rank)
+            self.set_rate(started)
+            finishes = self.finishes
+            while finishes and (finishes[0][2] != self.version
+                                or finishes[0][1] not in self.running):
+                heapq.heappop(finishes)  # stale: the rate changed since, or already ended
+            upcoming = [h[0][0] for h in (self.wakes, self.finishes) if h]
+            if not upcoming:
+                break
+            self.now = min(upcoming)
+        if any(self.pos[r] < len(schedule.ranks[r]) for r in range(p)) or self.running \
+                or self.waiting:
             blocked = []
             for rank in range(p):
-                if pos[rank] < len(schedule.ranks[rank]):
-                    a = schedule.ranks[rank][pos[rank]]
-                    blocked.append(f"rank {rank} at {a} waits for {waits_for(rank, a)}")
+                if self.pos[rank] < len(schedule.ranks[rank]):
+                    a = schedule.ranks[rank][self.pos[rank]]
+                    blocked.append(f"rank {rank} at {a} waits for "
+                                   f"{self.deps.waits_for(rank, a)}")
             raise ScheduleError("the pipeline schedule deadlocks",
                                 expected="every rank's next action to become ready",
                                 found="; ".join(blocked),
                                 fix="reorder the action lists so that every receive's send and "
                                     "every backward's forward come earlier on their ranks")
-    step = max(clock)
-    total_busy = sum(busy)
-    bubble = (p * step - total_busy) / total_busy if total_busy > 0 else 0.0
-    idle = tuple(step - b - c for b, c in zip(busy, comm))
-    events.sort(key=attrgetter("start", "rank"))
-    return SimulationResult(step, tuple(busy), tuple(comm), idle, bubble, tuple(peaks),
-                            tuple(events))
-
-
-def _simulate_shared(schedule: PipelineSchedule, durations: Durations, cores: float,
-                     replicas: int, efficiency: float = 1.0) -> SimulationResult:
-    """:func:`simulate` with the ranks sharing ``cores`` processors (processor sharing), in
-    time order: at each event (a compute ends, a message arrives, a rank's posting ends) every
-    rank that can move does, then all computing ranks progress at the common rate: 1 while
-    ``computing x replicas <= cores``, else ``efficiency x cores / (computing x replicas)``, to
-    the next event."""
-    import heapq
-
-    p = schedule.num_ranks
-    F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
-                  ActionKind.BACKWARD_WEIGHT)
-    compute_time = {F: durations.forward, B: durations.backward, I: durations.backward_input,
-                    W: durations.backward_weight}
-    clock = [0.0] * p  # when each rank is free (after posting a send or receive)
-    pos = [0] * p
-    busy = [0.0] * p
-    comm = [0.0] * p
-    in_flight = [0] * p
-    peaks = [0] * p
-    deps = _Dependencies(schedule)
-    done, posted, ready_time = deps.done, deps.posted, deps.ready_time
-    running: dict[int, list] = {}  # rank -> [action, work left, start, work] (own-processor s)
-    waiting: dict[int, tuple[Action, float, float]] = {}  # rank -> (action, start, end)
-    future: list[float] = []  # event times ahead (arrivals, ends of postings)
-    events: list[TimelineEvent] = []
-    now = 0.0
-
-    def advance(rank: int) -> bool:
-        """Take the rank's actions that can happen at ``now``; True if it moved."""
-        actions = schedule.ranks[rank]
-        moved = False
-        while rank not in running and rank not in waiting and pos[rank] < len(actions) \
-                and clock[rank] <= now:
-            a = actions[pos[rank]]
-            ready = ready_time(rank, a)
-            if ready is None or ready > now:
-                break
-            kind = a.kind
-            if kind in compute_time:
-                work = max(compute_time[kind][a.stage] - durations.wait(a), 0.0)
-                running[rank] = [a, work, now, max(work, 1e-300)]
-                if kind is F:
-                    in_flight[rank] += 1
-                    peaks[rank] = max(peaks[rank], in_flight[rank])
-            elif kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
-                end = now + durations.send_overhead
-                comm[rank] += durations.send_overhead
-                transfer = (durations.p2p[a.stage] if kind is ActionKind.SEND_F
-                            else durations.p2p_grad[a.stage - 1])
-                key = _message_key(a)
-                posted[key] = (end + transfer, 0)
-                heapq.heappush(future, end + transfer)
-                events.append(TimelineEvent(rank, a, now, end))
-                clock[rank] = end
-            else:  # a receive whose message has arrived
-                end = now + durations.send_overhead
-                comm[rank] += durations.send_overhead
-                done[(a.stage, kind, a.microbatch)] = end
-                events.append(TimelineEvent(rank, a, clock[rank], end))
-                clock[rank] = end
-            if clock[rank] > now:
-                heapq.heappush(future, clock[rank])
-            pos[rank] += 1
-            moved = True
-        return moved
-
-    def finish_action(rank: int, a: Action, begin: float) -> None:
-        done[(a.stage, a.kind, a.microbatch)] = now
-        busy[rank] += now - begin
-        events.append(TimelineEvent(rank, a, begin, now))
-        if a.kind is B or a.kind is W:
-            in_flight[rank] -= 1
-        clock[rank] = now
-
-    total = sum(len(r) for r in schedule.ranks)
-    while True:
-        while any([advance(rank) for rank in range(p)]):
-            pass
-        if not running and not waiting and all(pos[r] == len(schedule.ranks[r])
-                                               for r in range(p)):
-            break
-        while future and future[0] <= now:
-            heapq.heappop(future)
-        rate = processor_share(len(running) * replicas, cores, efficiency)
-        finish = min((e[1] / rate for e in running.values()), default=float("inf"))
-        step = min(finish, (future[0] - now) if future else float("inf"))
-        if step == float("inf"):
-            blocked = [f"rank {r} at {schedule.ranks[r][pos[r]]}" for r in range(p)
-                       if pos[r] < len(schedule.ranks[r])]
-            raise ScheduleError("the pipeline schedule deadlocks",
-                                expected="every rank's next action to become ready",
-                                found="; ".join(blocked),
-                                fix="reorder the action lists so that every receive's send and "
-                                    "every backward's forward come earlier on their ranks")
-        now += step
-        for rank in list(waiting):  # waits on peers that are over
-            a, begin, end = waiting[rank]
-            if end <= now + 1e-12 * max(now, 1e-9):
-                del waiting[rank]
-                finish_action(rank, a, begin)
-        for rank in list(running):
-            entry = running[rank]
-            entry[1] -= rate * step
-            if entry[1] <= 1e-9 * entry[3]:
-                a, _, begin, _ = entry
-                del running[rank]
-                wait = durations.wait(a)
-                if wait > 0:  # its peers' arrival: no processor taken
-                    waiting[rank] = (a, begin, now + wait)
-                    heapq.heappush(future, now + wait)
-                else:
-                    finish_action(rank, a, begin)
-    assert len(events) == total
-    step_time = max(max(clock), now)
-    total_busy = sum(busy)
-    bubble = (p * step_time - total_busy) / total_busy if total_busy > 0 else 0.0
-    idle = tuple(step_time - b - c for b, c in zip(busy, comm))
-    events.sort(key=attrgetter("start", "rank"))
-    return SimulationResult(step_time, tuple(busy), tuple(comm), idle, bubble, tuple(peaks),
-                            tuple(events))
+        step = max(self.clock)
+        total_busy = sum(self.busy)
+        bubble = (p * step - total_busy) / total_busy if total_busy > 0 else 0.0
+        idle = tuple(step - b - c for b, c in zip(self.busy, self.comm))
+        self.events.sort(key=attrgetter("start", "rank"))
+        return SimulationResult(step, tuple(self.busy), tuple(self.comm), idle, bubble,
+                                tuple(self.peaks), tuple(self.events))

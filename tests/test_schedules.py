@@ -258,6 +258,44 @@ def test_shared_cores_lie_between_the_bounds_and_match_when_there_are_enough():
                 assert shared.peak_in_flight == own.peak_in_flight  # same order per rank
 
 
+def test_the_processor_model_is_pluggable():
+    """One event engine serves every model of the processors: a model that runs every compute
+    at half speed doubles a timeline without transfers exactly; one that runs them at the speed
+    of a single core shared by whoever computes (1 / k) is SharedCores(1); a receive posted
+    before its message arrives overlaps its posting with the wait under both models."""
+    from autopar.runtime.simulator import Dedicated, SharedCores
+
+    class Half:
+        def rate(self, computing: int) -> float:
+            return 0.5
+
+    class OneCore:
+        def rate(self, computing: int) -> float:
+            return 1.0 / max(computing, 1)
+
+    for kind, v in KINDS:
+        schedule = build_schedule(kind, 4, 8, v)
+        rng = random.Random(11)
+        n = 4 * v
+        durations = Durations([rng.uniform(0.5, 1.5) for _ in range(n)],
+                              [rng.uniform(1.0, 3.0) for _ in range(n)])
+        own = simulate(schedule, durations, processors=Dedicated())
+        assert own.step_time == simulate(schedule, durations).step_time
+        half = simulate(schedule, durations, processors=Half())
+        assert half.step_time == pytest.approx(2 * own.step_time, rel=1e-12)
+        assert [(e.action, e.rank) for e in half.events] == \
+            [(e.action, e.rank) for e in own.events]
+        one = simulate(schedule, durations, processors=OneCore())
+        assert one.step_time == pytest.approx(
+            simulate(schedule, durations, processors=SharedCores(1.0)).step_time, rel=1e-12)
+        assert one.step_time == pytest.approx(sum(own.busy), rel=1e-9)  # one core, never idle
+        # posting overhead: enough cores is exactly the dedicated run
+        slow_posts = Durations(durations.forward, durations.backward,
+                               p2p=(0.3,) * (n - 1), send_overhead=0.05)
+        assert simulate(schedule, slow_posts, cores=4).step_time == \
+            simulate(schedule, slow_posts).step_time
+
+
 def test_shared_cores_bad_arguments():
     with pytest.raises(ScheduleError, match="cores"):
         simulate(build_schedule(ScheduleKind.GPIPE, 2, 2), Durations.uniform(2), cores=0)

@@ -167,7 +167,7 @@ def _schedule(kind: ScheduleKind, p: int, m: int, v: int):
 def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     """:func:`autopar.runtime.simulator.simulate` of the executor's action lists for ``work``
     (a :class:`autopar.runtime.simulator.SimulationResult`, with its timeline)."""
-    from autopar.runtime.simulator import Durations, simulate
+    from autopar.runtime.simulator import Dedicated, Durations, SharedCores, simulate
 
     n = work.num_stages
     zero_bubble = work.schedule.spec.splits_backward
@@ -180,10 +180,9 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     else:
         durations = Durations(work.forward_s, full, full, (0.0,) * n, transfers, **waits)
     schedule = _schedule(work.schedule, work.pp, work.num_micro_batches, work.virtual_stages)
-    if work.shared:
-        return simulate(schedule, durations, cores=work.cores, replicas=work.replicas,
-                        efficiency=work.efficiency)
-    return simulate(schedule, durations)
+    processors = SharedCores(work.cores, work.replicas, work.efficiency) if work.shared \
+        else Dedicated()
+    return simulate(schedule, durations, processors=processors)
 
 
 def simulated_pipeline_time(work: PipelineWork, sim: Any = None):
