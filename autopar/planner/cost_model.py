@@ -50,6 +50,8 @@ from autopar.errors import AutoparError
 from autopar.ir import LayerKind
 from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link, p2p_time
+from autopar.planner.data_parallel_time import (DDP_BUCKET_BYTES, CollectiveTimes,
+                                                exposed_data_parallel_time)
 from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
                                      memory_time, offloaded_optimizer_time, optimizer_time,
                                      wave_efficiency)
@@ -57,7 +59,7 @@ from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_l
 from autopar.planner.candidates import (Candidate, Evaluation, RankSums, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
-from autopar.planner.memory import STATE_BYTES, RankMemory, offloaded_state_bytes
+from autopar.planner.memory import STATE_BYTES, RankMemory, rank_memory
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
                                             closed_form_pipeline_time, in_flight_micro_batches,
@@ -68,9 +70,6 @@ __all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "
            "TrainingSetup", "price_layer", "lower_bound_step", "COMPONENTS",
            "gemm_time", "wave_efficiency", "DDP_BUCKET_BYTES", "OPTIMIZER_BYTES_PER_PARAM",
            "optimizer_time", "memory_time", "BIAS_OP"]
-
-#: PyTorch DDP's default gradient bucket (bucket_cap_mb=25).
-DDP_BUCKET_BYTES = 25 * 2**20
 
 #: What the plan search uses (reported in the plan document).
 COMPONENTS = {
@@ -697,69 +696,16 @@ class CostModel:
         interference = self.host.collective_interference
         ranks = self._rank_memory(c, m, st, rank_acts)
         dp_exposed = optimizer_s = slack = 0.0
+        coll = CollectiveTimes(cl, dp_span, self._coll_cache.setdefault(dp_span, {})) \
+            if dp_span is not None else None
         for r, rs in enumerate(st.ranks):
-            # -- data-parallel communication, overlapped with the last micro-batch's backward;
-            #    rank r's backward ends `slack` before rank 0's (the drain of the pipeline)
-            grads, weights = rs.params * g_bytes, rs.params * w_bytes
-            window = rs.backward
-            if dp_span is not None:
-                cache = self._coll_cache.setdefault(dp_span, {})
-
-                def one(op: Collective, nbytes: float) -> float:
-                    t = cache.get((op, nbytes))
-                    if t is None:
-                        t = cache[(op, nbytes)] = collective_time(cl, op, nbytes, dp_span).seconds
-                    return t
-
-                def coll(op: Collective, nbytes: float, unit: float) -> float:
-                    """``nbytes`` moved as collectives of ``unit`` bytes (buckets, layers)."""
-                    if nbytes <= 0:
-                        return 0.0
-                    whole, rest = divmod(nbytes, unit)
-                    return whole * one(op, unit) + one(op, rest)
-
-                reduce_op = Collective.ALL_REDUCE if c.zero == 0 else Collective.REDUCE_SCATTER
-                bucket = DDP_BUCKET_BYTES
-                last_bucket = coll(reduce_op, min(grads, bucket), bucket)
-                # the last bucket waits for the end of the backward, and what the backward
-                # cannot hide follows it; the rest overlaps the backward
-                if not cl.overlap_grad_reduce:  # after the whole backward, every bucket
-                    t = coll(reduce_op, grads, bucket)
-                    exposed = t if c.zero <= 1 else m * t
-                    overlapped = 0.0
-                    if c.zero == 3:
-                        exposed += m * 2 * coll(Collective.ALL_GATHER, weights,
-                                                max(rs.params / max(rs.layers, 1), 1.0) * w_bytes)
-                elif c.zero <= 1:
-                    t = coll(reduce_op, grads, bucket)
-                    exposed = max(last_bucket, t - window)
-                    overlapped = t - exposed
-                elif c.zero == 2:  # a reduce-scatter after every micro-batch's backward
-                    t = coll(Collective.REDUCE_SCATTER, grads, bucket)
-                    tail = max(last_bucket, t - window)
-                    exposed = (m - 1) * max(0.0, t - window) + tail
-                    overlapped = (m - 1) * min(t, window) + t - tail
-                else:  # ZeRO-3 (FSDP): per layer, gather for forward and backward,
-                    #     reduce-scatter after backward, prefetched one layer ahead
-                    unit = max(rs.params / max(rs.layers, 1), 1.0)
-                    ag = coll(Collective.ALL_GATHER, weights, unit * w_bytes)
-                    rs_t = coll(Collective.REDUCE_SCATTER, grads, unit * g_bytes)
-                    # kept gathered from forward to backward: the backward gathers nothing
-                    ag_b = ag if c.reshard_after_forward else 0.0
-                    exposed = (m * (max(0.0, ag - rs.forward) + max(0.0, ag_b + rs_t - window))
-                               + coll(Collective.ALL_GATHER, rs.largest_layer_params * w_bytes,
-                                      rs.largest_layer_params * w_bytes))
-                    overlapped = m * (min(ag, rs.forward) + min(ag_b + rs_t, window))
-                    if c.schedule.spec.splits_backward:
-                        # the weight-gradient action gathers once more (the input-gradient
-                        # action's end freed the parameters), behind work of a forward's size
-                        exposed += m * max(0.0, ag - rs.forward)
-                        overlapped += m * min(ag, rs.forward)
-                # overlapped communication takes SMs from the compute it hides behind
-                exposed += overlapped * interference
+            if coll is not None:
+                # rank r's backward ends `slack` before rank 0's (the drain of the pipeline)
+                exposed = exposed_data_parallel_time(cl, c, rs, m, coll, w_bytes, g_bytes,
+                                                     interference)
                 exposed = max(0.0, exposed - slack)
                 if c.zero in (1, 2):  # updated weights gathered after the step
-                    exposed += coll(Collective.ALL_GATHER, weights, bucket)
+                    exposed += coll(Collective.ALL_GATHER, rs.params * w_bytes, DDP_BUCKET_BYTES)
                 dp_exposed = max(dp_exposed, exposed)
             local = (rs.params - rs.expert_params) / replicas \
                 + rs.expert_params / max(replicas // c.ep, 1) if c.zero >= 1 else rs.params
@@ -816,16 +762,9 @@ class CostModel:
 
     def _rank_memory(self, c: Candidate, m: int, st: "Staging",
                      rank_acts: Sequence[float] | None = None) -> list[RankMemory]:
-        """Peak bytes of each pipeline rank: model state at the ZeRO stage
-        (:func:`autopar.planner.memory.model_state_bytes`, inlined: the search calls this for
-        every rank of every candidate), the activations of the micro-batches the schedule keeps
-        in flight (``rank_acts`` when the caller counted them), ZeRO-3's gathered buffers."""
-        w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
-        o_bytes = offloaded_state_bytes(o_bytes, c.offload, self.cluster.host_link_bandwidth > 0)
-        n = c.dp * c.cp  # replicas
-        w_per = w_bytes / (n if c.zero >= 3 else 1)
-        g_per = g_bytes / (n if c.zero >= 2 else 1)
-        o_per = o_bytes / (n if c.zero >= 1 else 1)
+        """Peak bytes of each pipeline rank (:func:`autopar.planner.memory.rank_memory`) with
+        the activations of the micro-batches the schedule keeps in flight (``rank_acts`` when
+        the caller counted them)."""
         if rank_acts is None:
             key = (c.schedule, c.pp, c.virtual_stages, m)
             flight = self._in_flight_cache.get(key)
@@ -833,23 +772,9 @@ class CostModel:
                 flight = self._in_flight_cache[key] = [
                     in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r)
                     for r in range(c.pp)]
-        ranks: list[RankMemory] = []
-        ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
-        for r, rs in enumerate(st.ranks):
-            acts = rank_acts[r] if rank_acts is not None else \
-                rs.activations * flight[r] + rs.working
-            # ZeRO-3: the gathered weights of the layer running and of the one prefetched, and
-            # the unsharded gradients of the layer computed and of the one reduce-scattered;
-            # kept gathered between forward and backward, the whole stage's weights
-            buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
-            if c.zero == 3 and not c.reshard_after_forward:
-                buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
-            dense, ex = rs.params - rs.expert_params, rs.expert_params
-            ranks.append(RankMemory(
-                r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,
-                g_per * dense + g_bytes / (ne if c.zero >= 2 else 1) * ex,
-                o_per * dense + o_bytes / (ne if c.zero >= 1 else 1) * ex, acts, buffers))
-        return ranks
+            rank_acts = [rs.activations * f + rs.working for rs, f in zip(st.ranks, flight)]
+        return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
+                           self.cluster.host_link_bandwidth > 0)
 
     def _out_of_memory(self, ranks: Sequence[RankMemory]) -> str | None:
         """Why the busiest rank does not fit the device (None when every rank does)."""

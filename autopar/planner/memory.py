@@ -26,9 +26,13 @@ activations while that layer's backward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from autopar.planner.candidates import Candidate, RankSums
 
 __all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "offloaded_state_bytes",
-           "RankMemory"]
+           "RankMemory", "rank_memory"]
 
 #: bytes per parameter (weights, gradients, optimizer states) by training precision.
 STATE_BYTES: dict[str, tuple[int, int, int]] = {
@@ -102,3 +106,33 @@ class RankMemory:
         return {"weights": int(self.weights), "gradients": int(self.gradients),
                 "optimizer": int(self.optimizer), "activations": int(self.activations),
                 "buffers": int(self.buffers), "total": int(self.total)}
+
+
+def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
+                dtype: str, separate_host: bool) -> list[RankMemory]:
+    """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
+    its dp x cp replicas (:func:`model_state_bytes`, inlined: the search calls this for every
+    rank of every candidate; experts' shards span the dp / ep ranks holding the same experts),
+    the optimizer state left on the device by ``c.offload`` (:func:`offloaded_state_bytes`),
+    ``activations[r]`` (the schedule's in-flight micro-batches), and ZeRO-3's gathered buffers:
+    the weights of the layer running and of the one prefetched and the unsharded gradients of
+    the layer computed and of the one reduce-scattered; kept gathered between forward and
+    backward (``reshard_after_forward=False``), the whole stage's weights."""
+    w_bytes, g_bytes, full_o_bytes = STATE_BYTES[dtype]
+    o_bytes = offloaded_state_bytes(full_o_bytes, c.offload, separate_host)
+    n = c.dp * c.cp  # replicas
+    w_per = w_bytes / (n if c.zero >= 3 else 1)
+    g_per = g_bytes / (n if c.zero >= 2 else 1)
+    o_per = o_bytes / (n if c.zero >= 1 else 1)
+    ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
+    out: list[RankMemory] = []
+    for r, (rs, acts) in enumerate(zip(ranks, activations)):
+        buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
+        if c.zero == 3 and not c.reshard_after_forward:
+            buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
+        dense, ex = rs.params - rs.expert_params, rs.expert_params
+        out.append(RankMemory(
+            r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,
+            g_per * dense + g_bytes / (ne if c.zero >= 2 else 1) * ex,
+            o_per * dense + o_bytes / (ne if c.zero >= 1 else 1) * ex, acts, buffers))
+    return out
