@@ -205,7 +205,7 @@ def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_
     measure_cuda returns it on a GPU): the device's numbers are the measured ones, the nodes and
     links the preset's; the file round-trips; the cost model's GEMM time comes from the measured
     table (a shape in the table is priced at its measured rate), not from peak x efficiency."""
-    from autopar.planner.calibration import cuda_cluster
+    from autopar.planner.calibration_cuda import cuda_cluster
     from autopar.planner.cost_model import gemm_time
 
     rate = {(m, n, k): 1e14 + m for m in (512, 8192) for n in (1024, 4096) for k in (1024, 4096)}

@@ -64,7 +64,7 @@ def _run_cuda(args: argparse.Namespace) -> int:
     import torch
 
     from autopar.errors import InvalidInputError
-    from autopar.planner.calibration import calibrate_cuda_cluster
+    from autopar.planner.calibration_cuda import calibrate_cuda_cluster
     from autopar.units import fmt_bytes, fmt_seconds
 
     if not torch.cuda.is_available():
