@@ -147,7 +147,7 @@ def test_weights_tied_across_pipeline_stages_sum_their_gradients_once():
         for pp, dp in ((2, 1), (1, 2)):
             c = Candidate(dp, 1, pp, 1, 2, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0,
                           False)
-            st = cm._staging(c)
+            st = cm.sums.staging(c)
             got = cm._tied_sum_time(c, st)
             if pp == 1:
                 assert got == 0.0
@@ -188,7 +188,7 @@ def test_gradients_reduced_after_the_backward_expose_every_bucket():
     for cluster in (A100.with_devices(8), after):
         cm = CostModel(costs, cluster, TrainingSetup(64, 1024, "bf16"))
         times[cluster.overlap_grad_reduce] = cm.evaluate(c).prediction.breakdown["dp_comm_s"]
-    params = cm._staging(c).ranks[0].params  # the whole model on one rank, the tied table once
+    params = cm.sums.staging(c).ranks[0].params  # the whole model on one rank, the tied table once
     from autopar import models
 
     real = models.build("gpt2-small", device="meta", vocab=costs.template(0).params[

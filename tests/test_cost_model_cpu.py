@@ -106,7 +106,7 @@ def test_pipeline_on_shared_cores_between_the_bounds(costs):
     cm = CostModel(costs, _host(cores=2), setup)
     for schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1, ScheduleKind.GPIPE):
         c = _candidate(pp=4, mbs=1, schedule=schedule)
-        st = cm._staging(c)
+        st = cm.sums.staging(c)
         work = cm._work(c, 8, st)
         assert work.shared and work.cores == 2 and work.replicas == 1
         own = dataclasses.replace(work, cores=0.0)
@@ -175,8 +175,8 @@ def test_loopback_transfers_cost_both_ends(costs):
     nvlink = dataclasses.replace(loop, intra_node=dataclasses.replace(loop.intra_node,
                                                                       kind=LinkKind.NVLINK))
     c = _candidate(pp=4, mbs=1)
-    a = CostModel(costs, loop, setup)._staging(c).stages
-    b = CostModel(costs, nvlink, setup)._staging(c).stages
+    a = CostModel(costs, loop, setup).sums.staging(c).stages
+    b = CostModel(costs, nvlink, setup).sums.staging(c).stages
     assert [s.layers for s in a] == [s.layers for s in b]
     for s, (x, y) in enumerate(zip(a, b)):
         copies = x.p2p_s + (a[s - 1].p2p_s if s > 0 else 0.0)
@@ -305,20 +305,20 @@ def test_a_stage_waits_a0_per_tensor_parallel_collective(costs):
     host = dataclasses.replace(base, collective_latency_s=a0, intra_node=fast, inter_node=fast,
                                collectives={})
     cm = CostModel(costs, host, setup)
-    st = cm._staging(_candidate(tp=2, pp=2))
+    st = cm.sums.staging(_candidate(tp=2, pp=2))
     per_mb = cm.layer_costs(2, False, 2)
     for s, (first, last) in enumerate(st.cuts):
         calls = [c for i in range(first, last + 1) for c in per_mb[i].tp_calls]
         assert st.forward_wait[s] == pytest.approx(a0 * sum(d == "forward" for _, d, _ in calls))
         assert st.backward_wait[s] == pytest.approx(a0 * sum(d == "backward" for _, d, _ in calls))
     assert sum(st.forward_wait) > 0
-    assert not any(cm._staging(_candidate(dp=2, pp=2)).forward_wait)
+    assert not any(cm.sums.staging(_candidate(dp=2, pp=2)).forward_wait)
     # full recomputation re-runs a block's forward, collectives included, inside its backward
     full = Candidate(1, 2, 2, 1, 2, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL, 0, False)
-    rec = cm._staging(full)
+    rec = cm.sums.staging(full)
     assert rec.cuts == st.cuts and rec.forward_wait == st.forward_wait
     for s, (first, last) in enumerate(st.cuts):
-        again = sum(d == "forward" for i in range(first, last + 1) if cm.is_block[i]
+        again = sum(d == "forward" for i in range(first, last + 1) if cm.sums.is_block[i]
                     for _, d, _ in per_mb[i].tp_calls)
         assert rec.backward_wait[s] == pytest.approx(st.backward_wait[s] + a0 * again)
 

@@ -42,25 +42,23 @@ counts recomputation (what Narayanan et al. 2021 report as "achieved teraFLOP/s"
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, GroupSpan
 from autopar.errors import AutoparError
-from autopar.ir import LayerKind
 from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
-from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link, p2p_time
+from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link
 from autopar.planner.data_parallel_time import (DDP_BUCKET_BYTES, CollectiveTimes,
                                                 exposed_data_parallel_time)
 from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
                                      memory_time, offloaded_optimizer_time, optimizer_time,
                                      wave_efficiency)
 from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_layer
-from autopar.planner.candidates import (Candidate, Evaluation, RankSums, Staging, StageCost,
+from autopar.planner.candidates import (Candidate, Evaluation, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
 from autopar.planner.memory import STATE_BYTES, RankMemory, rank_memory
-from autopar.planner.stage_partition import min_max_split
+from autopar.planner.stage_sums import StageSums
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
                                             closed_form_pipeline_time, in_flight_micro_batches,
                                             simulate_pipeline, simulated_pipeline_time)
@@ -84,22 +82,6 @@ COMPONENTS = {
 
 
 
-@dataclasses.dataclass(frozen=True)
-class _LayerTable:
-    """One mesh's per-layer costs at one recompute setting, as prefix sums over the layers:
-    column j's sum over layers [a, b] is ``prefix[j][b + 1] - prefix[j][a]``. Columns: forward,
-    backward, weight gradient, recompute, tensor-parallel time; saved activation bytes; forward
-    and backward tensor-parallel calls."""
-
-    costs: Sequence[LayerCosts]
-    times: Sequence[tuple[float, float, float, float, float]]
-    prefix: tuple[tuple[float, ...], ...]
-    #: per layer, the bytes a recomputed block re-materializes beyond what it keeps
-    working: tuple[float, ...]
-    #: FLOPs recomputed per micro-batch over the whole model
-    recompute_flops: float
-
-
 class CostModel:
     """Prices candidates of one model on one cluster at one global batch."""
 
@@ -117,13 +99,9 @@ class CostModel:
         #: (:meth:`tp_sizes`).
         self.tp_cost = tp_cost_spec(cluster, setup.dtype)
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
-        self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
-        self._staging_cache: dict[tuple, Staging] = {}
-        self._table_cache: dict[tuple, _LayerTable] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
         self._check_cache: dict[tuple, str | None] = {}
         self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
-        self._params_cache: dict[tuple, tuple[float, float]] = {}
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
         # a repeated block's template names its representative's weights, so it is left out
         readers: dict[str, list[int]] = {}
@@ -141,7 +119,11 @@ class CostModel:
         t = [model.template(i) for i in range(model.num_layers)]
         self.model_flops_per_sequence = 3 * sum(
             tt.values(1, setup.seq)[tt.gemm_flops] for tt in t)
-        self.is_block = [k is LayerKind.BLOCK for k in model.layer_kinds]
+        #: per-layer costs summed over a candidate's stages and ranks (planner/stage_sums.py)
+        self.sums = StageSums(model, cluster, self.host, self._costs,
+                              lambda c: self.layout(c.tp, c.sequence_parallel,
+                                                    c.micro_batch_size),
+                              self.cp_attention)
 
     # -- tensor parallelism -------------------------------------------------------------------
     def tp_sizes(self, micro_batch_size: int) -> dict[str, int]:
@@ -195,27 +177,6 @@ class CostModel:
         return self.layer_costs(c.tp, c.sequence_parallel, c.micro_batch_size, c.dp, c.pp, c.cp,
                                 c.cp_innermost, c.ep)
 
-    def _layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
-                     cp_attention: str = "ring"
-                     ) -> list[tuple[float, float, float, float, float]]:
-        """(forward, backward, weight, recompute, tp) per layer, forward/backward incl. TP and
-        the context-parallel K/V exchange (counted with the tensor-parallel communication)."""
-        out = []
-        for lc, block in zip(costs, self.is_block):
-            cp_f, cp_b = lc.cp_comm.get(cp_attention, (0.0, 0.0))
-            r = 0.0
-            if block and recompute is RecomputeKind.FULL:
-                r = lc.forward_s + lc.tp_forward_s + cp_f
-            elif block and recompute is RecomputeKind.SELECTIVE and not lc.cp_comm:
-                r = lc.core_forward_s  # under cp the ring attention keeps no scores to redo
-            # SP's GEMM inputs gathered again in the backward, unless the stage is recomputed
-            # whole (runtime/pipeline.py checkpoints it: it saves nothing to gather again)
-            again = 0.0 if recompute is RecomputeKind.FULL else lc.regather_s
-            tp = lc.tp_forward_s + lc.tp_backward_s + cp_f + cp_b + again
-            out.append((lc.forward_s + lc.tp_forward_s + cp_f,
-                        lc.backward_s + lc.tp_backward_s + cp_b + r + again, lc.weight_s, r, tp))
-        return out
-
     def cp_attention(self, c: Candidate) -> str:
         """The K/V exchange a cp candidate uses: the one whose exposed time is smaller."""
         if c.cp == 1:
@@ -230,24 +191,6 @@ class CostModel:
                      for k in ("ring", "allgather")}
             kind = self._cp_kind[key] = min(total, key=lambda k: (total[k], k != "ring"))
         return kind
-
-    def _activation(self, i: int, lc: LayerCosts, recompute: RecomputeKind) -> float:
-        """Saved bytes of layer ``i`` per micro-batch at the recompute setting."""
-        if self.is_block[i] and recompute is RecomputeKind.FULL:
-            return lc.ckpt_bytes
-        if self.is_block[i] and recompute is RecomputeKind.SELECTIVE:
-            return lc.act_selective_bytes
-        return lc.act_bytes
-
-    def split(self, times: Sequence[float], num_stages: int, key: tuple
-              ) -> tuple[tuple[int, int], ...]:
-        """The first pass's stage cut (min-max contiguous split), cached by ``key``."""
-        k = (key, num_stages)
-        out = self._split_cache.get(k)
-        if out is None:
-            out = min_max_split(times, num_stages)
-            self._split_cache[k] = out
-        return out
 
     # -- a candidate ---------------------------------------------------------------------------
     def well_formed_but_for_layout(self, c: Candidate) -> bool:
@@ -336,7 +279,7 @@ class CostModel:
         if problem:
             return Evaluation(c, problem)
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
-        st = self._staging(c)
+        st = self.sums.staging(c)
         if memory_first:
             ranks = self._rank_memory(c, m, st)
             reason = self._out_of_memory(ranks)
@@ -355,7 +298,7 @@ class CostModel:
         m W + (T - W) / v grows with W, so it is at least T (m + (p - 1) / v) / p. A split
         backward's bubble is only bounded by 0. Transfers, data-parallel communication and the
         optimizer step only add. ``c`` must be well formed (:meth:`check`)."""
-        prefix = self._layer_table(c).prefix
+        prefix = self.sums.table(c).prefix
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         total = prefix[0][-1] + prefix[1][-1] + prefix[2][-1]
         fill = 0.0 if c.schedule.spec.splits_backward else (c.pp - 1) / c.virtual_stages
@@ -375,7 +318,7 @@ class CostModel:
             return hit
         m = ev.plan.num_micro_batches
         problem = self.partition_problem(c)
-        first_cut = self._staging(c).cuts
+        first_cut = self.sums.staging(c).cuts
         try:
             part = partition_stages(problem, time_limit_s=self.ilp_time_limit_s,
                                     initial=first_cut)
@@ -384,14 +327,14 @@ class CostModel:
             out = Evaluation(c, f"stage ILP: {exc.summary}{found}")
             self._refined[c] = out
             return out
-        st = self._staging(c, part.ranges)
+        st = self.sums.staging(c, part.ranges)
         sim = simulate_pipeline(self._work(c, m, st))
         # The ILP's objective models the schedule (its optimum often ties: it sees only the
         # bottleneck); the simulator is the reference for a partition. The first pass's cut, when
         # it fits the ILP's memory model, is simulated too and kept if it runs faster.
         chosen, first_sim = "ilp", None
         if tuple(first_cut) != tuple(part.ranges) and part.extra.get("initial_fits"):
-            first_st = self._staging(c)
+            first_st = self.sums.staging(c)
             other = simulate_pipeline(self._work(c, m, first_st))
             first_sim = other.step_time
             if first_sim < sim.step_time * (1 - 1e-9):
@@ -425,7 +368,7 @@ class CostModel:
 
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         costs = self._costs(c)
-        times = self._layer_times(costs, c.recompute, self.cp_attention(c))
+        times = self.sums.layer_times(costs, c.recompute, self.cp_attention(c))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
         largest = working = 0.0
@@ -438,22 +381,22 @@ class CostModel:
         per_expert = (w_bytes / (ne if c.zero >= 3 else 1) + g_bytes / (ne if c.zero >= 2
                       else 1) + o_bytes / (ne if c.zero >= 1 else 1))
         for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
-            held, experts = self._layer_params(i, layout, c.tp, c.ep)
+            held, experts = self.sums.layer_params(i, layout, c.tp, c.ep)
             largest = max(largest, held)
             params = held - experts + experts * per_expert / per_param
-            if self.is_block[i] and c.recompute is not RecomputeKind.NONE:
-                working = max(working, lc.act_bytes - self._activation(i, lc, c.recompute))
+            if self.sums.is_block[i] and c.recompute is not RecomputeKind.NONE:
+                working = max(working, lc.act_bytes - self.sums.activation(i, lc, c.recompute))
             layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
-                                     self._activation(i, lc, c.recompute), lc.boundary_bytes))
+                                     self.sums.activation(i, lc, c.recompute), lc.boundary_bytes))
         buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0
         memory = max(self.cluster.device.usable_memory_bytes - buffers - working, 1.0)
         p, v = c.pp, c.virtual_stages
-        nodes = {self._stage_node(r, c.tp * c.cp) for r in range(p)}
+        nodes = {self.sums.stage_node(r, c.tp * c.cp) for r in range(p)}
         latency, bandwidth = p2p_link(self.cluster, inter_node=len(nodes) > 1)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
                                 bandwidth, latency)
 
-    def _schedule_activations(self, c: Candidate, problem: Any, st: "Staging") -> list[float]:
+    def _schedule_activations(self, c: Candidate, problem: Any, st: Staging) -> list[float]:
         """Per pipeline rank: the peak over its action list of the activations its in-flight
         micro-batches hold, per local stage (what the stage ILP constrains), plus a recomputed
         block's working set."""
@@ -471,120 +414,14 @@ class CostModel:
             out.append(peak + rs.working)
         return out
 
-    def _work(self, c: Candidate, m: int, st: "Staging") -> PipelineWork:
+    def _work(self, c: Candidate, m: int, st: Staging) -> PipelineWork:
         cores, efficiency = self.host.pipeline_cores()
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=cores, replicas=c.dp * c.cp * c.tp,
                             efficiency=efficiency,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
 
-    def _layer_table(self, c: Candidate) -> "_LayerTable":
-        """Prefix sums over the layers of ``c``'s per-layer costs at its recompute setting (cached:
-        a stage's sums are then two lookups, whatever its length)."""
-        costs = self._costs(c)
-        cp_attention = self.cp_attention(c)
-        key = (id(costs), c.recompute, cp_attention)
-        hit = self._table_cache.get(key)
-        if hit is None:
-            times = self._layer_times(costs, c.recompute, cp_attention)
-            acts = [self._activation(i, lc, c.recompute) for i, lc in enumerate(costs)]
-            working = [lc.act_bytes - a if block and c.recompute is not RecomputeKind.NONE
-                       else 0.0 for lc, a, block in zip(costs, acts, self.is_block)]
-            f_calls, b_calls = [], []
-            for lc, block in zip(costs, self.is_block):
-                f = sum(1 for _, direction, _ in lc.tp_calls if direction == "forward")
-                b = sum(1 for _, direction, _ in lc.tp_calls if direction == "backward")
-                if block and c.recompute is RecomputeKind.FULL:
-                    b += f  # the forward re-run inside the backward
-                f_calls.append(f)
-                b_calls.append(b)
-            rec_flops = 0.0
-            for lc, block in zip(costs, self.is_block):
-                if block and c.recompute is RecomputeKind.FULL:
-                    rec_flops += lc.gemm_flops
-                elif block and c.recompute is RecomputeKind.SELECTIVE:
-                    rec_flops += lc.core_flops
-            columns = [[t[j] for t in times] for j in range(5)] + [acts, f_calls, b_calls]
-            hit = _LayerTable(costs, times, tuple(tuple(itertools.accumulate(col, initial=0))
-                                                  for col in columns), tuple(working), rec_flops)
-            self._table_cache[key] = hit
-        return hit
-
-    def _staging(self, c: Candidate, cuts: Sequence[tuple[int, int]] | None = None
-                 ) -> "Staging":
-        """Stage cut (the first pass's unless ``cuts`` are given) and per-stage, per-rank sums
-        of a candidate (cached: many candidates share them; only m, ZeRO and the schedule's
-        shape differ)."""
-        zero_bubble = c.schedule.spec.splits_backward
-        key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
-               c.virtual_stages, zero_bubble, c.schedule.spec.placement,
-               tuple(cuts) if cuts else None, c.cp, c.cp_innermost, self.cp_attention(c), c.ep)
-        hit = self._staging_cache.get(key)
-        if hit is not None:
-            return hit
-        p, v = c.pp, c.virtual_stages
-        table = self._layer_table(c)
-        costs, times = table.costs, table.times
-        if cuts is None:
-            cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
-                              (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute,
-                               mesh_span(self.cluster, c.dp, p, c.tp, "tp", c.cp,
-                                         c.cp_innermost), c.cp))
-        layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
-        spec = c.schedule.spec
-        rank_of = [spec.stage_to_rank(s, p) for s in range(len(cuts))]
-        p2ps = []
-        for s, (first, last) in enumerate(cuts[:-1]):
-            inter = self._stage_node(rank_of[s], c.tp * c.cp) != \
-                self._stage_node(rank_of[s + 1], c.tp * c.cp)
-            p2ps.append(p2p_time(self.cluster, costs[last].boundary_bytes, inter_node=inter))
-        # a transfer both ends' cores copy (local processes): each stage's forward and backward
-        # also spend the time of the transfers it receives and sends (planner/host.py)
-        host_copies = self.host.transfers_take_compute
-        F, B, W, R, T, A, FC, BC = table.prefix
-        chunks = {r: spec.stages_of_rank(r, p, v) for r in range(p)}
-        stages: list[StageCost] = []
-        for s, (first, last) in enumerate(cuts):
-            lo, hi = first, last + 1
-            f, b, w = F[hi] - F[lo], B[hi] - B[lo], W[hi] - W[lo]
-            if not zero_bubble:
-                b, w = b + w, 0.0
-            p2p = p2ps[s] if s < len(cuts) - 1 else 0.0
-            if host_copies:
-                copies = p2p + (p2ps[s - 1] if s > 0 else 0.0)
-                f, b = f + copies, b + copies
-            rank = rank_of[s]
-            stages.append(StageCost(s, (first, last), rank, chunks[rank].index(s), f, b, w,
-                                    R[hi] - R[lo], T[hi] - T[lo], p2p, A[hi] - A[lo]))
-        ranks = []
-        for rank in range(p):
-            mine = [stages[s] for s in chunks[rank]]
-            held, largest, experts = self._rank_params(tuple(st.layers for st in mine), layout,
-                                                       c.tp, c.ep)
-            working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
-                          default=0.0) if c.recompute is not RecomputeKind.NONE else 0.0
-            ranks.append(RankSums(
-                params=held, largest_layer_params=largest, expert_params=experts,
-                layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
-                activations=sum(st.activation_bytes for st in mine), working=max(working, 0.0),
-                forward=sum(st.forward_s for st in mine),
-                backward=sum(st.backward_s + st.weight_s for st in mine),
-                backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
-                recompute=sum(st.recompute_s for st in mine),
-                tp_comm=sum(st.tp_comm_s for st in mine)))
-        # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
-        # not computing: on shared cores it takes no core (runtime/simulator.py)
-        a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
-        fwd_wait = tuple(a0 * (FC[last + 1] - FC[first]) for first, last in cuts)
-        bwd_wait = tuple(a0 * (BC[last + 1] - BC[first]) for first, last in cuts)
-        out = Staging(tuple(stages), tuple(ranks),
-                      tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
-                      tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
-                      table.recompute_flops, tuple(cuts), fwd_wait, bwd_wait)
-        self._staging_cache[key] = out
-        return out
-
-    def _tied_sum_time(self, c: Candidate, st: "Staging") -> float:
+    def _tied_sum_time(self, c: Candidate, st: Staging) -> float:
         """Seconds of summing the gradients of weights tied across pipeline ranks (a GPT's
         embedding on the first stage and its LM head on the last): one all-reduce per tied
         weight over the ranks holding it, after their data-parallel reduction and before the
@@ -601,15 +438,15 @@ class CostModel:
             ranks = {rank_of[i] for i in layers}
             if len(ranks) < 2:
                 continue
-            nodes = {self._stage_node(r, c.tp * c.cp) for r in ranks}
-            per_node = max(sum(1 for r in ranks if self._stage_node(r, c.tp * c.cp) == node)
+            nodes = {self.sums.stage_node(r, c.tp * c.cp) for r in ranks}
+            per_node = max(sum(1 for r in ranks if self.sums.stage_node(r, c.tp * c.cp) == node)
                            for node in nodes)
             nbytes = numel / (c.tp if fqn in split else 1) * g_bytes
             total += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
                                      GroupSpan(len(ranks), len(nodes), per_node)).seconds
         return total
 
-    def _cp_comm(self, c: Candidate, st: "Staging", rank: int) -> float:
+    def _cp_comm(self, c: Candidate, st: Staging, rank: int) -> float:
         """Exposed seconds of context-parallel K/V exchange in one micro-batch of pipeline rank
         ``rank`` (part of its stages' tp_comm_s)."""
         if c.cp == 1:
@@ -620,7 +457,7 @@ class CostModel:
                    for s in st.stages if s.pp_rank == rank
                    for i in range(s.layers[0], s.layers[1] + 1))
 
-    def _ep_comm(self, c: Candidate, st: "Staging", rank: int) -> float:
+    def _ep_comm(self, c: Candidate, st: Staging, rank: int) -> float:
         """Exposed seconds of expert-parallel all-to-alls in one micro-batch of pipeline rank
         ``rank`` (part of its stages' tp_comm_s)."""
         if c.ep == 1:
@@ -630,58 +467,7 @@ class CostModel:
                    for s in st.stages if s.pp_rank == rank
                    for i in range(s.layers[0], s.layers[1] + 1))
 
-    def _stage_node(self, pp_rank: int, tp: int) -> int:
-        """The node of pipeline rank ``pp_rank``'s first rank; ``tp``: the ranks of one stage
-        (tp x cp: pipeline stages stride by both, runtime/mesh.py)."""
-        return (pp_rank * tp) // self.cluster.devices_per_node
-
-    def _layer_params(self, i: int, layout: TPLayout | None, tp: int, ep: int = 1
-                      ) -> tuple[float, float]:
-        """(parameters, of which experts) layer ``i`` reads, per tensor- and expert-parallel
-        rank."""
-        split = layout.sharded_params if layout is not None else frozenset()
-        tmpl = self.model.template(i)
-        total = experts = 0.0
-        for fqn, numel in tmpl.params.items():
-            share = numel / tp if fqn in split else numel
-            if fqn in tmpl.expert_params:
-                share /= ep
-                experts += share
-            total += share
-        return total, experts
-
-    def _rank_params(self, ranges: tuple[tuple[int, int], ...], layout: TPLayout | None,
-                     tp: int, ep: int = 1) -> tuple[float, float, float]:
-        """(parameters held, largest layer's parameters, experts held) of one tp rank holding
-        the layers of ``ranges`` (a tied table read by two of them once; experts split over ep
-        ranks)."""
-        key = (ranges, id(layout), tp, ep)
-        hit = self._params_cache.get(key)
-        if hit is not None:
-            return hit
-        split = layout.sharded_params if layout is not None else frozenset()
-        seen: dict[Any, float] = {}
-        experts: dict[Any, float] = {}
-        largest = 0.0
-        for first, last in ranges:
-            for i in range(first, last + 1):
-                tmpl = self.model.template(i)
-                layer_total = 0.0
-                for fqn, numel in tmpl.params.items():
-                    share = numel / tp if fqn in split else numel
-                    where = (i, fqn) if tmpl.shared else fqn
-                    if fqn in tmpl.expert_params:
-                        share /= ep
-                        experts[where] = share
-                    layer_total += share
-                    # a repeated block's template names its representative's parameters
-                    seen[where] = share
-                largest = max(largest, layer_total)
-        out = (sum(seen.values()), largest, sum(experts.values()))
-        self._params_cache[key] = out
-        return out
-
-    def _finish(self, c: Candidate, m: int, st: "Staging", pipe: PipelineTime,
+    def _finish(self, c: Candidate, m: int, st: Staging, pipe: PipelineTime,
                 rank_acts: Sequence[float] | None = None,
                 partition: Mapping[str, Any] | None = None) -> Evaluation:
         cl, setup = self.cluster, self.setup
@@ -760,7 +546,7 @@ class CostModel:
         return Evaluation(c, self._out_of_memory(ranks), plan, prediction, tuple(ranks),
                           st.stages, extra)
 
-    def _rank_memory(self, c: Candidate, m: int, st: "Staging",
+    def _rank_memory(self, c: Candidate, m: int, st: Staging,
                      rank_acts: Sequence[float] | None = None) -> list[RankMemory]:
         """Peak bytes of each pipeline rank (:func:`autopar.planner.memory.rank_memory`) with
         the activations of the micro-batches the schedule keeps in flight (``rank_acts`` when
