@@ -23,6 +23,21 @@ def test_inspect_json(capsys):
     assert sum(layer["params"] for layer in report["layers"]) == report["params"]
 
 
+def test_a_repeated_last_block_reports_what_a_full_capture_does():
+    """inspect captures two blocks of a deeper model and repeats the last (as the planner
+    does); every row and total equals the capture of every block (the reference)."""
+    from autopar.report import inspect_model
+
+    for name, overrides in (("gpt2-small", {}),
+                            ("llama", dict(layers=5, hidden=64, heads=4, kv_heads=2, vocab=100))):
+        quick = inspect_model(name, batch=2, seq=128, **overrides)
+        full = inspect_model(name, batch=2, seq=128, full=True, **overrides)
+        assert quick.blocks_captured == 2 and full.blocks_captured is None
+        assert quick.layers == full.layers
+        assert (quick.params, quick.forward_flops, quick.activation_bytes) == \
+            (full.params, full.forward_flops, full.activation_bytes)
+
+
 def test_inspect_table_and_family_flags(capsys):
     assert main(["inspect", "llama", "--layers", "3", "--hidden", "64", "--heads", "4",
                  "--kv-heads", "2", "--vocab", "100"]) == 0

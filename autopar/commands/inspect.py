@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="parameter/activation dtype (default fp32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--full", action="store_true",
+                   help="capture every block (default: a model deeper than two blocks is "
+                        "captured two deep and its last block repeated, as the planner does)")
     p.set_defaults(run=run)
 
 
@@ -26,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from autopar.report import inspect_model
 
     report = inspect_model(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                           **model_overrides(args))
+                           full=args.full, **model_overrides(args))
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
         return 0
@@ -41,7 +44,9 @@ def _print_table(report) -> None:
     from autopar.units import console, fmt_bytes, fmt_count, fmt_flops
 
     table = Table(title=f"{report.model}  batch={report.batch} seq={report.seq} {report.dtype}",
-                  caption=f"captured with {report.capture_method} in {report.capture_s:.1f} s, "
+                  caption=f"captured with {report.capture_method} in {report.capture_s:.1f} s"
+                          + (f" ({report.blocks_captured} blocks, the last repeated)"
+                             if report.blocks_captured is not None else "") + ", "
                           f"analyzed in {report.analyze_s:.2f} s; activation bytes = tensors "
                           f"saved for backward")
     table.add_column("layer", no_wrap=True)
