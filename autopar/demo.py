@@ -40,6 +40,8 @@ class DemoConfig:
     lr: float = 3e-3
     seed: int = 0
     pins: dict[str, Any] = field(default_factory=dict)
+    #: The cluster file (or preset) the plan is priced on; None: the ``cpu`` preset.
+    cluster: str | None = None
 
 
 def corpus() -> tuple[str, list[str]]:
@@ -81,7 +83,7 @@ def train_job(cfg: DemoConfig) -> dict[str, Any]:
     data = _batches(cfg, text, chars)
     start = time.perf_counter()
     pm = autopar.parallelize(zm.model, example_inputs=(data[0][0],), example_targets=(data[0][1],),
-                             loss_fn=zm.loss_fn, plan=dict(cfg.pins) or "auto",
+                             loss_fn=zm.loss_fn, plan=dict(cfg.pins) or "auto", cluster=cfg.cluster,
                              optimizer=functools.partial(torch.optim.AdamW, lr=cfg.lr, eps=ADAM_EPS))
     setup_s = time.perf_counter() - start
     losses, times = [], []
@@ -164,6 +166,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         out.print(f"step time: predicted {fmt_seconds(pred['step_time_s'])}, measured "
                   f"{fmt_seconds(measured)} (median after 2 warm-up steps; "
                   f"{pred['step_time_s'] / measured - 1:+.0%})")
+        out.print("priced on " + (f"{cfg.cluster}" if cfg.cluster else
+                                  "the committed cpu preset, measured on another machine "
+                                  "(`autopar calibrate --out host.json`, then `autopar demo "
+                                  "--cluster host.json`, prices this one)"))
     else:
         out.print(f"step time: measured {fmt_seconds(measured)} (pinned plan: no prediction)")
     out.print(f"set-up (capture, plan, build) {res['setup_s']:.1f} s; the single-process "

@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name}", type=int, help=f"pin {name} (default: searched)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind])
+    p.add_argument("--cluster", help="price the plan on this cluster file or preset (default: "
+                                     "the committed cpu preset; `autopar calibrate --out "
+                                     "host.json` measures this machine)")
     p.set_defaults(run=run)
 
 
@@ -26,5 +29,6 @@ def run(args: argparse.Namespace) -> int:
 
     pins = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "schedule")
             if getattr(args, k) is not None}
-    report = run_demo(DemoConfig(nproc=args.nproc, steps=args.steps, pins=pins))
+    report = run_demo(DemoConfig(nproc=args.nproc, steps=args.steps, pins=pins,
+                                 cluster=args.cluster))
     return 0 if report["agrees"] else 1
