@@ -44,6 +44,7 @@ draws that simulation. (The runtime does not import the planner; the planner imp
 
 from __future__ import annotations
 
+import gc
 import heapq
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -313,17 +314,26 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     if processors is None:
         processors = Dedicated() if cores is None and replicas == 1 else SharedCores(
             float(cores if cores is not None else float("inf")), replicas, efficiency)
-    return _Engine(add_communication(schedule), durations, processors, strict_order).run()
+    engine = _Engine(add_communication(schedule), durations, processors, strict_order)
+    collecting = gc.isenabled()
+    gc.disable()  # tens of thousands of short-lived tuples, none in a cycle: no collector pauses
+    try:
+        return engine.run()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _Running:
     """A compute action holding a processor: its work left (seconds on a processor of its own)
     as of ``since``."""
 
-    __slots__ = ("action", "begin", "left", "since", "shared")
+    __slots__ = ("action", "begin", "left", "since", "shared", "total", "wait")
 
-    def __init__(self, action: Action, begin: float, work: float) -> None:
-        self.action, self.begin, self.left, self.since = action, begin, work, begin
+    def __init__(self, action: Action, begin: float, total: float, wait: float) -> None:
+        self.action, self.begin, self.since = action, begin, begin
+        self.total, self.wait = total, wait  # its duration, and of it the wait on peers
+        self.left = max(total - wait, 0.0)
         self.shared = False  # whether it ever ran at a rate other than 1
 
 
@@ -362,6 +372,10 @@ class _Engine:
         self.compute_time = {ActionKind.FORWARD: d.forward, ActionKind.BACKWARD: d.backward,
                              ActionKind.BACKWARD_INPUT: d.backward_input,
                              ActionKind.BACKWARD_WEIGHT: d.backward_weight}
+        zeros = (0.0,) * d.num_stages  # Durations.wait, as tables: the loop's hottest lookup
+        self.wait_time = {ActionKind.FORWARD: d.forward_wait, ActionKind.BACKWARD: d.backward_wait,
+                          ActionKind.BACKWARD_INPUT: d.backward_wait,
+                          ActionKind.BACKWARD_WEIGHT: zeros}
 
     def wake(self, rank: int, time: float) -> None:
         heapq.heappush(self.wakes, (time, rank))
@@ -395,8 +409,9 @@ class _Engine:
         return woken
 
     def start(self, rank: int, a: Action) -> None:
-        work = self.compute_time[a.kind][a.stage] - self.durations.wait(a)
-        self.running[rank] = _Running(a, self.now, max(work, 0.0))
+        kind = a.kind  # a str enum hashes in Python: look it up once
+        total, wait = self.compute_time[kind][a.stage], self.wait_time[kind][a.stage]
+        self.running[rank] = _Running(a, self.now, total, wait)
         if a.kind is ActionKind.FORWARD:
             self.in_flight[rank] += 1
             self.peaks[rank] = max(self.peaks[rank], self.in_flight[rank])
@@ -485,11 +500,10 @@ class _Engine:
                 continue
             r = self.running.pop(rank)
             a = r.action
-            wait = self.durations.wait(a)
             if not r.shared:  # at full speed throughout: exactly begin + duration
-                end = r.begin + self.compute_time[a.kind][a.stage]
+                end = r.begin + r.total
             else:
-                end = self.now + wait
+                end = self.now + r.wait
             if end > self.now:  # its peers' arrival: no processor taken
                 self.waiting[rank] = (a, r.begin, end)
                 self.wake(rank, end)
