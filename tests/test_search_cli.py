@@ -61,6 +61,17 @@ def test_plan_json_has_the_documented_fields(capsys):
     assert sp["lp_bound_s"] <= sp["objective_s"] * (1 + 1e-9) and 0 <= sp["gap"] < 1
 
 
+def test_the_default_sequence_is_the_context_a_rotary_model_was_configured_for(capsys):
+    """A rotary model learns no position table, so its length is not capped; without --seq
+    it is planned at its configured context (max_position_embeddings), as a learned-position
+    model is at its table's rows, not at the few tokens it was captured with."""
+    assert main(["plan", "llama", "--layers", "2", "--hidden", "64", "--heads", "4",
+                 "--kv-heads", "2", "--vocab", "128", "--max-seq", "256", "--cluster",
+                 "a100-80g", "--gpus", "2", "--global-batch", "4", "--tp", "1", "--pp", "1",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["seq"] == 256  # was 16
+
+
 def test_human_output_tables(planned):
     out = planned[1]
     for title in ("pipeline stages", "tensor-parallel placement", "predicted step",

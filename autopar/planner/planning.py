@@ -190,7 +190,11 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
     if seq is None:
         from autopar.ir import SEQ
 
-        seq = max_seq or costs.captured.example_sizes.get(SEQ, 1)
+        # the positions it learns, else the context it was configured for (a rotary model's
+        # max_position_embeddings), else the capture's own length
+        configured = work.info.get("max_seq") if work.info else None
+        seq = max_seq or (configured if isinstance(configured, int) and configured > 0
+                          else None) or costs.captured.example_sizes.get(SEQ, 1)
     try:
         setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype,
                               moe_imbalance=moe_imbalance)
