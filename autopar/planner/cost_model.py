@@ -5,7 +5,10 @@ Written as math first; every factor below comes from the :class:`~autopar.cluste
 end-to-end throughput. docs/cost-model.md has the same formulas with their sources.
 
 Per layer: :mod:`autopar.planner.layer_costs` (templates of the graph's nodes priced under a
-tensor-parallel layout), per kernel: :mod:`autopar.planner.kernels`. This module composes them.
+tensor-parallel layout), per kernel: :mod:`autopar.planner.kernels`, per stage and pipeline rank:
+:mod:`autopar.planner.stage_sums`, a rank's data-parallel exposure:
+:mod:`autopar.planner.data_parallel_time`, its memory: :mod:`autopar.planner.memory`. This module
+composes them into a step.
 
 **Recompute**: full re-runs each block's forward (with its TP communication) in backward and
 keeps only the block's input; selective re-runs the attention core (the nodes whose saved tensors
