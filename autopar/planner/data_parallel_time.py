@@ -2,7 +2,7 @@
 
 Gradients are reduced over every replica (dp x cp ranks) in 25 MB buckets (PyTorch DDP's default
 ``bucket_cap_mb``) overlapped with the backward of the last micro-batch: the last bucket and what
-the backward cannot hide are exposed (Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+the backward cannot hide are exposed (Li et al. 2020, "PyTorch Distributed": gradient bucketing).
 ZeRO-1/2 all-gather the updated weights after the step (exposed); ZeRO-2 reduce-scatters after
 every micro-batch's backward; ZeRO-3 (FSDP) gathers each layer's weights before its forward and
 backward and reduce-scatters its gradients after the backward, prefetched one layer ahead, so
