@@ -128,21 +128,6 @@ class Durations:
         return cls((forward,) * n, (backward,) * n, (backward - w,) * n, (w,) * n,
                    (p2p,) * (n - 1), (), send_overhead)
 
-    def compute(self, action: Action) -> float:
-        s = action.stage
-        return {ActionKind.FORWARD: self.forward, ActionKind.BACKWARD: self.backward,
-                ActionKind.BACKWARD_INPUT: self.backward_input,
-                ActionKind.BACKWARD_WEIGHT: self.backward_weight}[action.kind][s]
-
-    def wait(self, action: Action) -> float:
-        """The part of :meth:`compute` spent waiting on peers (no processor)."""
-        kind = action.kind
-        if kind is ActionKind.FORWARD:
-            return self.forward_wait[action.stage]
-        if kind is ActionKind.BACKWARD or kind is ActionKind.BACKWARD_INPUT:
-            return self.backward_wait[action.stage]
-        return 0.0
-
 
 class TimelineEvent(NamedTuple):
     """One action of one rank; for a receive, start is when the rank began to wait. (A named
@@ -311,6 +296,9 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
         raise ScheduleError("durations and schedule disagree on the number of stages",
                             expected=f"{schedule.num_stages} stages",
                             found=f"{durations.num_stages}")
+    if processors is not None and (cores is not None or replicas != 1):
+        raise ScheduleError("simulate takes a processor model or cores and replicas, not both",
+                            fix="pass processors=SharedCores(cores, replicas, efficiency)")
     if processors is None:
         processors = Dedicated() if cores is None and replicas == 1 else SharedCores(
             float(cores if cores is not None else float("inf")), replicas, efficiency)
@@ -372,7 +360,7 @@ class _Engine:
         self.compute_time = {ActionKind.FORWARD: d.forward, ActionKind.BACKWARD: d.backward,
                              ActionKind.BACKWARD_INPUT: d.backward_input,
                              ActionKind.BACKWARD_WEIGHT: d.backward_weight}
-        zeros = (0.0,) * d.num_stages  # Durations.wait, as tables: the loop's hottest lookup
+        zeros = (0.0,) * d.num_stages  # the peer waits per kind: the loop's hottest lookup
         self.wait_time = {ActionKind.FORWARD: d.forward_wait, ActionKind.BACKWARD: d.backward_wait,
                           ActionKind.BACKWARD_INPUT: d.backward_wait,
                           ActionKind.BACKWARD_WEIGHT: zeros}
