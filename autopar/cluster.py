@@ -172,6 +172,10 @@ class DeviceSpec:
     #: a CPU core's for-loop AdamW runs ~10 passes over the parameters and takes 1.5-2.5 times
     #: that.
     optimizer_s_per_param: float = 0.0
+    #: Measured fixed seconds of an optimizer step per parameter tensor, whatever its size (a
+    #: CPU core's for-loop AdamW issues ~10 ops per tensor). 0: the implementation steps all
+    #: tensors in a few multi-tensor kernels (torch's foreach or fused AdamW on a GPU).
+    optimizer_s_per_tensor: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -200,6 +204,14 @@ class DeviceSpec:
                f"{owner}.optimizer_s_per_param must be an optimizer step's time per parameter",
                expected="0 <= value < 1 us (a few ns on a CPU core; 0: priced as memory traffic)",
                found=step, fix="regenerate with autopar calibrate, or give 0")
+        per_tensor = parse_quantity(self.optimizer_s_per_tensor, "s",
+                                    what=f"{owner}.optimizer_s_per_tensor")
+        object.__setattr__(self, "optimizer_s_per_tensor", per_tensor)
+        _check(math.isfinite(per_tensor) and 0 <= per_tensor < 1e-2,
+               f"{owner}.optimizer_s_per_tensor must be an optimizer step's fixed time per "
+               f"parameter tensor",
+               expected="0 <= value < 10 ms (~0.1 ms on a CPU core; 0 for multi-tensor kernels)",
+               found=per_tensor, fix="regenerate with autopar calibrate, or give 0")
         for name in ("memory_bytes", "memory_bandwidth", "kernel_floor_s"):
             base = {"memory_bytes": "bytes", "memory_bandwidth": "bytes/s",
                     "kernel_floor_s": "s"}[name]
@@ -532,6 +544,7 @@ class Cluster:
                        "node_overhead_s": d.node_overhead_s,
                        "node_backward_overhead_s": d.node_backward_overhead_s,
                        "optimizer_s_per_param": d.optimizer_s_per_param,
+                       "optimizer_s_per_tensor": d.optimizer_s_per_tensor,
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),

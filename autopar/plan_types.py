@@ -391,7 +391,8 @@ class Prediction:
     tflops_per_gpu: float
     mfu: float
     peak_memory_bytes: int
-    #: compute_s, tp_comm_s, pp_comm_s, dp_comm_s, bubble_s, recompute_s (+ anything else).
+    #: compute_s, tp_comm_s, pp_comm_s, dp_comm_s, bubble_s, recompute_s, optimizer_s,
+    #: loss_comm_s (+ cp_comm_s, ep_comm_s where those apply); they sum to the step.
     breakdown: Mapping[str, float] = field(default_factory=dict)
     #: Per-rank memory: weights, gradients, optimizer, activations, ... (bytes).
     memory: Mapping[str, int] = field(default_factory=dict)

@@ -116,6 +116,8 @@ def _spec(**changes):
     ({"device.node_backward_overhead_s": "2 s"}, "host time per graph node"),
     ({"device.optimizer_s_per_param": -1e-9}, "optimizer step's time per parameter"),
     ({"device.optimizer_s_per_param": "1 ms"}, "optimizer step's time per parameter"),
+    ({"device.optimizer_s_per_tensor": -1e-6}, "fixed time per parameter tensor"),
+    ({"device.optimizer_s_per_tensor": "1 s"}, "fixed time per parameter tensor"),
     ({"collectives": {"broadcast": {"latency_s": 1e-5, "bus_bandwidth": 1e9}}},
      "unknown collective"),
     ({"collectives": {"reduce-scatter": {"latency_s": 1e-5}}}, "lacks key"),
@@ -155,11 +157,16 @@ def test_cpu_preset_describes_its_host():
     # a core's for-loop AdamW: a few ns per parameter, slower than 28 bytes of streaming
     assert c.device.optimizer_s_per_param > 28 / c.device.memory_bandwidth
     for key in ("cores_per_node", "oversubscription_efficiency", "device.node_overhead_s",
-                "device.node_backward_overhead_s", "device.optimizer_s_per_param"):
+                "device.node_backward_overhead_s", "device.optimizer_s_per_param",
+                "device.optimizer_s_per_tensor"):
         assert c.sources.get(key), key
     gpu = Cluster.load("a100-80g")  # kernels launch asynchronously: no per-node host time
     assert gpu.cores_per_node == 0 and gpu.device.node_overhead_s == 0.0
     assert gpu.device.optimizer_s_per_param == 0.0  # a fused AdamW: priced as its traffic
+    assert gpu.device.optimizer_s_per_tensor == 0.0  # multi-tensor kernels: no per-tensor loop
+    assert 0 < c.device.optimizer_s_per_tensor < 1e-3  # a core's for-loop AdamW: ~10 ops a tensor
+    assert gpu.device.optimizer_s_per_tensor == 0.0  # multi-tensor kernels: no per-tensor loop
+    assert 0 < c.device.optimizer_s_per_tensor < 1e-3  # a core's for-loop AdamW: ~10 ops a tensor
     round_trip = Cluster.from_json(json.loads(json.dumps(c.to_json())))
     assert round_trip == c
     # gloo's all-gather and reduce-scatter as measured; the reduce-scatter is no ring at the

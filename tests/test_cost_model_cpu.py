@@ -23,10 +23,12 @@ def costs():
     return capture_model_costs("gpt", **SHAPE)[0]
 
 
-def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4, efficiency=1.0, optimizer=0.0):
+def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4, efficiency=1.0, optimizer=0.0,
+          per_tensor=0.0):
     base = Cluster.load("cpu")
     device = dataclasses.replace(base.device, node_overhead_s=fwd, node_backward_overhead_s=bwd,
-                                 op_table=ops or {}, optimizer_s_per_param=optimizer)
+                                 op_table=ops or {}, optimizer_s_per_param=optimizer,
+                                 optimizer_s_per_tensor=per_tensor)
     return dataclasses.replace(base, device=device, cores_per_node=cores,
                                oversubscription_efficiency=efficiency).with_devices(devices)
 
@@ -272,6 +274,47 @@ def test_optimizer_step_at_the_measured_rate_where_it_is_slower_than_streaming(c
         assert got == pytest.approx(alone / host.compute_share(devices))
         if per_param == 5e-9:
             assert got == pytest.approx(params * per_param / host.compute_share(devices))
+
+
+def test_optimizer_pays_its_fixed_cost_per_parameter_tensor(costs):
+    """A for-loop AdamW's fixed cost per tensor (``optimizer_s_per_tensor``) is added once per
+    parameter tensor a rank steps: the model's own tensors (counted on the nn.Module, the tied
+    embedding once); under ZeRO a rank steps its 1/dp of them; shared cores stretch it too."""
+    from autopar.models.workload import load_workload
+
+    model = load_workload("gpt", overrides=SHAPE, pad_vocab=True).model
+    tensors = len(list(model.parameters()))  # nn.Module.parameters() lists a tied weight once
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    per_tensor = 1e-4
+    for devices, cores, dp, zero in ((1, 0, 1, 0), (4, 2, 4, 0), (4, 0, 4, 1)):
+        base, slow = (CostModel(costs, _host(devices=devices, cores=cores, per_tensor=t), setup)
+                      for t in (0.0, per_tensor))
+        c = _candidate(dp=dp)._replace(zero=zero)
+        a, b = (cm.refine(cm.evaluate(c)).prediction for cm in (base, slow))
+        added = b.breakdown["optimizer_s"] - a.breakdown["optimizer_s"]
+        share = base.cluster.compute_share(devices)
+        assert added == pytest.approx(tensors / (dp if zero else 1) * per_tensor / share)
+        assert b.step_time_s - a.step_time_s == pytest.approx(added)
+
+
+def test_the_batch_loss_is_averaged_over_the_world(costs):
+    """After the step every rank all-reduces the batch loss (8 bytes over the world): priced as
+    that collective on the world's group, alone in the breakdown, part of the step."""
+    from autopar.cluster import GroupSpan
+    from autopar.planner.comm import Collective, collective_time
+
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    for dp, pp in ((1, 1), (2, 1), (2, 2)):
+        cm = CostModel(costs, _host(devices=dp * pp), setup)
+        pred = cm.refine(cm.evaluate(_candidate(dp=dp, pp=pp))).prediction
+        world = dp * pp
+        want = collective_time(cm.cluster, Collective.ALL_REDUCE, 8,
+                               GroupSpan(world, 1, world)).seconds
+        assert pred.breakdown["loss_comm_s"] == pytest.approx(want)
+        assert (pred.breakdown["loss_comm_s"] > 0) == (world > 1)
+        # a one-process step has nothing to average; two or more pay at least the arrival a0
+        if world > 1:
+            assert want >= cm.cluster.collective_latency_s
 
 
 def test_waiting_on_peers_takes_no_core():

@@ -98,8 +98,9 @@ def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
     m, stages = doc["plan"]["num_micro_batches"], len(doc["plan"]["stages"])
     assert len(slices) == 2 * m * stages  # one forward and one backward per stage and micro-batch
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    pipeline = doc["prediction"]["step_time_s"] - doc["prediction"]["breakdown"]["dp_comm_s"] \
-        - doc["prediction"]["breakdown"]["optimizer_s"]
+    breakdown = doc["prediction"]["breakdown"]
+    pipeline = doc["prediction"]["step_time_s"] - breakdown["dp_comm_s"] \
+        - breakdown["optimizer_s"] - breakdown["loss_comm_s"]
     compute = [e for e in events if e.get("ph") == "X"
                and e["cat"] in ("forward", "backward", "weight grad")]
     end = max(e["ts"] + e["dur"] for e in compute) / 1e6
@@ -177,6 +178,8 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
     assert all(t > 0 for t in cluster.device.op_table["linear.bias"])
     # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic
     assert 28 / cluster.device.memory_bandwidth < cluster.device.optimizer_s_per_param < 1e-7
+    # and a fixed cost per tensor: its ~10 ops each cost at least a kernel's floor
+    assert 10 * cluster.device.kernel_floor_s < cluster.device.optimizer_s_per_tensor < 1e-2
     raw = json.loads(out.with_suffix(".raw.json").read_text())
     # a0 from the three collectives' fits after compute less back to back; the bandwidths
     # priced are the after-compute fits' (what a step gets)

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         ("kernel floor", fmt_seconds(d.kernel_floor_s)),
         ("attention / GEMM rate", f"{d.attention_efficiency:.2f}"),
         ("AdamW step per parameter", fmt_seconds(d.optimizer_s_per_param)),
+        ("AdamW step per tensor", fmt_seconds(d.optimizer_s_per_tensor)),
         *[(f"{name} latency / bus bandwidth", f"{fmt_seconds(raw[key]['latency_s'])} / "
                                               f"{fmt_bytes(raw[key]['bus_bandwidth'])}/s")
           for name, key in (("all-reduce", "all_reduce"), ("all-gather", "all_gather"),

@@ -126,7 +126,7 @@ def _reasons(doc) -> list[str]:
     t = pred["step_time_s"]
     out = []
     comm = (b.get("tp_comm_s", 0) + b.get("cp_comm_s", 0) + b.get("pp_comm_s", 0)
-            + b.get("dp_comm_s", 0))
+            + b.get("dp_comm_s", 0) + b.get("loss_comm_s", 0))
     out.append(f"compute is {b['compute_s'] / t:.0%} of the step; communication "
                f"{comm / t:.0%}, pipeline bubble {b['bubble_s'] / t:.0%}, recompute "
                f"{b['recompute_s'] / t:.0%}")

@@ -83,7 +83,8 @@ def chrome_trace(doc, sim, stages) -> dict:
     for r in range(plan["pp"]):
         t = end
         for key, label in (("dp_comm_s", "data-parallel gradient sync (exposed)"),
-                           ("optimizer_s", "optimizer step")):
+                           ("optimizer_s", "optimizer step"),
+                           ("loss_comm_s", "the loss all-reduce")):
             if b.get(key, 0) > 0:
                 out.append({"name": label, "cat": key, "ph": "X", "pid": 0, "tid": 2 * r,
                             "ts": t * us, "dur": b[key] * us})
@@ -155,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                         f"time (bottleneck rank)", markup=False, highlight=False)
     console().print(f"simulated pipeline {fmt_seconds(end)} + data-parallel "
                     f"{fmt_seconds(pred['breakdown'].get('dp_comm_s', 0))} + optimizer "
-                    f"{fmt_seconds(pred['breakdown'].get('optimizer_s', 0))}; predicted step "
+                    f"{fmt_seconds(pred['breakdown'].get('optimizer_s', 0))} + loss all-reduce "
+                    f"{fmt_seconds(pred['breakdown'].get('loss_comm_s', 0))}; predicted step "
                     f"{fmt_seconds(pred['step_time_s'])}; {len(sim.events)} events"
                     + (f"; trace -> {args.trace}" if args.trace else "")
                     + (f"; Gantt -> {args.png}" if args.png else ""), highlight=False)

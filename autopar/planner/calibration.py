@@ -16,6 +16,7 @@ preset (one device measures no link).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -57,6 +58,9 @@ NODE_CHAIN = 400
 #: 8 vectors each) the optimizer step is timed on: ~6.3M parameters, 25 MiB per state tensor,
 #: beyond a core's caches as a model's are.
 OPTIMIZER_HIDDEN, OPTIMIZER_BLOCKS = 512, 2
+#: Tensors and their size that time the optimizer's fixed cost per tensor (128 elements: the
+#: element work is ~1% of it).
+OPTIMIZER_TINY_TENSORS, OPTIMIZER_TINY_NUMEL = 64, 128
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
@@ -189,16 +193,12 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
     return out
 
 
-def measure_optimizer_step(repeat: int = 5) -> float:
-    """Seconds per parameter of ``torch.optim.AdamW.step()`` with its defaults (the
-    implementation a training script gets on this device), on ``OPTIMIZER_BLOCKS`` transformer
-    blocks' parameters of hidden size ``OPTIMIZER_HIDDEN``, every parameter with a gradient;
-    the median of ``repeat`` steps after two that create the moments."""
+def _adamw_step_time(shapes: list[tuple[int, ...]], repeat: int) -> float:
+    """Median seconds of ``torch.optim.AdamW.step()`` (its defaults: the implementation a
+    training script gets on this device) over fresh parameters of ``shapes``, every one with a
+    gradient, after two steps that create the moments."""
     import torch
 
-    h = OPTIMIZER_HIDDEN
-    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
-              (h,), (h,), (h,), (h,)] * OPTIMIZER_BLOCKS
     params = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -210,7 +210,24 @@ def measure_optimizer_step(repeat: int = 5) -> float:
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / sum(p.numel() for p in params)
+    return statistics.median(times)
+
+
+def measure_optimizer_step(repeat: int = 5) -> tuple[float, float]:
+    """(seconds per parameter, fixed seconds per tensor) of an AdamW step.
+
+    The fixed cost: ``OPTIMIZER_TINY_TENSORS`` tensors of ``OPTIMIZER_TINY_NUMEL`` elements,
+    whose element work is negligible, over their count. The rate: ``OPTIMIZER_BLOCKS``
+    transformer blocks' parameters of hidden size ``OPTIMIZER_HIDDEN``, less their tensors'
+    fixed cost, per parameter."""
+    h = OPTIMIZER_HIDDEN
+    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
+              (h,), (h,), (h,), (h,)] * OPTIMIZER_BLOCKS
+    per_tensor = _adamw_step_time([(OPTIMIZER_TINY_NUMEL,)] * OPTIMIZER_TINY_TENSORS,
+                                  repeat) / OPTIMIZER_TINY_TENSORS
+    blocks = _adamw_step_time(shapes, repeat)
+    params = sum(math.prod(shape) for shape in shapes)
+    return max(blocks - len(shapes) * per_tensor, 0.0) / params, per_tensor
 
 
 #: Bytes written, synced and read back by :func:`measure_disk_bandwidth`.
@@ -271,7 +288,7 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     out["kernel_floor_s"] = _best_time(lambda: one.add(one), repeat, inner=200)
     out.update(measure_node_overhead(repeat))
     out["op_table"] = measure_op_table(repeat)
-    out["optimizer_s_per_param"] = measure_optimizer_step(repeat)
+    out["optimizer_s_per_param"], out["optimizer_s_per_tensor"] = measure_optimizer_step(repeat)
     q = torch.randn(1, 4, 256, 64)
     t = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
     out["attention_flops_fp32"] = 4 * 4 * 256 * 256 * 64 / t
@@ -549,6 +566,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "node_overhead_s": c["node_overhead_s"],
             "node_backward_overhead_s": c["node_backward_overhead_s"],
             "optimizer_s_per_param": c["optimizer_s_per_param"],
+            "optimizer_s_per_tensor": c["optimizer_s_per_tensor"],
             "sm_count": 0,
             "reserved_memory_bytes": 0.0,
             "default_dtype": "fp32",
@@ -585,7 +603,11 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                 f"(1.0: fair sharing)"),
             "device.optimizer_s_per_param": (
                 f"median torch.optim.AdamW step (defaults) over {OPTIMIZER_BLOCKS} transformer "
-                f"blocks' parameters at hidden {OPTIMIZER_HIDDEN}, per parameter; {where}"),
+                f"blocks' parameters at hidden {OPTIMIZER_HIDDEN}, less the per-tensor cost, per "
+                f"parameter; {where}"),
+            "device.optimizer_s_per_tensor": (
+                f"median torch.optim.AdamW step (defaults) over {OPTIMIZER_TINY_TENSORS} "
+                f"tensors of {OPTIMIZER_TINY_NUMEL} elements, per tensor; {where}"),
             "device.op_table": f"forward and backward of each op on {OP_ROWS} x {OP_COLS} fp32 "
                                f"elements with autograd, per element; {where}",
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "

@@ -112,6 +112,8 @@ class RankSums:
     #: Of ``params``: the experts this rank holds (already divided by ep), whose ZeRO shards
     #: span the dp / ep ranks holding the same experts.
     expert_params: float = 0.0
+    #: Parameter tensors this rank holds (what an optimizer's per-tensor cost multiplies).
+    tensors: int = 0
 
 
 @dataclass(frozen=True, slots=True)

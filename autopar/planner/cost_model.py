@@ -35,7 +35,9 @@ gradients every micro-batch, prefetched so only the excess over the compute it o
 exposed. The optimizer step is memory-bound: 28 bytes moved per parameter of the local optimizer
 shard (Adam reads weights, gradients, two moments and writes three, plus the low-precision copy),
 or the device's measured time per parameter where that is longer (``optimizer_s_per_param``: a
-CPU core's for-loop AdamW makes ~10 passes).
+CPU core's for-loop AdamW makes ~10 passes), plus its measured fixed cost per parameter tensor
+(``optimizer_s_per_tensor``, 0 for a GPU's multi-tensor kernels). The batch loss is then averaged
+over the world (one all-reduce of 8 bytes, exposed: ``loss_comm_s``).
 
 **Reported**: MFU = model FLOPs / (step x devices x peak), model FLOPs = 3 x forward GEMM FLOPs
 of the graph (6 P per token + attention, as Megatron-LM counts); the hardware FLOP rate also
@@ -299,13 +301,14 @@ class CostModel:
         rank's share (W >= T / p), the first pass prices m W of busy time plus, for a schedule
         that does not split the backward, a bubble of (T - W) / v (``ScheduleSpec.fill_drain``);
         m W + (T - W) / v grows with W, so it is at least T (m + (p - 1) / v) / p. A split
-        backward's bubble is only bounded by 0. Transfers, data-parallel communication and the
-        optimizer step only add. ``c`` must be well formed (:meth:`check`)."""
+        backward's bubble is only bounded by 0. The loss all-reduce is paid by every plan as
+        priced; transfers, data-parallel communication and the optimizer step only add. ``c``
+        must be well formed (:meth:`check`)."""
         prefix = self.sums.table(c).prefix
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         total = prefix[0][-1] + prefix[1][-1] + prefix[2][-1]
         fill = 0.0 if c.schedule.spec.splits_backward else (c.pp - 1) / c.virtual_stages
-        return total * (m + fill) / c.pp
+        return total * (m + fill) / c.pp + self._loss_all_reduce_time(c)
 
     def refine(self, ev: Evaluation) -> Evaluation:
         """``ev``'s candidate priced for real: stages from the stage ILP, pipeline time from the
@@ -449,6 +452,15 @@ class CostModel:
                                      GroupSpan(len(ranks), len(nodes), per_node)).seconds
         return total
 
+    def _loss_all_reduce_time(self, c: Candidate) -> float:
+        """Seconds of averaging the batch loss over the world after the step: one all-reduce of a
+        float64 over every rank (``ParallelModel`` returns the same loss on all of them), exposed.
+        """
+        world = c.dp * c.cp * c.tp * c.pp
+        per_node = min(world, self.cluster.devices_per_node)
+        span = GroupSpan(world, -(-world // per_node), per_node)
+        return collective_time(self.cluster, Collective.ALL_REDUCE, 8.0, span).seconds
+
     def _cp_comm(self, c: Candidate, st: Staging, rank: int) -> float:
         """Exposed seconds of context-parallel K/V exchange in one micro-batch of pipeline rank
         ``rank`` (part of its stages' tp_comm_s)."""
@@ -498,13 +510,17 @@ class CostModel:
                 dp_exposed = max(dp_exposed, exposed)
             local = (rs.params - rs.expert_params) / replicas \
                 + rs.expert_params / max(replicas // c.ep, 1) if c.zero >= 1 else rs.params
+            # ZeRO: a rank steps the pieces of the tensors in its shard (runtime/zero.py), on
+            # average its 1/replicas of them
+            tensors = rs.tensors / replicas if c.zero >= 1 else rs.tensors
             # every rank steps at once: on a CPU host they share its cores
-            optimizer_s = max(optimizer_s, offloaded_optimizer_time(cl, local, c.offload, w_bytes)
-                              / self.host.optimizer_share())
+            optimizer_s = max(optimizer_s, offloaded_optimizer_time(
+                cl, local, c.offload, w_bytes, tensors=tensors) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)
-        step = pipe.total_s + dp_exposed + optimizer_s
+        loss_s = self._loss_all_reduce_time(c)
+        step = pipe.total_s + dp_exposed + optimizer_s + loss_s
         # -- breakdown from the bottleneck rank
         b = st.ranks[pipe.bottleneck_rank]
         unit = b.forward + b.backward
@@ -521,6 +537,7 @@ class CostModel:
             "bubble_s": pipe.total_s - pipe.busy_s - pipe.p2p_s,
             "recompute_s": b.recompute * scale,
             "optimizer_s": optimizer_s,
+            "loss_comm_s": loss_s,
         }
         tokens = setup.global_batch * setup.seq
         model_flops = self.model_flops_per_sequence * setup.global_batch

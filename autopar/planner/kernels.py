@@ -15,7 +15,9 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
 - memory-bound: ``t = max(bytes / (bw * e_mem), floor)``.
 - the optimizer step: 28 bytes moved per parameter of the local shard (Adam reads weights,
   gradients, two moments and writes three, plus the low-precision copy), or the device's
-  measured time per parameter where that is longer (``optimizer_s_per_param``).
+  measured time per parameter where that is longer (``optimizer_s_per_param``), plus the
+  measured fixed cost per parameter tensor it steps (``optimizer_s_per_tensor``: a CPU core's
+  for-loop AdamW runs ~10 ops per tensor, ~80 us however small the tensor).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Sequence
 from autopar.cluster import Cluster
 
 __all__ = ["wave_efficiency", "table_rate", "gemm_time", "memory_time", "optimizer_time",
-           "OPTIMIZER_BYTES_PER_PARAM", "GEMM_TILES", "ATTENTION_BACKWARD_FACTOR",
-           "PRECISION_BYTES"]
+           "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "GEMM_TILES",
+           "ATTENTION_BACKWARD_FACTOR", "PRECISION_BYTES"]
 
 #: Bytes the Adam step moves per parameter of the local shard (see module docstring).
 OPTIMIZER_BYTES_PER_PARAM = 28
@@ -93,7 +95,8 @@ def memory_time(cluster: Cluster, nbytes: float) -> float:
 
 
 def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
-                             weight_bytes: float, state_bytes: float = 8.0) -> float:
+                             weight_bytes: float, state_bytes: float = 8.0,
+                             tensors: float = 0.0) -> float:
     """One device's optimizer step over ``params`` parameters with its state offloaded
     (``Plan.offload``), as the runtime does it (runtime/data_parallel.py, runtime/offload.py):
 
@@ -108,14 +111,14 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
       devices, overlapped with the other buckets' steps: the longer of the two.
     """
     if offload == "none":
-        return optimizer_time(cluster, params)
+        return optimizer_time(cluster, params, tensors)
     per_node = cluster.devices_per_node
     if cluster.host_link_bandwidth > 0:
         link = params * (4.0 + weight_bytes) / cluster.host_link_bandwidth
         host = OPTIMIZER_BYTES_PER_PARAM * params * per_node / cluster.host_memory_bandwidth \
-            if cluster.host_memory_bandwidth > 0 else optimizer_time(cluster, params)
+            if cluster.host_memory_bandwidth > 0 else optimizer_time(cluster, params, tensors)
     else:
-        link, host = 0.0, optimizer_time(cluster, params)
+        link, host = 0.0, optimizer_time(cluster, params, tensors)
     if offload == "disk":
         if cluster.disk_bandwidth <= 0:
             return math.inf
@@ -123,8 +126,10 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
     return link + host
 
 
-def optimizer_time(cluster: Cluster, params: float) -> float:
-    """One device's Adam step over ``params`` parameters, alone on its core: the memory traffic
-    (``OPTIMIZER_BYTES_PER_PARAM``) or the measured time per parameter, whichever is longer."""
+def optimizer_time(cluster: Cluster, params: float, tensors: float = 0.0) -> float:
+    """One device's Adam step over ``params`` parameters in ``tensors`` tensors, alone on its
+    core: the memory traffic (``OPTIMIZER_BYTES_PER_PARAM``) or the measured time per parameter,
+    whichever is longer, plus the measured fixed cost of each tensor."""
+    d = cluster.device
     return max(memory_time(cluster, OPTIMIZER_BYTES_PER_PARAM * params),
-               params * cluster.device.optimizer_s_per_param)
+               params * d.optimizer_s_per_param) + tensors * d.optimizer_s_per_tensor

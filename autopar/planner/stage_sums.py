@@ -62,7 +62,7 @@ class StageSums:
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, Staging] = {}
         self._table_cache: dict[tuple, LayerTable] = {}
-        self._params_cache: dict[tuple, tuple[float, float, float]] = {}
+        self._params_cache: dict[tuple, tuple[float, float, float, int]] = {}
 
     def layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
                      cp_attention: str = "ring"
@@ -186,8 +186,8 @@ class StageSums:
         ranks = []
         for rank in range(p):
             mine = [stages[s] for s in chunks[rank]]
-            held, largest, experts = self.rank_params(tuple(st.layers for st in mine), layout,
-                                                       c.tp, c.ep)
+            held, largest, experts, tensors = self.rank_params(
+                tuple(st.layers for st in mine), layout, c.tp, c.ep)
             working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
                           default=0.0) if c.recompute is not RecomputeKind.NONE else 0.0
             ranks.append(RankSums(
@@ -198,7 +198,7 @@ class StageSums:
                 backward=sum(st.backward_s + st.weight_s for st in mine),
                 backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
                 recompute=sum(st.recompute_s for st in mine),
-                tp_comm=sum(st.tp_comm_s for st in mine)))
+                tp_comm=sum(st.tp_comm_s for st in mine), tensors=tensors))
         # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
         # not computing: on shared cores it takes no core (runtime/simulator.py)
         a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
@@ -232,10 +232,10 @@ class StageSums:
         return total, experts
 
     def rank_params(self, ranges: tuple[tuple[int, int], ...], layout: TPLayout | None,
-                     tp: int, ep: int = 1) -> tuple[float, float, float]:
-        """(parameters held, largest layer's parameters, experts held) of one tp rank holding
-        the layers of ``ranges`` (a tied table read by two of them once; experts split over ep
-        ranks)."""
+                     tp: int, ep: int = 1) -> tuple[float, float, float, int]:
+        """(parameters held, largest layer's parameters, experts held, parameter tensors held) of
+        one tp rank holding the layers of ``ranges`` (a tied table read by two of them once;
+        experts split over ep ranks)."""
         key = (ranges, id(layout), tp, ep)
         hit = self._params_cache.get(key)
         if hit is not None:
@@ -258,6 +258,6 @@ class StageSums:
                     # a repeated block's template names its representative's parameters
                     seen[where] = share
                 largest = max(largest, layer_total)
-        out = (sum(seen.values()), largest, sum(experts.values()))
+        out = (sum(seen.values()), largest, sum(experts.values()), len(seen))
         self._params_cache[key] = out
         return out
