@@ -2,13 +2,14 @@
 
 The corpus (public-domain sonnets, a speech and fables, ``autopar/data/corpus.txt``) is tokenized
 by character. Every rank builds the same GPT-2-style model; ``autopar.parallelize`` plans it for
-the local world (the calibrated ``cpu`` cluster preset) and trains it with rank 0 drawing a
-progress bar. The parent process then trains the same model, from the same weights and on the
+the local world, priced on this machine (``autopar calibrate --quick`` the first time, cached:
+:mod:`autopar.planner.calibration_cache`), and trains it with rank 0 drawing a progress bar. The parent process then trains the same model, from the same weights and on the
 same batches, in one process: the two loss curves must agree (fp32: to ~1e-6).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -40,7 +41,8 @@ class DemoConfig:
     lr: float = 3e-3
     seed: int = 0
     pins: dict[str, Any] = field(default_factory=dict)
-    #: The cluster file (or preset) the plan is priced on; None: the ``cpu`` preset.
+    #: The cluster file (or preset) the plan is priced on; None: this machine's cached quick
+    #: calibration, measured on first use.
     cluster: str | None = None
 
 
@@ -148,6 +150,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
               f"{cfg.heads} heads, {_vocab_size(chars)} tokens, context {cfg.seq}) on "
               f"{len(text):,} characters of public-domain text, {cfg.nproc} CPU ranks (gloo), "
               f"global batch {cfg.global_batch}, {cfg.steps} AdamW steps")
+    own = cfg.cluster is None
+    if own:
+        from autopar.planner.calibration_cache import host_calibration
+
+        cfg = dataclasses.replace(cfg, cluster=host_calibration(say=out.print))
     start = time.perf_counter()
     with LocalPool(cfg.nproc, timeout_s=600) as pool:
         results = pool.run(train_job, cfg, timeout_s=900)
@@ -166,10 +173,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         out.print(f"step time: predicted {fmt_seconds(pred['step_time_s'])}, measured "
                   f"{fmt_seconds(measured)} (median after 2 warm-up steps; "
                   f"{pred['step_time_s'] / measured - 1:+.0%})")
-        out.print("priced on " + (f"{cfg.cluster}" if cfg.cluster else
-                                  "the committed cpu preset, measured on another machine "
-                                  "(`autopar calibrate --out host.json`, then `autopar demo "
-                                  "--cluster host.json`, prices this one)"))
+        out.print("priced on " + (f"this machine's quick calibration ({cfg.cluster}; delete it "
+                                  f"to measure again)" if own else f"{cfg.cluster}"),
+                  markup=False, highlight=False)
     else:
         out.print(f"step time: measured {fmt_seconds(measured)} (pinned plan: no prediction)")
     out.print(f"set-up (capture, plan, build) {res['setup_s']:.1f} s; the single-process "

@@ -91,3 +91,16 @@ def shared_pool4():
 
     with LocalPool(4, timeout_s=900) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def quick_calibration(tmp_path_factory):
+    """``autopar calibrate --quick --world 2`` run once (about a minute on 2 cores): the cluster
+    file's path, its raw measurements beside it (``.raw.json``). The calibration test checks
+    it; the demo's test reuses it as this host's cached calibration."""
+    from autopar.cli import main
+
+    out = tmp_path_factory.mktemp("calibration") / "me.json"
+    assert main(["calibrate", "--quick", "--world", "2", "--out", str(out),
+                 "--raw", str(out.with_suffix(".raw.json"))]) == 0
+    return out

@@ -4,6 +4,7 @@ defaults): it plans, trains on 4 ranks, agrees with the single-process run, and 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -22,18 +23,58 @@ def test_demo_prices_on_the_cluster_it_is_given(monkeypatch):
                         lambda cfg: seen.append(cfg) or {"agrees": True})
     assert main(["demo", "--cluster", "host.json", "--steps", "3"]) == 0
     assert main(["demo"]) == 0
-    assert seen[0].cluster == "host.json" and seen[0].steps == 3 and seen[1].cluster is None
+    assert seen[0].cluster == "host.json" and seen[0].steps == 3
+    assert seen[1].cluster is None  # this machine, calibrated on first use (below)
+
+
+def test_host_calibration_is_measured_once_and_kept(tmp_path, monkeypatch):
+    """The demo's pricing: this host's quick calibration, measured on first use, read back
+    later; a file that does not load (torn, older format) is measured again; another torch
+    version is another host."""
+    import torch
+
+    from autopar import Cluster
+    from autopar.planner import calibration, calibration_cache
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    runs, said = [], []
+
+    def fake(world, quick):
+        runs.append((world, quick))
+        return Cluster.load("cpu"), {}
+
+    monkeypatch.setattr(calibration, "calibrate_cluster", fake)
+    path = calibration_cache.host_calibration(say=said.append)
+    assert runs == [(2, True)] and len(said) == 1 and path in said[0]
+    assert path.startswith(str(tmp_path / "cache")) and Cluster.load(path) == Cluster.load("cpu")
+    assert calibration_cache.host_calibration(say=said.append) == path and len(runs) == 1
+    with open(path, "w") as fh:
+        fh.write("{not json")
+    assert calibration_cache.host_calibration() == path and len(runs) == 2
+    assert Cluster.load(path).name == "cpu"
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert calibration_cache.host_calibration() != path and len(runs) == 3
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_demo_trains_and_agrees():
+def test_demo_trains_and_agrees(quick_calibration, tmp_path):
+    """`autopar demo` as the README runs it, on a host whose quick calibration is cached (the
+    session's, placed where the demo looks for this host's)."""
+    import shutil
+
+    from autopar.planner import calibration_cache
+
+    env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path)}
+    cached = tmp_path / f"host-{calibration_cache.host_key()}-w2.json"
+    shutil.copy(quick_calibration, cached)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "autopar.cli", "demo"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "plan chosen by autopar" in out and "agrees" in out and "DISAGREES" not in out
-    assert "step time: predicted" in out
+    assert "step time: predicted" in out and "calibrating" not in out
+    assert "this machine's quick calibration" in " ".join(out.split())
     assert elapsed < 180, elapsed

@@ -157,10 +157,8 @@ def test_ring_fit_recovers_latency_and_bandwidth():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_calibrate_writes_a_cluster_file(tmp_path, capsys):
-    out = tmp_path / "me.json"
-    assert main(["calibrate", "--quick", "--world", "2", "--out", str(out),
-                 "--raw", str(out.with_suffix(".raw.json"))]) == 0
+def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):
+    out = quick_calibration  # `autopar calibrate --quick --world 2 --out me.json --raw ...`
     cluster = Cluster.load(str(out))
     assert cluster.backend == "gloo" and cluster.device.peak_flops["fp32"] > 1e8
     assert 0 < cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7

@@ -19,8 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind])
     p.add_argument("--cluster", help="price the plan on this cluster file or preset (default: "
-                                     "the committed cpu preset; `autopar calibrate --out "
-                                     "host.json` measures this machine)")
+                                     "this machine, calibrated quickly on first use and "
+                                     "cached; `cpu`: the committed preset)")
     p.set_defaults(run=run)
 
 
