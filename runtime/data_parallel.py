@@ -58,8 +58,9 @@ from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.offload import StatePager
 from autopar.runtime.optim import OptimizerFactory, clip_coefficient, global_grad_norm
 from autopar.runtime.tied import TiedGroups
-from autopar.runtime.zero import (FlatBucket, ParamUnit, ShardGroups, UnitOrder, ZeroStage,
-                                  iter_unique_storages, wait_work)
+from autopar.runtime.param_units import ParamUnit, UnitOrder
+from autopar.runtime.zero import (FlatBucket, ShardGroups, ZeroStage, iter_unique_storages,
+                                  wait_work)
 
 __all__ = ["ParamSpec", "DataParallelConfig", "DataParallel", "MemoryReport", "TiedGroups",
            "default_units", "ZeroStage"]

@@ -33,6 +33,9 @@ shard group and then all-reduced across replicas, parameters are gathered inside
 Every collective is issued asynchronously where the caller can overlap it (gradient reductions
 during backward, parameter gathers after the step) and waited on through :func:`wait_work`, which
 turns a timed-out collective into :class:`~autopar.errors.CommunicationTimeoutError`.
+
+Stage 3's per-module gathering (the hooks, the learnt order and its prefetch) is
+``runtime/param_units.py``'s.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import enum
 import functools
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,8 +54,8 @@ from autopar.errors import InvalidInputError
 from autopar.runtime.comm import wait_work  # noqa: F401  (re-exported: the shared helper)
 from autopar.runtime.optim import MixedPrecision
 
-__all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "ParamUnit", "UnitOrder",
-           "wait_work"]
+__all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "wait_work",
+           "iter_unique_storages"]
 
 
 #: A stage-3 "gather" with a shard group of one: a local copy, nothing to wait for.
@@ -618,154 +621,6 @@ class FlatBucket:
         if not any(_storage_key(self.master) in out[k] for k in ("params",)):
             add("master", self.master)
         return out
-
-
-def _flatten_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flatten_tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _flatten_tensors(v)]
-    return []
-
-
-class ParamUnit:
-    """Stage 3: the parameters of one module, gathered for its forward and backward.
-
-    Forward: gathered by a forward pre-hook, freed by the forward hook (unless
-    ``reshard_after_forward`` is False, or this is a root unit whose output the backward starts
-    from at once). Backward: gathered again when the first gradient reaches the module's outputs,
-    freed when every parameter's gradient has been accumulated (the engine calls
-    :meth:`on_param_grad`) or at the end of the backward.
-    """
-
-    def __init__(self, name: str, module: nn.Module, buckets: Sequence[FlatBucket], *,
-                 reshard_after_forward: bool, is_root: bool,
-                 on_backward_start: Callable[[], None],
-                 order: "UnitOrder | None" = None,
-                 shared: Sequence[FlatBucket] = (),
-                 free_after_inputs: Callable[[], bool] | None = None) -> None:
-        """``shared``: buckets another unit owns that this one also needs gathered (a weight
-        two wrapped modules share); gathered and freed with this unit's own.
-        ``free_after_inputs`` (a graph layer under a split backward, whose input-gradient pass
-        accumulates no weight gradient to count): free the unit once the gradients of every
-        tensor entering it are computed, if the callable says so then; the layer's input side
-        has run, and the weight-gradient pass gathers it again."""
-        self._free_after_inputs = free_after_inputs
-        self.name = name
-        self.order = order
-        self.module = module
-        self.num_grad_params = sum(len(b.slots) for b in buckets if b.requires_grad)
-        self.buckets = list(buckets) + list(shared)
-        self.reshard_after_forward = reshard_after_forward and not is_root
-        self.fired = 0
-        self.in_backward = False
-        self._on_backward_start = on_backward_start
-        if hasattr(module, "bind_unit"):  # a layer inside a graph calls us itself
-            module.bind_unit(lambda tensors: self._enter(module, tensors),
-                             lambda tensors: self._post_forward(module, (), tensors))
-            self._handles = []
-        else:
-            self._handles = [module.register_forward_pre_hook(self._pre_forward),
-                             module.register_forward_hook(self._post_forward)]
-
-    def gather(self) -> None:
-        for b in self.buckets:
-            b.gather()
-
-    def prefetch(self) -> None:
-        """Launch this unit's gathers without waiting (the next unit's, during this one)."""
-        for b in self.buckets:
-            b.start_gather()
-
-    def free(self) -> None:
-        for b in self.buckets:
-            b.free()
-
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self.gather()
-        if self.order is not None and not self.in_backward:
-            self.order.forward(self)
-
-    def _enter(self, module: nn.Module, tensors: tuple[Any, ...]) -> None:
-        self._pre_forward(module, ())
-        if self._free_after_inputs is None or self.in_backward or not torch.is_grad_enabled():
-            return
-        # leaves (a stage's received activations) cannot carry an "all" hook under
-        # autograd.grad; the stage's first layer is freed at the pass's end instead
-        entering = [t for t in _flatten_tensors(tensors)
-                    if t.requires_grad and t.grad_fn is not None]
-        if entering:
-            torch.autograd.graph.register_multi_grad_hook(entering, self._inputs_done, mode="all")
-
-    def _inputs_done(self, grads: Any) -> None:
-        if self._free_after_inputs is not None and self._free_after_inputs():
-            self.end_backward()
-
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.in_backward:  # a recomputation (activation checkpointing) inside backward
-            return output
-        tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
-        if tensors and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        if self.reshard_after_forward or not (tensors and torch.is_grad_enabled()):
-            self.free()
-        return output
-
-    def _pre_backward(self, grad: Any) -> None:
-        self._on_backward_start()
-        self.in_backward = True
-        self.gather()
-        if self.order is not None:
-            self.order.backward(self)
-
-    def on_param_grad(self) -> None:
-        self.fired += 1
-        if self.fired == self.num_grad_params:
-            self.end_backward()
-
-    def end_backward(self) -> None:
-        self.fired = 0
-        self.in_backward = False
-        self.free()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if hasattr(self.module, "bind_unit"):
-            self.module.bind_unit(None, None)
-
-
-class UnitOrder:
-    """The order a rank's ZeRO-3 units run in, learnt in the first forward and backward (the
-    sequence of first entries, as FSDP2 records it), and the prefetch it drives: entering a unit
-    launches the gather of the unit that ran after it last time, so that gather overlaps this
-    unit's compute. At most two units are gathered at once. Every data-parallel rank runs the
-    same modules in the same order, so their collectives stay in step."""
-
-    def __init__(self) -> None:
-        self._forward: list[ParamUnit] = []
-        self._backward: list[ParamUnit] = []
-        self.prefetched = 0  # gathers launched ahead of use (for tests and reports)
-
-    def forward(self, unit: ParamUnit) -> None:
-        self._next(self._forward, unit)
-
-    def backward(self, unit: ParamUnit) -> None:
-        self._next(self._backward, unit)
-
-    def _next(self, order: list[ParamUnit], unit: ParamUnit) -> None:
-        if unit not in order:  # still learning: the first pass runs without prefetch
-            order.append(unit)
-            return
-        i = order.index(unit)
-        if i + 1 < len(order):
-            nxt = order[i + 1]
-            if not all(b.gathered or b.prefetching for b in nxt.buckets):
-                nxt.prefetch()
-                self.prefetched += 1
 
 
 def iter_unique_storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[int, int], int]:
