@@ -3,8 +3,9 @@
 The corpus (public-domain sonnets, a speech and fables, ``autopar/data/corpus.txt``) is tokenized
 by character. Every rank builds the same GPT-2-style model; ``autopar.parallelize`` plans it for
 the local world, priced on this machine (``autopar calibrate --quick`` the first time, cached:
-:mod:`autopar.planner.calibration_cache`), and trains it with rank 0 drawing a progress bar. The parent process then trains the same model, from the same weights and on the
-same batches, in one process: the two loss curves must agree (fp32: to ~1e-6).
+:mod:`autopar.planner.calibration_cache`), and trains it with rank 0 drawing a progress bar. The
+parent process then trains the same model, from the same weights and on the same batches, in one
+process: the two loss curves must agree (fp32: to ~1e-6).
 """
 
 from __future__ import annotations
