@@ -17,7 +17,7 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
   gradients, two moments and writes three, plus the low-precision copy), or the device's
   measured time per parameter where that is longer (``optimizer_s_per_param``), plus the
   measured fixed cost per parameter tensor it steps (``optimizer_s_per_tensor``: a CPU core's
-  for-loop AdamW runs ~10 ops per tensor, ~80 us however small the tensor).
+  for-loop AdamW runs ~10 ops per tensor, 45-70 us however small the tensor).
 """
 
 from __future__ import annotations
