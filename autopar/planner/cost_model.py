@@ -118,6 +118,7 @@ class CostModel:
         self._tied_weights = {fqn: (tuple(layers), model.template(layers[0]).params[fqn])
                               for fqn, layers in readers.items() if len(layers) > 1}
         self._coll_cache: dict[Any, dict[tuple, float]] = {}
+        self._loss_cache: dict[int, float] = {}  # the loss all-reduce by world size
         self._tp_problems: dict[tuple[int, bool], str | None] = {}
         self._refined: dict[tuple, Evaluation] = {}
         self.device_peak = cluster.peak_flops(setup.dtype)
@@ -457,9 +458,13 @@ class CostModel:
         float64 over every rank (``ParallelModel`` returns the same loss on all of them), exposed.
         """
         world = c.dp * c.cp * c.tp * c.pp
-        per_node = min(world, self.cluster.devices_per_node)
-        span = GroupSpan(world, -(-world // per_node), per_node)
-        return collective_time(self.cluster, Collective.ALL_REDUCE, 8.0, span).seconds
+        hit = self._loss_cache.get(world)
+        if hit is None:  # the search's bound asks for every candidate; worlds are few
+            per_node = min(world, self.cluster.devices_per_node)
+            span = GroupSpan(world, -(-world // per_node), per_node)
+            hit = collective_time(self.cluster, Collective.ALL_REDUCE, 8.0, span).seconds
+            self._loss_cache[world] = hit
+        return hit
 
     def _cp_comm(self, c: Candidate, st: Staging, rank: int) -> float:
         """Exposed seconds of context-parallel K/V exchange in one micro-batch of pipeline rank
