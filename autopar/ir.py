@@ -11,14 +11,16 @@ This is a leaf module: it imports nothing from autopar except :mod:`autopar.erro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, TypeAlias
+from typing import Any, Iterable, Iterator, Mapping, TypeAlias
 
 import sympy
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 __all__ = [
     "BATCH",
@@ -260,7 +262,26 @@ def copy_graph_module(gm: torch.fx.GraphModule
             old = info(n)
             new.meta[META_KEY] = dataclasses.replace(old, extra=dict(old.extra))
         env[n] = new
-    return torch.fx.GraphModule(gm, graph), env
+    return new_graph_module(gm, graph), env
+
+
+def new_graph_module(root: torch.nn.Module | dict[str, Any], graph: torch.fx.Graph,
+                     class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """``torch.fx.GraphModule(root, graph)``; inside :func:`graphs_read_only`, one that
+    generates its Python code only when first run or printed."""
+    return _make_graph_module(root, graph, class_name=class_name)
+
+
+@contextlib.contextmanager
+def graphs_read_only() -> Iterator[None]:
+    """GraphModules built (:func:`new_graph_module`) or recompiled inside generate their code
+    lazily: torch's ``_LazyGraphModule``, made for compilers that build many graphs and run few
+    of them. The planner's sharding searches only read their graphs (on GPT-3 175B, code
+    generation was 15% of the 24 sharding searches). A graph run or printed later compiles
+    then, so nothing changes but when the code is generated. The flag is process-wide: enter
+    it on the thread that starts the planner's worker threads, not inside them."""
+    with _use_lazy_graph_module(True):
+        yield
 
 
 def iter_tensor_specs(value: Any) -> Iterable[TensorSpec]:

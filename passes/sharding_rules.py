@@ -43,6 +43,7 @@ the sequence only with sequence parallelism on.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -288,6 +289,16 @@ def _pname(p: Any) -> str:
 def _reshape_groups(in_shape: Sequence[Any], out_shape: Sequence[Any]
                     ) -> list[tuple[list[int], list[int]]] | None:
     """Pair up runs of input and output dims with equal products (None if they never match)."""
+    out = _shape_groups(tuple(in_shape), tuple(out_shape))
+    return None if out is None else [(list(gi), list(gj)) for gi, gj in out]
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_groups(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...]
+                  ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """:func:`_reshape_groups`, cached by the two symbolic shapes: ``sympy.simplify`` is most of
+    a sharding search's rule time, and the planner solves one graph at several tp degrees and
+    micro-batch sizes."""
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
     n_in, n_out = len(in_shape), len(out_shape)
@@ -327,7 +338,7 @@ def _reshape_groups(in_shape: Sequence[Any], out_shape: Sequence[Any]
         else:
             return None
         groups.append((gi, gj))
-    return groups
+    return tuple((tuple(gi), tuple(gj)) for gi, gj in groups)
 
 
 def _reshape(node: torch.fx.Node, ctx: RuleContext, src: torch.fx.Node) -> list[Strategy]:

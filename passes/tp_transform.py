@@ -40,7 +40,8 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from autopar.errors import ShardingError
-from autopar.ir import BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name
+from autopar.ir import (BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, new_graph_module,
+                        op_name)
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
 from autopar.runtime.tp import FUNCTIONS
@@ -385,7 +386,7 @@ def build_local_program(gm: torch.fx.GraphModule, tp: int) -> torch.fx.GraphModu
     """The per-rank GraphModule for a graph whose nodes carry strategies."""
     graph = _Builder(gm, tp).run()
     graph.eliminate_dead_code()
-    return torch.fx.GraphModule(gm, graph)
+    return new_graph_module(gm, graph)
 
 
 @graph_property("local_shapes")

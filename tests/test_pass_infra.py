@@ -124,3 +124,40 @@ def test_the_sharding_search_run_before_the_bias_split_fails_by_name(tiny_models
     ctx = PassContext(captured=captured, options=dict(options))
     PassManager([split_gemm_bias, shard_graph]).run(gm, ctx)
     assert {"gemm_bias_split", "placements"} <= ctx.properties
+
+
+def test_graphs_read_only_defers_code_generation_but_not_behaviour():
+    """Inside the planner's ``graphs_read_only``, graph modules (built by ``new_graph_module``
+    and recompiled by the pass manager) generate their Python code when first run: the same
+    result as an eager one; outside, construction compiles as torch's GraphModule does."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from autopar.ir import copy_graph_module, graphs_read_only
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * 2
+
+    gm = torch.fx.symbolic_trace(Net())
+    x = torch.randn(5, 4)
+
+    @graph_pass()
+    def negate(g, ctx):
+        out = next(n for n in g.graph.nodes if n.op == "output")
+        with g.graph.inserting_before(out):
+            neg = g.graph.call_function(torch.neg, (out.args[0],))
+        out.args = (neg,)
+        return PassResult(g, True)
+
+    with graphs_read_only():
+        lazy, _ = copy_graph_module(gm)
+        lazy = PassManager([negate]).run(lazy, PassContext(captured=None))
+    assert isinstance(lazy, _LazyGraphModule)
+    eager, _ = copy_graph_module(gm)
+    assert not isinstance(eager, _LazyGraphModule)
+    assert torch.equal(lazy(x), -gm(x))  # compiled on first call, the pass's edit included
+    assert "neg" in lazy.code

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError
+from autopar.ir import graphs_read_only
 from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.runtime.schedules import SCHEDULES
 from autopar.planner.candidates import OFFLOAD_ORDER
@@ -280,7 +281,7 @@ def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
            ) -> SearchResult:
     """The best feasible plan of ``space`` (see the module docstring); ``refine`` finalists
     (default ``top_k``; 0: first pass only) are priced with the stage ILP and the simulator."""
-    with few_collections():
+    with few_collections(), graphs_read_only():
         return _search(cm, space, top_k=top_k, exhaustive=exhaustive, refine=refine,
                        progress=progress)
 

@@ -142,15 +142,17 @@ class StageSums:
         """Stage cut (the first pass's unless ``cuts`` are given) and per-stage, per-rank sums
         of a candidate (cached: many candidates share them; only m, ZeRO and the schedule's
         shape differ)."""
-        zero_bubble = c.schedule.spec.splits_backward
-        key = (c.tp, c.sequence_parallel, c.micro_batch_size, c.recompute, c.dp, c.pp,
-               c.virtual_stages, zero_bubble, c.schedule.spec.placement,
-               tuple(cuts) if cuts else None, c.cp, c.cp_innermost, self.cp_attention(c), c.ep)
+        spec = c.schedule.spec
+        zero_bubble = spec.splits_backward
+        table = self.table(c)
+        # the table stands for the per-layer prices (so for tp, SP, the micro-batch, the
+        # recompute setting and each axis's span); the data-parallel degree enters no sum
+        key = (id(table), c.tp, c.cp, c.ep, c.pp, c.virtual_stages, zero_bubble, spec.placement,
+               tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
         if hit is not None:
             return hit
         p, v = c.pp, c.virtual_stages
-        table = self.table(c)
         costs, times = table.costs, table.times
         if cuts is None:
             cuts = self.split([f + b + w for f, b, w, _, _ in times], p * v,
@@ -158,7 +160,6 @@ class StageSums:
                                mesh_span(self.cluster, c.dp, p, c.tp, "tp", c.cp,
                                          c.cp_innermost), c.cp))
         layout = self.layout(c)
-        spec = c.schedule.spec
         rank_of = [spec.stage_to_rank(s, p) for s in range(len(cuts))]
         p2ps = []
         for s, (first, last) in enumerate(cuts[:-1]):
@@ -236,11 +237,11 @@ class StageSums:
         """(parameters held, largest layer's parameters, experts held, parameter tensors held) of
         one tp rank holding the layers of ``ranges`` (a tied table read by two of them once;
         experts split over ep ranks)."""
-        key = (ranges, id(layout), tp, ep)
+        split = layout.sharded_params if layout is not None else frozenset()
+        key = (ranges, split, tp, ep)  # layouts of several micro-batches often shard alike
         hit = self._params_cache.get(key)
         if hit is not None:
             return hit
-        split = layout.sharded_params if layout is not None else frozenset()
         seen: dict[Any, float] = {}
         experts: dict[Any, float] = {}
         largest = 0.0
