@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import Cluster, capture, models
-from autopar.ir import evaluate
+from autopar.ir import evaluate, info
 from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.comm import mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
@@ -184,3 +184,26 @@ def test_shallow_capture_extended_equals_full_capture(gpt2_small):
                                                              rel=1e-12)
             assert x.prediction.peak_memory_bytes == y.prediction.peak_memory_bytes
             assert x.plan.stages == y.plan.stages
+
+
+def test_a_cut_between_two_blocks_sends_the_tables_they_read():
+    """What a pipeline cut after each layer sends, priced from the templates (one per repeated
+    block, built from its last instance), against the analysis pass's own boundary tensors of
+    every layer of the captured graph: a cut between two rotary blocks also sends the cos / sin
+    tables made before the blocks, a cut after the last block only the hidden state. fp32, tp 1:
+    bytes exactly."""
+    zm, captured = _capture("llama", layers=4, hidden=64, heads=4, kv_heads=2, vocab=128,
+                            seq=64)
+    costs = ModelCosts(captured)
+    cm = CostModel(costs, Cluster.load("cpu"), TrainingSetup(global_batch=8, seq=48,
+                                                             dtype="fp32"))
+    b = 2
+    priced = cm.layer_costs(1, False, b)
+    sizes = {"b": b, "s": 48}
+    want = [sum(evaluate(info(captured.node(n)).spec.nbytes, **sizes)
+                for n in layer.boundary_tensors) for layer in costs.profile.layers]
+    blocks = [i for i, k in enumerate(costs.kinds) if k.value == "block"]
+    assert len(blocks) == 4
+    # the middle blocks send more than the hidden state (the rotary tables), the last does not
+    assert want[blocks[0]] > want[blocks[-1]]
+    assert [lc.boundary_bytes for lc in priced] == pytest.approx(want, rel=1e-12)

@@ -163,17 +163,25 @@ class CostModel:
         out = self._layer_cache.get(key)
         if out is None:
             layout = self.layout(tp, sp, mbs)
-            priced: dict[int, LayerCosts] = {}
+            priced: dict[tuple[int, bool], LayerCosts] = {}
             out = []
-            for i in range(self.model.num_layers):
+            n = self.model.num_layers
+            for i in range(n):
                 tmpl = self.model.template(i)
-                lc = priced.get(id(tmpl))
+                # a cut between two layers of one template sends what the next one reads too
+                inner = i + 1 < n and self.model.template(i + 1) is tmpl
+                lc = priced.get((id(tmpl), inner))
                 if lc is None:
-                    lc = price_layer(tmpl, self.model.split(tmpl, layout, tp), self.cluster,
-                                     self.setup.dtype, tp, mbs, self.setup.seq,
-                                     self.model.graph_float_bytes, span, cp, cp_span, ep,
-                                     ep_span, self.setup.moe_imbalance)
-                    priced[id(tmpl)] = lc
+                    lc = priced.get((id(tmpl), not inner))
+                    if lc is None:
+                        lc = price_layer(tmpl, self.model.split(tmpl, layout, tp), self.cluster,
+                                         self.setup.dtype, tp, mbs, self.setup.seq,
+                                         self.model.graph_float_bytes, span, cp, cp_span, ep,
+                                         ep_span, self.setup.moe_imbalance)
+                        priced[(id(tmpl), False)] = lc
+                    if inner:
+                        lc = dataclasses.replace(lc, boundary_bytes=lc.inner_boundary_bytes)
+                    priced[(id(tmpl), inner)] = lc
                 out.append(lc)
             self._layer_cache[key] = out
         return out

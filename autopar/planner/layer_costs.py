@@ -89,6 +89,9 @@ class LayerCosts:
     #: backward, exposed (also counted in ``tp_forward_s`` / ``tp_backward_s``).
     ep_forward_s: float = 0.0
     ep_backward_s: float = 0.0
+    #: What a cut between it and the next layer of the same template sends (per tp rank):
+    #: :attr:`boundary_bytes` plus the tables the next block reads too (``Template``)
+    inner_boundary_bytes: float = 0.0
 
 
 def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: str, tp: int,
@@ -242,6 +245,7 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
         act_selective_bytes=nbytes(template.saved, split.saved, include_core=False),
         ckpt_bytes=nbytes(template.checkpoint, split.checkpoint),
         boundary_bytes=nbytes(template.boundary, split.boundary),
+        inner_boundary_bytes=nbytes(template.inner_boundary, split.inner_boundary),
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
         tp_calls=tuple(calls), ep_forward_s=ep_f, ep_backward_s=ep_b,
         cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {},

@@ -104,6 +104,10 @@ class Template:
     moe_rows: list[int] = field(default_factory=list)
     moe_experts: list[int] = field(default_factory=list)
     expert_params: frozenset[str] = frozenset()
+    #: What a cut between two layers of this template sends: the first captured instance's
+    #: boundary (tables made before the blocks, e.g. rotary cos / sin, go on to the next
+    #: block; after the last block only the hidden state does). ``boundary`` is the last's.
+    inner_boundary: list[TensorRef] = field(default_factory=list)
     fn: Any = None
     cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
 
@@ -127,6 +131,7 @@ class LayerSplit:
     saved: list[int]  # per saved tensor: 1 or tp
     checkpoint: list[int]
     boundary: list[int]
+    inner_boundary: list[int]
     #: (collective, forward?, re-priced at the training precision?) per call
     comm: list[tuple[Collective, bool, bool]]
     comm_fn: Any  # (b, s) -> bytes of each call at the graph's dtype
@@ -154,8 +159,8 @@ def layer_split(template: Template, layout: TPLayout | None, tp: int) -> LayerSp
     if layout is None or tp == 1:
         n = len(template.terms)
         return LayerSplit([Split.NONE] * n, [1] * n, [1] * len(template.saved),
-                           [1] * len(template.checkpoint), [1] * len(template.boundary), [],
-                           None, frozenset())
+                           [1] * len(template.checkpoint), [1] * len(template.boundary),
+                           [1] * len(template.inner_boundary), [], None, frozenset())
     gemm, divisor = [], []
     for term in template.terms:
         scale = layout.compute_scale.get(term.name, 1.0)
@@ -193,7 +198,8 @@ def layer_split(template: Template, layout: TPLayout | None, tp: int) -> LayerSp
     fn = sympy.lambdify((BATCH, SEQ), [sympy.sympify(c.message_bytes) for c in calls],
                         modules="math") if calls else None
     return LayerSplit(gemm, divisor, shares(template.saved), shares(template.checkpoint),
-                       shares(template.boundary), comm, fn, layout.sharded_params,
+                       shares(template.boundary), shares(template.inner_boundary), comm, fn,
+                       layout.sharded_params,
                        regather=[regathered(t) for t in template.saved])
 
 
@@ -290,7 +296,8 @@ class ModelCosts:
         for layer in layers:
             key = f"{layer.kind.value}:{layer.signature}"
             if key not in built:
-                built[key] = self._template(layers[last_of[layer.signature]], saved)
+                built[key] = self._template(layers[last_of[layer.signature]], saved,
+                                            first=layer)
             self.templates.append(built[key])
         self.layer_names = [layer.name for layer in layers]
         self.kinds = [layer.kind for layer in layers]
@@ -360,8 +367,10 @@ class ModelCosts:
         return out
 
     def _template(self, layer: Any,
-                  saved: Mapping[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]]
-                  ) -> Template:
+                  saved: Mapping[str, list[tuple[TensorSpec, str, tuple[str, int] | None]]],
+                  first: Any = None) -> Template:
+        """The template of ``layer`` (its signature's last captured instance); ``first``: the
+        signature's first instance, whose boundary is what a cut between two of them sends."""
         from autopar.passes.analyze import GEMM_OPS, VIEW_OPS, gemm_dims, moe_dims
 
         captured = self.captured
@@ -474,6 +483,10 @@ class ModelCosts:
         # what a pipeline cut after this layer sends
         lc = self.profile.layers[layer.index]
         boundary = [tensor(name, info(captured.node(name)).spec) for name in lc.boundary_tensors]
+        inner = boundary
+        if first is not None and first.index != layer.index:
+            inner = [tensor(name, info(captured.node(name)).spec)
+                     for name in self.profile.layers[first.index].boundary_tensors]
         # parameters the layer reads (a tied table is read by two layers)
         params: dict[str, int] = {}
         for name in layer.nodes:
@@ -491,7 +504,8 @@ class ModelCosts:
             checkpoint=checkpoint, boundary=boundary, gemm_flops=add(gemm_flops),
             core_flops=add(core_flops), params=params, nodes=calls,
             grad_nodes=grad_calls + len(params), moe_rows=moe_rows, moe_experts=moe_experts,
-            expert_params=frozenset(self._canonical.get(f, f) for f in moe_params))
+            expert_params=frozenset(self._canonical.get(f, f) for f in moe_params),
+            inner_boundary=inner)
 
     def _core_nodes(self, layer: Any) -> set[str]:
         """The attention core: fused attention, and the nodes whose output grows as s^2
