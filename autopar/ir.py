@@ -209,6 +209,16 @@ class Layer:
         return self.kind is LayerKind.BLOCK
 
 
+def next_block_names(name: str, count: int) -> list[str]:
+    """The names of the ``count`` blocks after block ``name`` when a shallow capture stands for
+    a deeper model: ``h.1`` -> ``h.2``, ``h.3``, ...; a name that does not end in a number
+    gets ``name_1``, ``name_2``, ..."""
+    prefix, _, tail = name.rpartition(".")
+    if tail.isdigit():
+        return [f"{prefix + '.' if prefix else ''}{int(tail) + 1 + i}" for i in range(count)]
+    return [f"{name}_{i + 1}" for i in range(count)]
+
+
 _LAMBDA_CACHE: dict[tuple[Expr, tuple[str, ...]], Any] = {}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autopar.ir import LayerKind, evaluate
+from autopar.ir import LayerKind, evaluate, next_block_names
 
 __all__ = ["ModelReport", "inspect_model", "profile_report"]
 
@@ -111,11 +111,8 @@ def _repeat_block(row: dict[str, Any], count: int) -> list[dict[str, Any]]:
     """``count`` copies of a block's row, named as the blocks after it (``h.1`` -> ``h.2``, ...;
     its modules renamed alike)."""
     name = row["name"]
-    prefix, _, tail = name.rpartition(".")
-    first = int(tail) + 1 if tail.isdigit() else 1
     out = []
-    for i in range(count):
-        new = f"{prefix}.{first + i}" if prefix else f"{name}_{first + i}"
+    for new in next_block_names(name, count):
         modules = [new + m[len(name):] if m == name or m.startswith(name + ".") else m
                    for m in row["modules"]]
         out.append({**row, "name": new, "modules": modules})

@@ -224,3 +224,18 @@ def test_zero3_kept_gathered_trades_memory_for_gathers(shallow):
     space = enumerate_candidates(cm, SearchSpace(dp=16, tp=1, pp=4))
     assert {c.reshard_after_forward for c in space if c.zero < 3} == {True}
     assert {c.reshard_after_forward for c in space if c.zero == 3} == {True, False}
+
+
+def test_a_shallow_capture_extends_to_the_real_depth_with_the_real_names(shallow):
+    """The two captured blocks of LLaMA-7B stand for its 32: 34 layers whose block names are the
+    model's own (``model.layers.0`` .. ``model.layers.31``), in the plan report's spelling, and
+    the captured block's template reused for every added one."""
+    from autopar.ir import next_block_names
+
+    spec, costs = shallow["llama-7b"]
+    blocks = [n for n, k in zip(costs.layer_names, costs.kinds) if k.value == "block"]
+    assert blocks == [f"model.layers.{i}" for i in range(spec.layers)]
+    assert costs.num_layers == spec.layers + 2
+    assert len({id(costs.template(i)) for i in range(2, spec.layers + 1)}) == 1
+    assert next_block_names("3", 2) == ["4", "5"]  # an nn.Sequential's children
+    assert next_block_names("enc.block", 2) == ["enc.block_1", "enc.block_2"]

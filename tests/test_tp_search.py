@@ -234,7 +234,7 @@ def test_depth_weighs_the_blocks_as_the_real_model(full_size):
 
 def test_the_planner_solves_layouts_at_the_real_depth(tiny_models, monkeypatch):
     """ModelCosts extends a shallow capture to the real depth; its layouts are solved there."""
-    import autopar.planner.layer_templates as cm
+    import autopar.planner.model_costs as cm
 
     seen = []
     real = cm.solve_layout

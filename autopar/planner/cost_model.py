@@ -58,11 +58,12 @@ from autopar.planner.data_parallel_time import (DDP_BUCKET_BYTES, CollectiveTime
 from autopar.planner.kernels import (OPTIMIZER_BYTES_PER_PARAM, gemm_time,
                                      memory_time, offloaded_optimizer_time, optimizer_time,
                                      wave_efficiency)
-from autopar.planner.layer_costs import BIAS_OP, LayerCosts, ModelCosts, price_layer
+from autopar.planner.layer_costs import BIAS_OP, LayerCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
 from autopar.planner.memory import STATE_BYTES, RankMemory, rank_memory
+from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
                                             closed_form_pipeline_time, in_flight_micro_batches,

@@ -1,9 +1,10 @@
 """Per-layer costs: a layer's template priced on a cluster.
 
-:func:`price_layer` prices a layer template (:mod:`autopar.planner.layer_templates`:
-:class:`ModelCosts` builds them from the analysis pass) under a tensor-parallel layout on a
-cluster (:mod:`autopar.planner.kernels` for each term) into :class:`LayerCosts`: forward and
-backward time, saved activations, boundary bytes and the layout's collectives.
+:func:`price_layer` prices a layer template (:mod:`autopar.planner.layer_templates`;
+:class:`~autopar.planner.model_costs.ModelCosts` builds them from the analysis pass) under a
+tensor-parallel layout on a cluster (:mod:`autopar.planner.kernels` for each term) into
+:class:`LayerCosts`: forward and backward time, saved activations, boundary bytes and the
+layout's collectives.
 
 **Per node** (one micro-batch of ``b`` sequences of ``s``):
 
@@ -38,11 +39,11 @@ from autopar.cluster import Cluster
 from autopar.planner.comm import Collective, collective_time, p2p_time
 from autopar.planner.kernels import (ATTENTION_BACKWARD_FACTOR, PRECISION_BYTES,
                                      gemm_time, memory_time, table_rate)
-from autopar.planner.layer_templates import (BIAS_OP, EXPERT_OP, LayerSplit, ModelCosts, Split,
+from autopar.planner.layer_templates import (BIAS_OP, EXPERT_OP, LayerSplit, Split,
                                              Template, TensorRef, TermKind, seq_degree)
 from autopar.planner.memory import STATE_BYTES
 
-__all__ = ["ModelCosts", "LayerCosts", "price_layer", "seq_degree", "BIAS_OP",
+__all__ = ["LayerCosts", "price_layer", "seq_degree", "BIAS_OP",
            "GRAD_ACCUMULATION_READS_WRITES", "cp_exchange"]
 
 #: Gradient-sized reads and writes of accumulating one micro-batch's weight gradients: read the

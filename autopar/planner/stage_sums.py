@@ -23,7 +23,8 @@ from autopar.plan_types import RecomputeKind
 from autopar.planner.candidates import Candidate, RankSums, Staging, StageCost
 from autopar.planner.comm import mesh_span, p2p_time
 from autopar.planner.host import Host
-from autopar.planner.layer_costs import LayerCosts, ModelCosts
+from autopar.planner.layer_costs import LayerCosts
+from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.tp_layout import TPLayout
 
