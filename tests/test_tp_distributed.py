@@ -198,7 +198,7 @@ def test_a_parallelized_model_under_sequence_parallelism_keeps_shards(pool2):
     without SP."""
     from autopar import Cluster, capture, models
     from autopar.planner.cost_model import CostModel, TrainingSetup
-    from autopar.planner.layer_costs import ModelCosts
+    from autopar.planner.model_costs import ModelCosts
     from tp_helpers import count_saved_gathers
 
     with_sp = pool2.run(count_saved_gathers, True, timeout_s=300)

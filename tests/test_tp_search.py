@@ -495,7 +495,7 @@ def test_layouts_shared_across_micro_batches_are_optimal_at_each(full_size, sp):
     micro-batch. The shared layout's point, priced in the direct program of its micro-batch,
     costs its optimum (rel 1e-9), so the sharing loses nothing. Fewer ILPs are solved."""
     from autopar.cluster import Cluster
-    from autopar.planner.layer_costs import ModelCosts
+    from autopar.planner.model_costs import ModelCosts
     from autopar.planner.tp_layout import tp_cost_spec
 
     cost = tp_cost_spec(Cluster.load("a100-80g"), "bf16")

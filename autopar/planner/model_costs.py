@@ -386,9 +386,9 @@ class ModelCosts:
                 return None
 
         def fill(lo: int, hi: int) -> None:
+            a, b = solved(lo), solved(hi)  # the ends of a bisection's halves too (cached)
             if hi - lo < 2:
                 return
-            a, b = solved(lo), solved(hi)
             if a is not None and b is not None and a.optimal_at(b):
                 for i in range(lo + 1, hi):
                     key = (tp, sequence_parallel, cost, tuple(sorted(points[i].items())))
