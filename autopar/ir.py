@@ -14,13 +14,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import importlib
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Iterable, Iterator, Mapping, TypeAlias
 
 import sympy
 import torch
 import torch.fx
-from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+_lazy: ModuleType | None
+try:  # torch's graphs that compile on first use: private, marked not backward compatible
+    _lazy = importlib.import_module("torch.fx._lazy_graph_module")
+except ImportError:  # pragma: no cover - a torch without it: graphs compile when built
+    _lazy = None
 
 __all__ = [
     "BATCH",
@@ -279,7 +286,9 @@ def new_graph_module(root: torch.nn.Module | dict[str, Any], graph: torch.fx.Gra
                      class_name: str = "GraphModule") -> torch.fx.GraphModule:
     """``torch.fx.GraphModule(root, graph)``; inside :func:`graphs_read_only`, one that
     generates its Python code only when first run or printed."""
-    return _make_graph_module(root, graph, class_name=class_name)
+    if _lazy is None:
+        return torch.fx.GraphModule(root, graph, class_name=class_name)
+    return _lazy._make_graph_module(root, graph, class_name=class_name)
 
 
 @contextlib.contextmanager
@@ -290,7 +299,10 @@ def graphs_read_only() -> Iterator[None]:
     generation was 15% of the 24 sharding searches). A graph run or printed later compiles
     then, so nothing changes but when the code is generated. The flag is process-wide: enter
     it on the thread that starts the planner's worker threads, not inside them."""
-    with _use_lazy_graph_module(True):
+    if _lazy is None:  # a torch without the switch: the same graphs, compiled eagerly
+        yield
+        return
+    with _lazy._use_lazy_graph_module(True):
         yield
 
 

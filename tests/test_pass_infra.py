@@ -161,3 +161,20 @@ def test_graphs_read_only_defers_code_generation_but_not_behaviour():
     assert not isinstance(eager, _LazyGraphModule)
     assert torch.equal(lazy(x), -gm(x))  # compiled on first call, the pass's edit included
     assert "neg" in lazy.code
+
+
+def test_without_torchs_lazy_switch_graphs_compile_when_built(monkeypatch):
+    """A torch without ``torch.fx._lazy_graph_module`` (a private module): ``graphs_read_only``
+    changes nothing and ``new_graph_module`` builds torch's plain GraphModule."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    import autopar.ir as ir
+
+    monkeypatch.setattr(ir, "_lazy", None)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 3))
+    with ir.graphs_read_only():
+        built = ir.new_graph_module(gm, gm.graph)
+    assert type(built).__mro__[1] is torch.fx.GraphModule
+    assert not isinstance(built, _LazyGraphModule)
+    x = torch.randn(2, 4)
+    assert torch.equal(built(x), gm(x))
