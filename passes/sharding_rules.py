@@ -286,19 +286,12 @@ def _pname(p: Any) -> str:
 # Views
 # ---------------------------------------------------------------------------------------------
 
-def _reshape_groups(in_shape: Sequence[Any], out_shape: Sequence[Any]
-                    ) -> list[tuple[list[int], list[int]]] | None:
-    """Pair up runs of input and output dims with equal products (None if they never match)."""
-    out = _shape_groups(tuple(in_shape), tuple(out_shape))
-    return None if out is None else [(list(gi), list(gj)) for gi, gj in out]
-
-
 @functools.lru_cache(maxsize=4096)
-def _shape_groups(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...]
-                  ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
-    """:func:`_reshape_groups`, cached by the two symbolic shapes: ``sympy.simplify`` is most of
-    a sharding search's rule time, and the planner solves one graph at several tp degrees and
-    micro-batch sizes."""
+def _reshape_groups(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...]
+                    ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """Pair up runs of input and output dims with equal products (None if they never match).
+    Cached by the two symbolic shapes: ``sympy.simplify`` was most of a sharding search's rule
+    time, and the planner solves one graph at several tp degrees and micro-batch sizes."""
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
     n_in, n_out = len(in_shape), len(out_shape)
@@ -343,7 +336,7 @@ def _shape_groups(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...]
 
 def _reshape(node: torch.fx.Node, ctx: RuleContext, src: torch.fx.Node) -> list[Strategy]:
     in_spec, out_spec = tensor_spec(src), info(node).spec
-    groups = _reshape_groups(in_spec.shape, out_spec.shape)
+    groups = _reshape_groups(tuple(in_spec.shape), tuple(out_spec.shape))
     strategies = [_strategy(node, "replicate", REPLICATE, {}, ctx)]
     if groups is None:
         return strategies

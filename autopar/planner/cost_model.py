@@ -164,25 +164,24 @@ class CostModel:
         out = self._layer_cache.get(key)
         if out is None:
             layout = self.layout(tp, sp, mbs)
-            priced: dict[tuple[int, bool], LayerCosts] = {}
+            priced: dict[int, LayerCosts] = {}
+            between: dict[int, LayerCosts] = {}
             out = []
             n = self.model.num_layers
             for i in range(n):
                 tmpl = self.model.template(i)
-                # a cut between two layers of one template sends what the next one reads too
-                inner = i + 1 < n and self.model.template(i + 1) is tmpl
-                lc = priced.get((id(tmpl), inner))
+                lc = priced.get(id(tmpl))
                 if lc is None:
-                    lc = priced.get((id(tmpl), not inner))
-                    if lc is None:
-                        lc = price_layer(tmpl, self.model.split(tmpl, layout, tp), self.cluster,
-                                         self.setup.dtype, tp, mbs, self.setup.seq,
-                                         self.model.graph_float_bytes, span, cp, cp_span, ep,
-                                         ep_span, self.setup.moe_imbalance)
-                        priced[(id(tmpl), False)] = lc
-                    if inner:
-                        lc = dataclasses.replace(lc, boundary_bytes=lc.inner_boundary_bytes)
-                    priced[(id(tmpl), inner)] = lc
+                    lc = priced[id(tmpl)] = price_layer(
+                        tmpl, self.model.split(tmpl, layout, tp), self.cluster, self.setup.dtype,
+                        tp, mbs, self.setup.seq, self.model.graph_float_bytes, span, cp, cp_span,
+                        ep, ep_span, self.setup.moe_imbalance)
+                if i + 1 < n and self.model.template(i + 1) is tmpl:
+                    # a cut between two layers of one template sends what the next reads too
+                    if id(tmpl) not in between:
+                        between[id(tmpl)] = dataclasses.replace(
+                            lc, boundary_bytes=lc.inner_boundary_bytes)
+                    lc = between[id(tmpl)]
                 out.append(lc)
             self._layer_cache[key] = out
         return out

@@ -146,9 +146,9 @@ class StageSums:
         spec = c.schedule.spec
         zero_bubble = spec.splits_backward
         table = self.table(c)
-        # the table stands for the per-layer prices (so for tp, SP, the micro-batch, the
+        # the table stands for the per-layer prices (so for tp, cp, ep, SP, the micro-batch, the
         # recompute setting and each axis's span); the data-parallel degree enters no sum
-        key = (id(table), c.tp, c.cp, c.ep, c.pp, c.virtual_stages, zero_bubble, spec.placement,
+        key = (id(table), c.pp, c.virtual_stages, zero_bubble, spec.placement,
                tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
         if hit is not None:
