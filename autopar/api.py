@@ -59,7 +59,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                 verify_tolerance: float | None = None,
                 checkpoint: str | os.PathLike | None = None,
                 init: Callable[[nn.Module], None] | None = None,
-                offload_dir: str | os.PathLike | None = None) -> ParallelModel:
+                offload_dir: str | os.PathLike | None = None,
+                compile: bool | str = False) -> ParallelModel:
     """Parallelize ``model`` for this job; call on every rank. See the module docstring.
 
     Args:
@@ -117,6 +118,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         offload_dir: where a plan with ``offload="disk"`` keeps the optimizer state (each rank
             in a folder of its own, removed by ``close``); checked writable before any training
             (OffloadError). A plan pinned to ``offload="disk"`` needs it.
+        compile: run each stage's graph through ``torch.compile`` (True: the inductor backend,
+            which fuses the element-wise work between GEMMs; a string: that backend). Compiles on
+            the first step (and again for inference). Not with the zero-bubble schedules or
+            ZeRO-3 (InvalidPlanError): their backward is split or hooked per layer.
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InvalidInputError("timeout_s must be a positive number of seconds",
@@ -166,7 +171,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                                                             "offload='optimizer' or 'none'")
     training = TrainingOptions(_optimizer_factory(optimizer, model), max_grad_norm=max_grad_norm,
                                mixed_precision=mixed_precision, bucket_mb=bucket_mb,
-                               offload_dir=os.fspath(offload_dir) if offload_dir else None)
+                               offload_dir=os.fspath(offload_dir) if offload_dir else None,
+                               compile_backend=_compile_backend(compile))
     if source is None:  # with a checkpoint every rank reads the same weights
         _broadcast_model(model)
     captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
@@ -217,6 +223,18 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
 # ---------------------------------------------------------------------------------------------
 # Process group, devices, model
 # ---------------------------------------------------------------------------------------------
+
+def _compile_backend(compile: bool | str) -> str | None:
+    """``parallelize(compile=...)`` as a torch.compile backend name (None: not compiled)."""
+    if compile is True:
+        return "inductor"
+    if compile is False:
+        return None
+    if isinstance(compile, str):
+        return compile
+    raise InvalidInputError("compile must be a bool or a torch.compile backend name",
+                            found=repr(compile), fix="compile=True (inductor) or compile=False")
+
 
 def _init_distributed(timeout_s: float | None) -> None:
     if dist.is_initialized():

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.errors import InvalidInputError, PlanMismatchError
+from autopar.errors import InvalidInputError, InvalidPlanError, PlanMismatchError
 from autopar.model_state import ModelState
-from autopar.plan_types import RecomputeKind
+from autopar.plan_types import Plan, RecomputeKind
 from autopar.runtime.comm import activity, collective, set_activity
 from autopar.runtime.optim import OptimizerFactory
 from autopar.runtime.pipeline import ExecutorHooks
@@ -57,6 +57,9 @@ class TrainingOptions:
     bucket_mb: float = 25.0
     #: Where a plan with ``offload="disk"`` keeps the optimizer state (one folder per rank).
     offload_dir: str | None = None
+    #: Compile each stage's graph with ``torch.compile`` and this backend ("inductor": fused
+    #: kernels for the element-wise work between GEMMs); None runs the graphs as they are.
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerFactory):
@@ -68,6 +71,15 @@ class TrainingOptions:
                                     fix="pass a positive norm, or None for no clipping")
         if not self.bucket_mb > 0:
             raise InvalidInputError("bucket_mb must be positive", found=repr(self.bucket_mb))
+        if self.compile_backend is not None:
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                raise InvalidInputError(f"unknown torch.compile backend {self.compile_backend!r}",
+                                        expected=f"one of {sorted(backends)}",
+                                        found=repr(self.compile_backend),
+                                        fix="parallelize(..., compile=True) for inductor")
 
 
 class _RankHooks(ExecutorHooks):
@@ -139,6 +151,8 @@ class ParallelModel(ModelState):
                                for name in (*self.captured.input_names,
                                             *self.captured.target_names)]
         self.data_parallel: Any = None
+        if training.compile_backend is not None:
+            _check_compilable(self.plan)
         if stream is not None:  # the values arrive after the engine exists, one at a time
             tensors = _placeholders(program)
         self.executor = PipelineExecutor(self.split, program.staged.schedule, mesh,
@@ -148,7 +162,8 @@ class ParallelModel(ModelState):
                                          sync_tied=False, hooks=_RankHooks(self),
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False,  # the rank's own fresh shards
-                                         layer_units=self.plan.zero == 3)
+                                         layer_units=self.plan.zero == 3,
+                                         compile_backend=training.compile_backend)
         if isinstance(tensors, dict):  # taken over: the parameters are the executor's now
             tensors.clear()
         local = list(self.executor.stage_modules)
@@ -435,6 +450,23 @@ class ParallelModel(ModelState):
         """Release the data-parallel engine's hooks and groups (collective). ZeRO-3 parameters
         are not gathered first: the model is done."""
         self.data_parallel.close(gather=False)
+
+
+def _check_compilable(plan: Plan) -> None:
+    """Compiled stage graphs run whole forward and backward passes: a plan that takes a
+    backward apart or wraps each layer in gather hooks is refused by name."""
+    if plan.schedule.spec.splits_backward:
+        raise InvalidPlanError(f"compile=True does not run the {plan.schedule.value} schedule",
+                               expected="a schedule whose backward is one action (1f1b, "
+                                        "interleaved, gpipe)",
+                               found=f"{plan.schedule.value}, which splits each backward into "
+                                     "input and weight gradients",
+                               fix="pin schedule='1f1b', or drop compile")
+    if plan.zero == 3:
+        raise InvalidPlanError("compile=True does not run ZeRO-3",
+                               expected="zero 0, 1 or 2",
+                               found="zero 3, whose per-layer gathers are hooks inside the graph",
+                               fix="pin zero=2 (or lower), or drop compile")
 
 
 def _dp_names(executor: Any) -> dict[str, str]:

@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures as JSON to this file")
     ap.add_argument("--cluster", help="also predict with this cluster file (e.g. from "
                                       "`autopar calibrate --device cuda`)")
+    ap.add_argument("--unpadded", action="store_true",
+                    help="also run autopar with the vocabulary unpadded (vocab_multiple=0)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run eager under torch.compile and autopar with compile=True "
+                         "(inductor; compiled before the timed rounds)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 3 steps of each with torch.profiler: GPU kernel time by "
                          "kind (GEMM, attention, element-wise and the rest) and the top kernels")
@@ -133,15 +138,66 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     inputs, targets = zm.example_inputs(batch=args.batch, seq=args.seq, generator=gen)
     params = sum(p.numel() for p in zm.model.parameters())
-    eager_model = models.build(args.model, dropout=0.0, seed=0).model.to(device)
+    x, y = inputs[0].to(device), targets[0].to(device)
 
-    t0 = time.perf_counter()
-    pm = autopar.parallelize(zm.model, example_inputs=inputs, example_targets=targets,
-                             loss_fn=zm.loss_fn, mixed_precision=True,
-                             plan={"tp": 1, "pp": 1, "dp": 1, "num_micro_batches": 1,
-                                   "zero": 0, "recompute": "none"},
-                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
-    setup_s = time.perf_counter() - t0
+    def parallelized(vocab_multiple: int, compile: bool):
+        model = models.build(args.model, dropout=0.0, seed=0).model
+        t0 = time.perf_counter()
+        pm = autopar.parallelize(model, example_inputs=inputs, example_targets=targets,
+                                 loss_fn=zm.loss_fn, mixed_precision=True, compile=compile,
+                                 plan={"tp": 1, "pp": 1, "dp": 1, "num_micro_batches": 1,
+                                       "zero": 0, "recompute": "none",
+                                       "vocab_multiple": vocab_multiple},
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+        setup = time.perf_counter() - t0
+        return pm, setup, (lambda: pm.train_step(inputs, targets)), \
+            (lambda: pm.eval_step(inputs, targets))
+
+    def eager(compile: bool):
+        model = models.build(args.model, dropout=0.0, seed=0).model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        run = torch.compile(model) if compile else model
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = zm.loss_fn(run(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def forward() -> float:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                return float(zm.loss_fn(run(x), y))
+        return step, forward
+
+    variants: dict[str, tuple] = {}
+    setup_s: dict[str, float] = {}
+    # the first losses, same weights and batch: a sanity check of the bf16 path
+    first: dict[str, float] = {}
+    pm, setup_s["autopar"], *fns = parallelized(128, False)
+    variants["autopar"] = tuple(fns)
+    variants["eager"] = eager(False)
+    closing = [pm]
+    if args.unpadded:
+        pm0, setup_s["autopar, vocabulary unpadded"], *fns = parallelized(0, False)
+        variants["autopar, vocabulary unpadded"] = tuple(fns)
+        closing.append(pm0)
+    if args.compile:
+        t0 = time.perf_counter()
+        variants["eager, torch.compile"] = eager(True)
+        # compiled outside the rounds: the no_grad forward, then forward + backward
+        first["eager, torch.compile"] = variants["eager, torch.compile"][1]()
+        for _ in range(2):
+            variants["eager, torch.compile"][0]()
+        setup_s["eager, torch.compile"] = time.perf_counter() - t0
+        pmc, setup_s["autopar, compile=True"], *fns = parallelized(128, True)
+        t0 = time.perf_counter()
+        first["autopar, compile=True"] = fns[1]()
+        for _ in range(2):
+            fns[0]()
+        setup_s["autopar, compile=True"] += time.perf_counter() - t0
+        variants["autopar, compile=True"] = tuple(fns)
+        closing.append(pmc)
     backend = dist.get_backend()
     from autopar.passes.analyze import analyze
 
@@ -153,55 +209,37 @@ def main(argv: list[str] | None = None) -> int:
     calibrated = (_prediction(pm.captured, args.cluster, args.batch, args.seq)
                   if args.cluster else None)
 
-    x, y = inputs[0].to(device), targets[0].to(device)
-    opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, foreach=True)
-
-    def eager_step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = zm.loss_fn(eager_model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def eager_forward() -> None:
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            zm.loss_fn(eager_model(x), y)
-
-    def autopar_step() -> None:
-        pm.train_step(inputs, targets)
-
-    def autopar_forward() -> None:
-        pm.eval_step(inputs, targets)
-
-    # the first losses, same weights and batch: a sanity check of the bf16 path
-    first_autopar = pm.eval_step(inputs, targets)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        first_eager = float(zm.loss_fn(eager_model(x), y))
-    for fn in (eager_step, autopar_step, eager_forward, autopar_forward):  # warm-up
+    first = {name: float(first[name]) if name in first else float(fwd())
+             for name, (_, fwd) in variants.items()}
+    for step, fwd in variants.values():  # warm-up
         for _ in range(3):
-            fn()
-    rows: dict[str, list[float]] = {"autopar_step": [], "eager_step": [], "autopar_forward": [],
-                                    "eager_forward": []}
+            step()
+            fwd()
+    names = list(variants)
+    rows: dict[str, list[float]] = {f"{n}|{k}": [] for n in names for k in ("step", "forward")}
     for r in range(args.rounds):
-        order = [("autopar", autopar_step, autopar_forward), ("eager", eager_step, eager_forward)]
-        for name, step, fwd in (order if r % 2 == 0 else order[::-1]):
-            rows[f"{name}_step"].append(_cuda_time(step, args.steps))
-            rows[f"{name}_forward"].append(_cuda_time(fwd, args.steps))
+        k = r % len(names)
+        for name in names[k:] + names[:k]:  # the order rotates by round
+            step, fwd = variants[name]
+            rows[f"{name}|step"].append(_cuda_time(step, args.steps))
+            rows[f"{name}|forward"].append(_cuda_time(fwd, args.steps))
     med = {k: statistics.median(v) for k, v in rows.items()}
-    step_ratio = statistics.median(a / e for a, e in zip(rows["autopar_step"], rows["eager_step"]))
-    fwd_ratio = statistics.median(a / e for a, e in zip(rows["autopar_forward"],
-                                                        rows["eager_forward"]))
+
+    def ratio(name: str, kind: str) -> float:
+        return statistics.median(a / e for a, e in zip(rows[f"{name}|{kind}"],
+                                                       rows[f"eager|{kind}"]))
+
     tokens = args.batch * args.seq
     out = {
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backend": backend,
         "model": args.model, "params": params, "batch": args.batch, "seq": args.seq,
         "setup_s": setup_s, "forward_flops": fwd_flops, "peak_bf16": peak,
-        "first_loss": {"autopar": first_autopar, "eager": first_eager},
-        "median_s": med, "step_ratio": step_ratio, "forward_ratio": fwd_ratio,
-        "tokens_per_s": {"autopar": tokens / med["autopar_step"],
-                         "eager": tokens / med["eager_step"]},
-        "mfu": {"autopar": 3 * fwd_flops / med["autopar_step"] / peak,
-                "eager": 3 * fwd_flops / med["eager_step"] / peak},
+        "first_loss": first, "median_s": med,
+        "step_ratio": {n: ratio(n, "step") for n in names},
+        "forward_ratio": {n: ratio(n, "forward") for n in names},
+        "tokens_per_s": {n: tokens / med[f"{n}|step"] for n in names},
+        "mfu": {n: 3 * fwd_flops / med[f"{n}|step"] / peak for n in names},
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "rounds": rows,
         # the cost model's prediction for this plan on the preset (h100-80g / h200), for the
         # cost model's measured-error table (docs/cost-model.md)
@@ -214,21 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{out['device']}, torch {out['torch']}, backend {backend}, {args.model} "
           f"({params / 1e6:.0f}M params), batch {args.batch} x {args.seq} tokens, bf16")
-    print("| | step ms (median) | x eager | forward ms | x eager | tokens/s | MFU |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in ("eager", "autopar"):
-        print(f"| {name} | {med[f'{name}_step'] * 1e3:.1f} | "
-              f"{1.0 if name == 'eager' else step_ratio:.3f} | "
-              f"{med[f'{name}_forward'] * 1e3:.1f} | "
-              f"{1.0 if name == 'eager' else fwd_ratio:.3f} | "
-              f"{out['tokens_per_s'][name]:,.0f} | {out['mfu'][name]:.3f} |")
+    print("| | step ms (median) | x eager | forward ms | x eager | tokens/s | MFU | first loss |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in names:
+        print(f"| {name} | {med[f'{name}|step'] * 1e3:.1f} | {out['step_ratio'][name]:.3f} | "
+              f"{med[f'{name}|forward'] * 1e3:.1f} | {out['forward_ratio'][name]:.3f} | "
+              f"{out['tokens_per_s'][name]:,.0f} | {out['mfu'][name]:.3f} | "
+              f"{first[name]:.5f} |")
     for label, p in ((preset, predicted), (args.cluster, calibrated)):
         if p is not None:
             print(f"autopar's prediction for this plan ({label}): {p.step_time_s * 1e3:.1f} "
-                  f"ms/step ({p.step_time_s / med['autopar_step'] - 1:+.0%} vs measured); "
+                  f"ms/step ({p.step_time_s / med['autopar|step'] - 1:+.0%} vs measured); "
                   + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p.breakdown.items() if v))
     if args.profile:
-        out["profile"] = {"autopar": _profile(autopar_step), "eager": _profile(eager_step)}
+        out["profile"] = {name: _profile(variants[name][0]) for name in names}
         for name, prof in out["profile"].items():
             print(f"{name}: GPU kernel ms per step by kind: "
                   + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in prof["by_kind"].items()))
@@ -237,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
-    pm.close()
+    for p in closing:
+        p.close()
     return 0
 
 

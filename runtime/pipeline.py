@@ -154,10 +154,12 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter], *,
-                 layer_units: bool = False) -> None:
+                 layer_units: bool = False, compile_backend: str | None = None) -> None:
         """``layer_units``: instrument the graph with one :class:`LayerBoundary` per captured
         layer (``runtime/layer_units.py``), children of this module, so that ZeRO-3 gathers
-        one layer at a time rather than the whole stage."""
+        one layer at a time rather than the whole stage. ``compile_backend``: run the graph
+        through ``torch.compile`` with that backend (compiled on its first call, again for a
+        new micro-batch shape or for inference)."""
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
@@ -170,6 +172,8 @@ class StageModule(nn.Module):
                                                   attribute_of)
             # registered after the parameters, so named_parameters() keeps their names
             self.layers = nn.ModuleList(boundaries)
+        if compile_backend is not None and graph is not None:
+            graph = torch.compile(graph, backend=compile_backend, dynamic=False)
         object.__setattr__(self, "_graph", graph)  # not a submodule: no params
 
     def forward(self, *args: Any) -> Any:
@@ -219,14 +223,16 @@ class PipelineExecutor:
                  tensors: Mapping[str, torch.Tensor], bindings: Mapping[str, Any] | None = None,
                  timeout: timedelta | None = None, sync_tied: bool = True,
                  hooks: ExecutorHooks | None = None, recompute: bool = False,
-                 copy_tensors: bool = True, layer_units: bool = False) -> None:
+                 copy_tensors: bool = True, layer_units: bool = False,
+                 compile_backend: str | None = None) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
         gradient sum of tied weights to the caller (the data-parallel layer does it on its
         buckets); ``hooks`` (:class:`ExecutorHooks`) are told of each action as it runs.
         ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
-        layer (:class:`StageModule`). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
+        layer (:class:`StageModule`); ``compile_backend`` compiles each stage's graph with
+        ``torch.compile``. ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
         self.split = split
         #: Full activation recompute: each stage call keeps only its inputs and runs again in
@@ -293,7 +299,8 @@ class PipelineExecutor:
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
-        self.stage_modules = {s: StageModule(stage, self.params, layer_units=layer_units)
+        self.stage_modules = {s: StageModule(stage, self.params, layer_units=layer_units,
+                                             compile_backend=compile_backend)
                               for s, stage in self.local.items()}
         self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
                                                      ActionKind.BACKWARD_INPUT)
