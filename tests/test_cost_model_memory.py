@@ -12,6 +12,7 @@ from autopar.planner.comm import mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         price_layer)
 from autopar.planner.memory import model_state_bytes
+from conftest import build_tiny
 
 A100 = Cluster.load("a100-80g")
 
@@ -19,12 +20,19 @@ A100 = Cluster.load("a100-80g")
 @pytest.mark.parametrize("params", [1, 124_439_808, 175e9])
 @pytest.mark.parametrize("n", [1, 2, 8, 64])
 def test_model_states_equal_the_zero_formulas(params, n):
-    """16 bytes per parameter; ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N."""
+    """The ZeRO paper's 16 bytes per parameter with fp16 gradients (ZeRO-1 4P + 12P/N, ZeRO-2
+    2P + 14P/N, ZeRO-3 16P/N); with bf16 compute the gradients are fp32 (the runtime's
+    MixedPrecision.grad_dtype; tests/test_zero.py measures them): 18P, 6P + 12P/N, 2P + 16P/N,
+    18P/N."""
     P = params
     want = {0: 16 * P, 1: 4 * P + 12 * P / n, 2: 2 * P + 14 * P / n, 3: 16 * P / n}
     for zero, total in want.items():
+        assert model_state_bytes(P, n, zero, "fp16").total == pytest.approx(total)
+    want = {0: 18 * P, 1: 6 * P + 12 * P / n, 2: 2 * P + 16 * P / n, 3: 18 * P / n}
+    for zero, total in want.items():
         assert model_state_bytes(P, n, zero, "bf16").total == pytest.approx(total)
     assert model_state_bytes(P, n, 0, "bf16").weights == 2 * P
+    assert model_state_bytes(P, n, 0, "bf16").gradients == 4 * P
     assert model_state_bytes(P, n, 1, "bf16").optimizer == pytest.approx(12 * P / n)
 
 
@@ -65,7 +73,8 @@ def test_rank_model_states_from_the_graph(gpt2_small, tp, zero):
     P = _megatron_split_params(zm.model, tp)
     assert P == pytest.approx(sum(p.numel() for p in zm.model.parameters()) if tp == 1 else P)
     states = rank.weights + rank.gradients + rank.optimizer
-    want = {0: 16 * P, 1: 4 * P + 12 * P / dp, 2: 2 * P + 14 * P / dp, 3: 16 * P / dp}[zero]
+    # bf16 weights, fp32 gradients, fp32 master weights and Adam moments
+    want = {0: 18 * P, 1: 6 * P + 12 * P / dp, 2: 2 * P + 16 * P / dp, 3: 18 * P / dp}[zero]
     assert states == pytest.approx(want, rel=1e-9)
 
 
@@ -131,8 +140,9 @@ def test_activations_reproduce_korthikanti(eager_gpt, tp, b, s):
 
 
 def test_recompute_and_schedule_set_the_peak(gpt2_small):
-    """1F1B's first rank holds p micro-batches, GPipe all m; full recompute keeps 2 s b h per
-    block plus one block being recomputed."""
+    """1F1B's first rank holds p micro-batches, GPipe all m, each rank also the largest
+    backward transient of its layers; full recompute keeps 2 s b h per block plus one block
+    being recomputed."""
     _, _, costs = gpt2_small
     cm = CostModel(costs, A100.with_devices(4), TrainingSetup(32, 1024))
 
@@ -144,16 +154,25 @@ def test_recompute_and_schedule_set_the_peak(gpt2_small):
     _, gpipe = acts(ScheduleKind.GPIPE, RecomputeKind.NONE)
     zb_ev, zb = acts(ScheduleKind.ZB_H1, RecomputeKind.NONE)
     per_mb = [sum(st.activation_bytes for st in ev.stages if st.pp_rank == r) for r in range(4)]
-    assert one == pytest.approx([per_mb[r] * (4 - r) for r in range(4)])
-    assert gpipe == pytest.approx([x * 32 for x in per_mb])
+    costs1 = cm.layer_costs(1, False, 1)
+
+    def transient(stages):  # the largest backward transient among a rank's layers
+        return [max(costs1[i].transient_bytes for st in stages if st.pp_rank == r
+                    for i in range(st.layers[0], st.layers[1] + 1)) for r in range(4)]
+
+    extra = transient(ev.stages)
+    assert extra[3] == 2 * 1024 * 50304 * 2  # the logits' gradients, at the head
+    assert one == pytest.approx([per_mb[r] * (4 - r) + extra[r] for r in range(4)])
+    assert gpipe == pytest.approx([x * 32 + e for x, e in zip(per_mb, extra)])
     # ZB-H1: rank r defers its weight gradients by r micro-batches: p in flight on every rank
-    assert zb == pytest.approx([x * 4 for x in per_mb])
+    assert zb == pytest.approx([x * 4 + e for x, e in zip(per_mb, extra)])
     # the finalists' memory comes from the schedule's action lists, per local stage: the same
     refined = cm.refine(ev)
     stage_acts = [sum(st.activation_bytes for st in refined.stages if st.pp_rank == r)
                   for r in range(4)]
+    extra = transient(refined.stages)
     assert [r.activations for r in refined.ranks] == pytest.approx(
-        [stage_acts[r] * (4 - r) for r in range(4)])
+        [stage_acts[r] * (4 - r) + extra[r] for r in range(4)])
     ev_full, full = acts(ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL)
     lc = cm.layer_costs(1, False, 1)[5]
     assert lc.ckpt_bytes == pytest.approx(2 * 1024 * 768)  # 2 s b h at b = 1
@@ -207,3 +226,41 @@ def test_a_cut_between_two_blocks_sends_the_tables_they_read():
     # the middle blocks send more than the hidden state (the rotary tables), the last does not
     assert want[blocks[0]] > want[blocks[-1]]
     assert [lc.boundary_bytes for lc in priced] == pytest.approx(want, rel=1e-12)
+
+
+def test_backward_transients_and_the_fp32_loss_under_mixed_precision():
+    """Memory a layer's backward holds on top of the saved activations: the gradient of its
+    largest gradient-carrying tensor and that of its input (2 x the tensor). Captured as
+    parallelize captures under mixed precision (bf16 compute, the loss in fp32), in closed
+    form: the embedding's output b s h in bf16, a GPT-2 block's MLP intermediate b s 4h in
+    bf16, and the head's logits b s V in fp32 (the upcast the loss reads). The fp32 tensors of
+    such a capture keep 4 bytes at the bf16 training precision (the layer norms' statistics and
+    the loss's saved softmax); measured on an H200 these terms took GPT-2 medium's predicted
+    peak from -25% to +2% (benchmarks/gpu_memory.py)."""
+    from autopar.api import _capture as capture_as_trained
+
+    zm = build_tiny("gpt")
+    h, V = zm.model.config.n_embd, zm.model.config.vocab_size
+    b, s = 4, 16
+    inputs, targets = zm.example_inputs(batch=b, seq=s)
+    mixed = ModelCosts(capture_as_trained(zm.model, inputs, zm.loss_fn, targets, True))
+    plain = ModelCosts(capture_as_trained(zm.model, inputs, zm.loss_fn, targets, False))
+    setup = TrainingSetup(global_batch=b, seq=s, dtype="bf16")
+    one = Cluster.load("h100-80g").with_devices(1)
+    lm, lp = (CostModel(c, one, setup).layer_costs(1, False, b) for c in (mixed, plain))
+    assert [lc.transient_bytes for lc in lm] == [2 * b * s * h * 2, 2 * b * s * 4 * h * 2,
+                                                  2 * b * s * 4 * h * 2, 2 * b * s * V * 4]
+    # from an fp32 capture nothing says which tensors stay fp32: all at the training precision
+    assert lp[-1].transient_bytes == 2 * b * s * V * 2
+    head = mixed.template(len(lm) - 1)
+    assert {t.owner for t in head.saved if t.wide} >= {"cross_entropy_loss"}
+    assert not any(t.wide for t in plain.template(len(lp) - 1).saved)
+    # the wide tensors make the mixed capture's saved bytes larger, never smaller
+    assert all(a.act_bytes >= p.act_bytes for a, p in zip(lm, lp))
+    assert lm[-1].act_bytes > lp[-1].act_bytes
+    # and the rank's peak holds the largest transient (no recompute, one micro-batch)
+    cm = CostModel(mixed, one, setup)
+    ev = cm.evaluate(Candidate(1, 1, 1, 1, b, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0,
+                               False))
+    assert ev.ranks[0].activations == pytest.approx(sum(lc.act_bytes for lc in lm)
+                                                    + 2 * b * s * V * 4)

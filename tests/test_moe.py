@@ -294,7 +294,7 @@ def test_cost_model_divides_the_experts_by_ep():
                    TrainingSetup(global_batch=16, seq=16, dtype="bf16"))
     experts = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
     dense = sum(p.numel() for p in model.parameters()) - experts
-    w, g, o = 2, 2, 12  # bf16 weights and gradients, fp32 master + Adam moments
+    w, g, o = 2, 4, 12  # bf16 weights, fp32 gradients, fp32 master + Adam moments
     for ep in (1, 2, 4):
         for zero in (0, 3):
             c = Candidate(8, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, zero,

@@ -103,7 +103,7 @@ class RankSums:
     largest_layer_params: float
     layers: int
     activations: float  # per micro-batch, at the recompute setting
-    working: float  # one block re-materialized (recompute)
+    working: float  # while one layer's backward runs: its rematerialized block, transients
     forward: float
     backward: float
     backward_chunk0: float

@@ -399,8 +399,9 @@ class CostModel:
             held, experts = self.sums.layer_params(i, layout, c.tp, c.ep)
             largest = max(largest, held)
             params = held - experts + experts * per_expert / per_param
-            if self.sums.is_block[i] and c.recompute is not RecomputeKind.NONE:
-                working = max(working, lc.act_bytes - self.sums.activation(i, lc, c.recompute))
+            remat = lc.act_bytes - self.sums.activation(i, lc, c.recompute) \
+                if self.sums.is_block[i] and c.recompute is not RecomputeKind.NONE else 0.0
+            working = max(working, remat + lc.transient_bytes)
             layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
                                      self.sums.activation(i, lc, c.recompute), lc.boundary_bytes))
         buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0

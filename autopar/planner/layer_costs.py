@@ -93,6 +93,9 @@ class LayerCosts:
     #: What a cut between it and the next layer of the same template sends (per tp rank):
     #: :attr:`boundary_bytes` plus the tables the next block reads too (``Template``)
     inner_boundary_bytes: float = 0.0
+    #: Held only while the layer's backward runs, on top of the saved activations: the gradient
+    #: of its largest tensor and of that tensor's input (``Template.transient``).
+    transient_bytes: float = 0.0
 
 
 def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: str, tp: int,
@@ -236,7 +239,8 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
         for t, share in zip(tensors, shares):
             if t.core and not include_core:
                 continue
-            total += v[t.index] * (esize if t.is_float else 1) / share
+            width = max(esize, 4) if t.wide else esize
+            total += v[t.index] * (width if t.is_float else 1) / share
         return total
 
     return LayerCosts(
@@ -247,6 +251,7 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
         ckpt_bytes=nbytes(template.checkpoint, split.checkpoint),
         boundary_bytes=nbytes(template.boundary, split.boundary),
         inner_boundary_bytes=nbytes(template.inner_boundary, split.inner_boundary),
+        transient_bytes=2 * nbytes(template.transient, split.transient),
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
         tp_calls=tuple(calls), ep_forward_s=ep_f, ep_backward_s=ep_b,
         cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {},

@@ -71,6 +71,10 @@ class TensorRef:
     core: bool  # an attention-core tensor (dropped by selective recompute)
     index: int
     reader: tuple[str, int] | None = None
+    #: Kept in fp32 whatever the training precision: under mixed precision the runtime computes
+    #: the loss in fp32 (the model's outputs cast up), so the tensors of that region are fp32
+    #: in a capture made in the compute dtype.
+    wide: bool = False
 
 
 @dataclass(slots=True)
@@ -103,6 +107,9 @@ class Template:
     #: boundary (tables made before the blocks, e.g. rotary cos / sin, go on to the next
     #: block; after the last block only the hidden state does). ``boundary`` is the last's.
     inner_boundary: list[TensorRef] = field(default_factory=list)
+    #: The layer's largest tensor that carries a gradient: its backward holds that gradient and
+    #: its input's at once, on top of the saved activations (the logits' at the loss).
+    transient: list[TensorRef] = field(default_factory=list)
     fn: Any = None
     cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
 
@@ -135,6 +142,7 @@ class LayerSplit:
     #: per saved tensor: kept as this rank's sequence shard and gathered again in the backward
     #: (a column-parallel GEMM's input under sequence parallelism: runtime/tp.py saved_gathers)
     regather: list[bool] = field(default_factory=list)
+    transient: list[int] = field(default_factory=list)
 
     def comm_bytes(self, b: int, s: int) -> tuple[float, ...]:
         out = self.cache.get((b, s))
@@ -155,7 +163,8 @@ def layer_split(template: Template, layout: TPLayout | None, tp: int) -> LayerSp
         n = len(template.terms)
         return LayerSplit([Split.NONE] * n, [1] * n, [1] * len(template.saved),
                            [1] * len(template.checkpoint), [1] * len(template.boundary),
-                           [1] * len(template.inner_boundary), [], None, frozenset())
+                           [1] * len(template.inner_boundary), [], None, frozenset(),
+                           transient=[1] * len(template.transient))
     gemm, divisor = [], []
     for term in template.terms:
         scale = layout.compute_scale.get(term.name, 1.0)
@@ -195,7 +204,8 @@ def layer_split(template: Template, layout: TPLayout | None, tp: int) -> LayerSp
     return LayerSplit(gemm, divisor, shares(template.saved), shares(template.checkpoint),
                        shares(template.boundary), shares(template.inner_boundary), comm, fn,
                        layout.sharded_params,
-                       regather=[regathered(t) for t in template.saved])
+                       regather=[regathered(t) for t in template.saved],
+                       transient=shares(template.transient))
 
 
 #: A device's ``op_table`` entry for a GEMM's bias vector: the broadcast copy of the bias into

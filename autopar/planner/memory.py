@@ -2,17 +2,25 @@
 
 Model states (Rajbhandari et al. 2020, ZeRO, section 3). With ``P`` the parameters a
 rank holds after tensor and pipeline splitting, ``d`` the data-parallel degree, and per-parameter
-bytes ``(w, g, o)`` = (2, 2, 12) for mixed-precision Adam (bf16/fp16 weights and gradients; fp32
-master weights, momentum and variance) or (4, 4, 8) for fp32 Adam:
+bytes ``(w, g, o)``:
 
-=======  =============  =============  =============  ============================
-ZeRO     weights        gradients      optimizer      total, mixed precision
-=======  =============  =============  =============  ============================
-0        w P            g P            o P            16 P
-1        w P            g P            o P / d        4 P + 12 P / d
-2        w P            g P / d        o P / d        2 P + 14 P / d
-3        w P / d        g P / d        o P / d        16 P / d
-=======  =============  =============  =============  ============================
+- ``bf16``, (2, 4, 12): bf16 weights, **fp32 gradients** (accumulated over micro-batches and
+  reduced across replicas in fp32: autopar's runtime, ``MixedPrecision.grad_dtype``, and
+  Megatron-LM's default for bf16, ``accumulate_allreduce_grads_in_fp32``), fp32 master weights,
+  momentum and variance: 18 bytes per parameter, as Megatron-LM's distributed-optimizer
+  documentation counts them. Measured on an H200: 18.2 bytes per parameter allocated after a
+  step of GPT-2 medium (``benchmarks/gpu_memory.py``);
+- ``fp16``, (2, 2, 12): fp16 gradients, the ZeRO paper's 16 bytes (Megatron-LM's fp16 default);
+- ``fp32``, (4, 4, 8).
+
+=======  =============  =============  =============  ==================  ==================
+ZeRO     weights        gradients      optimizer      total, (2, 2, 12)   total, (2, 4, 12)
+=======  =============  =============  =============  ==================  ==================
+0        w P            g P            o P            16 P                18 P
+1        w P            g P            o P / d        4 P + 12 P / d      6 P + 12 P / d
+2        w P            g P / d        o P / d        2 P + 14 P / d      2 P + 16 P / d
+3        w P / d        g P / d        o P / d        16 P / d            18 P / d
+=======  =============  =============  =============  ==================  ==================
 
 ZeRO-3 also holds the gathered parameters of the layer it runs and of the one it prefetches, and
 the unsharded gradients of the layer whose backward runs and of the one being reduce-scattered.
@@ -34,9 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "offloaded_state_bytes",
            "RankMemory", "rank_memory"]
 
-#: bytes per parameter (weights, gradients, optimizer states) by training precision.
+#: bytes per parameter (weights, gradients, optimizer states) by training precision (bf16: the
+#: gradients in fp32, as the runtime keeps them; see the module docstring).
 STATE_BYTES: dict[str, tuple[int, int, int]] = {
-    "bf16": (2, 2, 12),
+    "bf16": (2, 4, 12),
     "fp16": (2, 2, 12),
     "fp32": (4, 4, 8),
 }

@@ -88,6 +88,12 @@ class ModelCosts:
         self._cp_problem: object = _UNKNOWN
         self.name = name
         self.graph_float_bytes = self.profile.layers[0].graph_float_bytes
+        #: The capture computes in a 16-bit dtype (a mixed-precision capture): its fp32
+        #: tensors stay fp32 in training (TensorRef.wide).
+        self._narrow = any(
+            n.op == "call_function" and isinstance(info(n).spec, TensorSpec)
+            and info(n).spec.dtype in (torch.bfloat16, torch.float16)
+            for n in captured.gm.graph.nodes)
         layers = captured.layers
         self._param_numel = {}
         for p in captured.params.values():
@@ -267,11 +273,18 @@ class ModelCosts:
         def tensor(owner: str, spec: TensorSpec, core: bool = False,
                    reader: tuple[str, int] | None = None) -> TensorRef:
             return TensorRef(owner, spec.is_float, core,
-                           add(spec.numel if spec.is_float else spec.nbytes), reader)
+                             add(spec.numel if spec.is_float else spec.nbytes), reader,
+                             wide=self._narrow and spec.dtype == torch.float32)
 
         # saved activations (the placement their saving op reads them in decides the share)
         saved_tensors = [tensor(owner, spec, seq_degree(spec.numel) >= 2, reader)
                          for spec, owner, reader in saved.get(layer.name, ())]
+        # the largest tensor a gradient flows through (at its width in the capture)
+        carrying = [(n, info(n).spec) for n in (captured.node(m) for m in layer.nodes)
+                    if n.op == "call_function" and isinstance(info(n).spec, TensorSpec)
+                    and info(n).spec.is_float and info(n).requires_grad]
+        transient = [tensor(n.name, spec, reader=None) for n, spec in
+                     [max(carrying, key=lambda ns: _size_hint(ns[1].nbytes))]] if carrying else []
         # the block's input (all full recomputation keeps)
         checkpoint = []
         inside = set(layer.nodes)
@@ -313,7 +326,7 @@ class ModelCosts:
             core_flops=add(core_flops), params=params, nodes=calls,
             grad_nodes=grad_calls + len(params), moe_rows=moe_rows, moe_experts=moe_experts,
             expert_params=frozenset(self._canonical.get(f, f) for f in moe_params),
-            inner_boundary=inner)
+            inner_boundary=inner, transient=transient)
 
     def _core_nodes(self, layer: Any) -> set[str]:
         """The attention core: fused attention, and the nodes whose output grows as s^2

@@ -114,8 +114,11 @@ class StageSums:
         if hit is None:
             times = self.layer_times(costs, c.recompute, cp_attention)
             acts = [self.activation(i, lc, c.recompute) for i, lc in enumerate(costs)]
-            working = [lc.act_bytes - a if block and c.recompute is not RecomputeKind.NONE
-                       else 0.0 for lc, a, block in zip(costs, acts, self.is_block)]
+            # while a layer's backward runs: its rematerialized activations (recompute) and
+            # its transient gradients
+            working = [(lc.act_bytes - a if block and c.recompute is not RecomputeKind.NONE
+                        else 0.0) + lc.transient_bytes
+                       for lc, a, block in zip(costs, acts, self.is_block)]
             f_calls: list[float] = []
             b_calls: list[float] = []
             for lc, block in zip(costs, self.is_block):
@@ -191,7 +194,7 @@ class StageSums:
             held, largest, experts, tensors = self.rank_params(
                 tuple(st.layers for st in mine), layout, c.tp, c.ep)
             working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
-                          default=0.0) if c.recompute is not RecomputeKind.NONE else 0.0
+                          default=0.0)
             ranks.append(RankSums(
                 params=held, largest_layer_params=largest, expert_params=experts,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
