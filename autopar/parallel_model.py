@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from autopar.errors import InvalidInputError, InvalidPlanError, PlanMismatchError
 from autopar.model_state import ModelState
+from autopar.ir import LayerKind
 from autopar.plan_types import Plan, RecomputeKind
 from autopar.runtime.comm import activity, collective, set_activity
 from autopar.runtime.optim import OptimizerFactory
@@ -163,7 +164,10 @@ class ParallelModel(ModelState):
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False,  # the rank's own fresh shards
                                          layer_units=self.plan.zero == 3,
-                                         compile_backend=training.compile_backend)
+                                         compile_backend=training.compile_backend,
+                                         recompute_blocks=frozenset(
+                                             layer.name for layer in self.captured.layers
+                                             if layer.kind is LayerKind.BLOCK))
         if isinstance(tensors, dict):  # taken over: the parameters are the executor's now
             tensors.clear()
         local = list(self.executor.stage_modules)

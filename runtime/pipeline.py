@@ -44,6 +44,7 @@ passes; the expected attributes are spelled out by :class:`StageProgram`).
 
 from __future__ import annotations
 
+import functools
 import gc
 from datetime import timedelta
 from typing import Callable, Any, Mapping, Protocol, Sequence
@@ -59,6 +60,7 @@ from autopar.errors import (
     PlanMismatchError,
     ScheduleError,
 )
+from autopar.runtime.layer_recompute import recompute_per_layer, recompute_region
 from autopar.runtime.layer_units import instrument_layers
 from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import wait_work
@@ -154,12 +156,15 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter], *,
-                 layer_units: bool = False, compile_backend: str | None = None) -> None:
+                 layer_units: bool = False, compile_backend: str | None = None,
+                 recompute_blocks: frozenset[str] = frozenset()) -> None:
         """``layer_units``: instrument the graph with one :class:`LayerBoundary` per captured
         layer (``runtime/layer_units.py``), children of this module, so that ZeRO-3 gathers
         one layer at a time rather than the whole stage. ``compile_backend``: run the graph
         through ``torch.compile`` with that backend (compiled on its first call, again for a
-        new micro-batch shape or for inference)."""
+        new micro-batch shape or for inference). ``recompute_blocks``: the layers full recompute
+        checkpoints one at a time (``runtime/layer_recompute.py``); :attr:`recomputes_layers`
+        says whether this stage holds any (else the executor checkpoints the stage whole)."""
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
@@ -172,6 +177,12 @@ class StageModule(nn.Module):
                                                   attribute_of)
             # registered after the parameters, so named_parameters() keeps their names
             self.layers = nn.ModuleList(boundaries)
+        #: Full recompute checkpoints this stage's blocks one by one (its graph calls them
+        #: through layer_recompute.checkpointed).
+        self.recomputes_layers = False
+        if recompute_blocks and graph is not None and not layer_units:
+            graph, runs = recompute_per_layer(graph, recompute_blocks)
+            self.recomputes_layers = runs > 0
         if compile_backend is not None and graph is not None:
             graph = torch.compile(graph, backend=compile_backend, dynamic=False)
         object.__setattr__(self, "_graph", graph)  # not a submodule: no params
@@ -224,7 +235,8 @@ class PipelineExecutor:
                  timeout: timedelta | None = None, sync_tied: bool = True,
                  hooks: ExecutorHooks | None = None, recompute: bool = False,
                  copy_tensors: bool = True, layer_units: bool = False,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | None = None,
+                 recompute_blocks: frozenset[str] = frozenset()) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
@@ -232,7 +244,9 @@ class PipelineExecutor:
         buckets); ``hooks`` (:class:`ExecutorHooks`) are told of each action as it runs.
         ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
         layer (:class:`StageModule`); ``compile_backend`` compiles each stage's graph with
-        ``torch.compile``. ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
+        ``torch.compile``. With ``recompute``, ``recompute_blocks`` names the layers checkpointed one
+        at a time (the repeated blocks; not with ``layer_units`` or a compiled graph, where the
+        stage is checkpointed whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
         self.split = split
         #: Full activation recompute: each stage call keeps only its inputs and runs again in
@@ -299,8 +313,10 @@ class PipelineExecutor:
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
+        per_layer = recompute_blocks if recompute and compile_backend is None else frozenset()
         self.stage_modules = {s: StageModule(stage, self.params, layer_units=layer_units,
-                                             compile_backend=compile_backend)
+                                             compile_backend=compile_backend,
+                                             recompute_blocks=per_layer)
                               for s, stage in self.local.items()}
         self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
                                                      ActionKind.BACKWARD_INPUT)
@@ -522,10 +538,16 @@ class PipelineExecutor:
             leaves = [t.detach().requires_grad_(c.requires_grad)
                       for t, c in zip(received, stage.inputs)]
             module, args = self.stage_modules[s], self._args(stage, mb, leaves)
+            per_layer = self.stage_modules[s].recomputes_layers
             if self.hooks is not None:
                 module = _announced(module, self.hooks.before_forward, s, mb)
             with torch.enable_grad():
-                if self.recompute and not self._inference:
+                if self.recompute and not self._inference and per_layer:
+                    announce = (functools.partial(self.hooks.before_forward, s, mb)
+                                if self.hooks is not None else None)
+                    with recompute_region(announce):
+                        out = module(*args)
+                elif self.recompute and not self._inference:
                     out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
                 else:
                     with saved_gathers():  # SP's gathered GEMM inputs kept as shards

@@ -1,0 +1,100 @@
+"""Full activation recompute one layer at a time inside a stage graph.
+
+Megatron-LM's full recompute (``--recompute-granularity full --recompute-num-layers 1``) keeps
+each transformer block's input and re-runs one block's forward inside that block's backward, so
+a rank holds its blocks' inputs plus one block's activations. Checkpointing a whole stage call
+instead (``torch.utils.checkpoint`` around the stage) keeps one input per stage but
+re-materializes every layer of the stage at once in its backward: with one stage of 26 layers
+its peak equals no recompute's (measured on an H200, ``benchmarks/gpu_memory.py``).
+
+:func:`recompute_per_layer` rewrites a stage graph so that each run of consecutive nodes of one
+repeated block (``meta["autopar"].layer``) becomes a submodule (``torch.fx.passes.split_module``)
+called through :func:`checkpointed`, which checkpoints it (non-reentrant) while the executor is
+in a training forward with recompute (:func:`recompute_region`) and calls it plainly otherwise
+(inference, the plain runtime). The layers before and after the blocks (embeddings, the head and
+the loss) run as they are, as the cost model prices them. A recomputed block first calls the
+executor's announcement of its micro-batch (the stage's ``before_forward`` hook), so the block's
+dropout masks are its micro-batch's also when the backward that re-runs it comes after other
+micro-batches' forwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from autopar.ir import has_info, info
+
+__all__ = ["recompute_per_layer", "checkpointed", "recompute_region"]
+
+#: While a training forward with recompute runs: the call that re-announces its micro-batch.
+_REGION: contextvars.ContextVar[tuple[Callable[[], None] | None] | None] = \
+    contextvars.ContextVar("autopar_layer_recompute", default=None)
+
+
+@contextlib.contextmanager
+def recompute_region(announce: Callable[[], None] | None) -> Iterator[None]:
+    """Checkpoint the block calls of the stage graphs run inside (``announce``: called first
+    by each block, in its forward and in its recompute)."""
+    token = _REGION.set((announce,))
+    try:
+        yield
+    finally:
+        _REGION.reset(token)
+
+
+def checkpointed(block: Callable[..., Any], *args: Any) -> Any:
+    """``block(*args)``, checkpointed inside :func:`recompute_region`."""
+    region = _REGION.get()
+    if region is None or not torch.is_grad_enabled():
+        return block(*args)
+    announce = region[0]
+
+    def run(*inputs: Any) -> Any:
+        if announce is not None:
+            announce()
+        return block(*inputs)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
+def recompute_per_layer(gm: torch.fx.GraphModule, blocks: frozenset[str]
+                        ) -> tuple[torch.fx.GraphModule, int]:
+    """``gm`` with each run of consecutive nodes of a layer in ``blocks`` called through
+    :func:`checkpointed`, and the number of such runs (0: ``gm`` itself, unchanged)."""
+    part: dict[str, int] = {}
+    recomputed: set[int] = set()
+    run, previous = -1, object()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        layer = info(node).layer if has_info(node) else ""
+        label = layer if layer in blocks else None
+        if label != previous:
+            run, previous = run + 1, label
+            if label is not None:
+                recomputed.add(run)
+        part[node.name] = run
+    if not recomputed:
+        return gm, 0
+    split = split_module(gm, gm, lambda n: part[n.name], keep_original_order=True)
+    graph = split.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not node.target.startswith("submod_"):
+            continue
+        if int(node.target.rsplit("_", 1)[1]) not in recomputed:
+            continue
+        with graph.inserting_before(node):
+            block = graph.get_attr(node.target)
+            call = graph.call_function(checkpointed, (block, *node.args), dict(node.kwargs))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    graph.lint()
+    split.recompile()
+    return split, len(recomputed)
