@@ -36,6 +36,8 @@ import json
 import sys
 import time
 
+from gpu_step import predict  # benchmarks/ is the script's directory
+
 #: Steps timed (and whose peak is taken) after the first.
 TIMED_STEPS = 3
 
@@ -50,22 +52,6 @@ CONFIGS = (
     ("bf16, no recompute, optimizer offloaded", "none", 1, True, "optimizer"),
     ("fp32, no recompute, mbs = batch", "none", 1, False, "none"),
 )
-
-
-def predict(captured, preset: str, batch: int, seq: int, mbs: int, recompute: str,
-            dtype: str, offload: str):
-    """The cost model's prediction for the pinned one-device plan."""
-    from autopar.cluster import Cluster
-    from autopar.plan_types import RecomputeKind, ScheduleKind
-    from autopar.planner.cost_model import Candidate, CostModel, ModelCosts, TrainingSetup
-
-    cm = CostModel(ModelCosts(captured), Cluster.load(preset).with_devices(1),
-                   TrainingSetup(batch, seq, dtype))
-    ev = cm.evaluate(Candidate(1, 1, 1, 1, mbs, ScheduleKind.ONE_F_ONE_B,
-                               RecomputeKind(recompute), 0, False, offload=offload))
-    if ev.prediction is None:
-        raise RuntimeError(f"the cost model rejects the plan: {ev.infeasible}")
-    return ev.prediction
 
 
 def run_config(zm_factory, inputs, targets, batch: int, seq: int, recompute: str, div: int,
@@ -86,8 +72,8 @@ def run_config(zm_factory, inputs, targets, batch: int, seq: int, recompute: str
                                    "zero": 0, "recompute": recompute, "offload": offload},
                              optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
     setup_s = time.perf_counter() - t0
-    pred = predict(pm.captured, preset, batch, seq, mbs, recompute,
-                   "bf16" if mixed else "fp32", offload)
+    pred = predict(pm.captured, preset, batch, seq, micro_batch_size=mbs, recompute=recompute,
+                   dtype="bf16" if mixed else "fp32", offload=offload)
     row = {"recompute": recompute, "micro_batch_size": mbs, "mixed_precision": mixed,
            "offload": offload, "setup_s": setup_s,
            "predicted_states": sum(pred.memory.get(k, 0)

@@ -86,17 +86,20 @@ def _profile(step, steps: int = 3) -> dict:
     return {"by_kind": by_kind, "top": top}
 
 
-def _prediction(captured, preset: str, batch: int, seq: int):
-    """The cost model's prediction for the plan run here (one device, one micro-batch of the
-    whole batch, bf16, no recompute, ZeRO-0) on the ``preset`` cluster (a name or file)."""
+def predict(captured, preset: str, batch: int, seq: int, *, micro_batch_size: int | None = None,
+            recompute: str = "none", dtype: str = "bf16", offload: str = "none"):
+    """The cost model's prediction for a pinned one-device plan (ZeRO-0, 1F1B; by default one
+    micro-batch of the whole batch, no recompute, bf16) on the ``preset`` cluster (a name or
+    file)."""
     from autopar.cluster import Cluster
     from autopar.plan_types import RecomputeKind, ScheduleKind
     from autopar.planner.cost_model import Candidate, CostModel, ModelCosts, TrainingSetup
 
     cm = CostModel(ModelCosts(captured), Cluster.load(preset).with_devices(1),
-                   TrainingSetup(batch, seq, "bf16"))
-    ev = cm.refine(cm.evaluate(Candidate(1, 1, 1, 1, batch, ScheduleKind.ONE_F_ONE_B,
-                                         RecomputeKind.NONE, 0, False)))
+                   TrainingSetup(batch, seq, dtype))
+    ev = cm.refine(cm.evaluate(Candidate(1, 1, 1, 1, micro_batch_size or batch,
+                                         ScheduleKind.ONE_F_ONE_B, RecomputeKind(recompute), 0,
+                                         False, offload=offload)))
     if ev.prediction is None:
         raise RuntimeError(f"the cost model rejects the plan: {ev.infeasible}")
     return ev.prediction
@@ -205,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     preset = preset_for_device(torch.cuda.get_device_name(0))
     peak = Cluster.load(preset).peak_flops("bf16")
 
-    predicted = _prediction(pm.captured, preset, args.batch, args.seq)
-    calibrated = (_prediction(pm.captured, args.cluster, args.batch, args.seq)
+    predicted = predict(pm.captured, preset, args.batch, args.seq)
+    calibrated = (predict(pm.captured, args.cluster, args.batch, args.seq)
                   if args.cluster else None)
 
     first = {name: float(first[name]) if name in first else float(fwd())

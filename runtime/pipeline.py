@@ -163,8 +163,9 @@ class StageModule(nn.Module):
         one layer at a time rather than the whole stage. ``compile_backend``: run the graph
         through ``torch.compile`` with that backend (compiled on its first call, again for a
         new micro-batch shape or for inference). ``recompute_blocks``: the layers full recompute
-        checkpoints one at a time (``runtime/layer_recompute.py``); :attr:`recomputes_layers`
-        says whether this stage holds any (else the executor checkpoints the stage whole)."""
+        checkpoints one at a time (``runtime/layer_recompute.py``; not with ``layer_units`` or
+        ``compile_backend``); :attr:`recomputes_layers` says whether this stage holds any (else
+        the executor checkpoints the stage whole)."""
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
@@ -180,7 +181,8 @@ class StageModule(nn.Module):
         #: Full recompute checkpoints this stage's blocks one by one (its graph calls them
         #: through layer_recompute.checkpointed).
         self.recomputes_layers = False
-        if recompute_blocks and graph is not None and not layer_units:
+        if recompute_blocks and graph is not None and not layer_units \
+                and compile_backend is None:
             graph, runs = recompute_per_layer(graph, recompute_blocks)
             self.recomputes_layers = runs > 0
         if compile_backend is not None and graph is not None:
@@ -249,8 +251,9 @@ class PipelineExecutor:
         stage is checkpointed whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
         self.split = split
-        #: Full activation recompute: each stage call keeps only its inputs and runs again in
-        #: backward (torch.utils.checkpoint), so in-flight micro-batches hold one tensor set each.
+        #: Full activation recompute: each repeated block keeps only its inputs and runs again in
+        #: its backward (runtime/layer_recompute.py; a stage without blocks, or under ZeRO-3 or
+        #: compile, is checkpointed whole).
         self.recompute = recompute
         self.sync_tied = sync_tied
         self.hooks = hooks
@@ -313,10 +316,10 @@ class PipelineExecutor:
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
-        per_layer = recompute_blocks if recompute and compile_backend is None else frozenset()
         self.stage_modules = {s: StageModule(stage, self.params, layer_units=layer_units,
                                              compile_backend=compile_backend,
-                                             recompute_blocks=per_layer)
+                                             recompute_blocks=recompute_blocks if recompute
+                                             else frozenset())
                               for s, stage in self.local.items()}
         self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
                                                      ActionKind.BACKWARD_INPUT)

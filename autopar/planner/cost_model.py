@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, GroupSpan
 from autopar.errors import AutoparError
-from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
+from autopar.plan_types import Plan, Prediction, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link
 from autopar.planner.data_parallel_time import (DDP_BUCKET_BYTES, CollectiveTimes,
                                                 exposed_data_parallel_time)
@@ -386,7 +386,9 @@ class CostModel:
         times = self.sums.layer_times(costs, c.recompute, self.cp_attention(c))
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
-        largest = working = 0.0
+        largest = 0.0
+        # while one layer's backward runs: its rematerialized block and transients
+        working = max(self.sums.table(c).working, default=0.0)
         w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
         n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
         per_param = (w_bytes / (n if c.zero >= 3 else 1) + g_bytes / (n if c.zero >= 2
@@ -399,9 +401,6 @@ class CostModel:
             held, experts = self.sums.layer_params(i, layout, c.tp, c.ep)
             largest = max(largest, held)
             params = held - experts + experts * per_expert / per_param
-            remat = lc.act_bytes - self.sums.activation(i, lc, c.recompute) \
-                if self.sums.is_block[i] and c.recompute is not RecomputeKind.NONE else 0.0
-            working = max(working, remat + lc.transient_bytes)
             layers.append(StageLayer(self.model.layer_names[i], f, b + w, w, params,
                                      self.sums.activation(i, lc, c.recompute), lc.boundary_bytes))
         buffers = 2 * largest * (w_bytes + g_bytes) if c.zero == 3 else 0.0

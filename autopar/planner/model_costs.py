@@ -280,11 +280,11 @@ class ModelCosts:
         saved_tensors = [tensor(owner, spec, seq_degree(spec.numel) >= 2, reader)
                          for spec, owner, reader in saved.get(layer.name, ())]
         # the largest tensor a gradient flows through (at its width in the capture)
-        carrying = [(n, info(n).spec) for n in (captured.node(m) for m in layer.nodes)
+        carrying = [n for n in (captured.node(m) for m in layer.nodes)
                     if n.op == "call_function" and isinstance(info(n).spec, TensorSpec)
                     and info(n).spec.is_float and info(n).requires_grad]
-        transient = [tensor(n.name, spec, reader=None) for n, spec in
-                     [max(carrying, key=lambda ns: _size_hint(ns[1].nbytes))]] if carrying else []
+        largest = max(carrying, key=lambda n: _size_hint(info(n).spec.nbytes), default=None)
+        transient = [tensor(largest.name, info(largest).spec)] if largest is not None else []
         # the block's input (all full recomputation keeps)
         checkpoint = []
         inside = set(layer.nodes)

@@ -41,7 +41,8 @@ class LayerTable:
     costs: Sequence[LayerCosts]
     times: Sequence[tuple[float, float, float, float, float]]
     prefix: tuple[tuple[float, ...], ...]
-    #: per layer, the bytes a recomputed block re-materializes beyond what it keeps
+    #: per layer, the bytes held only while its backward runs: what a recomputed block
+    #: re-materializes beyond what it keeps, plus its backward transients
     working: tuple[float, ...]
     #: FLOPs recomputed per micro-batch over the whole model
     recompute_flops: float
