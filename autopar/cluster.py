@@ -160,6 +160,15 @@ class DeviceSpec:
     #: The same per node of the backward graph (autograd's engine calling the node's backward
     #: function, accumulating gradients into ``.grad``), added to the backward's compute.
     node_backward_overhead_s: float = 0.0
+    #: Host time per graph node of the forward where the host runs ahead of the device (GPUs:
+    #: the op's dispatch, autograd's recording and the kernel's launch, while earlier kernels
+    #: run): a layer's forward takes the longer of its kernels and its nodes' launches.
+    #: ``autopar calibrate --device cuda`` measures it; 0 in the presets (no microbenchmark of
+    #: their hosts), where a layer is priced by its kernels alone.
+    launch_overhead_s: float = 0.0
+    #: The same per node of the backward graph (autograd's engine thread launching each node's
+    #: backward kernels).
+    launch_backward_overhead_s: float = 0.0
     #: Measured times of element-wise and normalization ops at ``default_dtype``: op name (as in
     #: the graph; ``gelu(tanh)`` for the tanh approximation) -> (forward, backward) seconds per
     #: element of the op's largest tensor. The roofline's bytes / bandwidth stays a floor; the
@@ -190,7 +199,8 @@ class DeviceSpec:
             _positive(owner, f"peak_flops.{dtype}", value)
             flops[dtype] = value
         object.__setattr__(self, "peak_flops", flops)
-        for name in ("node_overhead_s", "node_backward_overhead_s"):
+        for name in ("node_overhead_s", "node_backward_overhead_s", "launch_overhead_s",
+                     "launch_backward_overhead_s"):
             value = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
             object.__setattr__(self, name, value)
             _check(math.isfinite(value) and 0 <= value < 1e-2,
@@ -389,6 +399,14 @@ class Cluster:
     #: Bytes/s of one node's host memory (all its sockets), shared by its devices' offloaded
     #: optimizer steps; 0 when the device is the host (its own optimizer_s_per_param prices it).
     host_memory_bandwidth: float = 0.0
+    #: Measured seconds per parameter of the offloaded optimizer step on one node's host: torch's
+    #: AdamW, its default implementation over fp32 host tensors (what the runtime runs), one
+    #: process using all the host's threads; ``autopar calibrate --device cuda`` measures it.
+    #: 0: priced as its memory traffic alone (``kernels.HOST_ADAMW_BYTES_PER_PARAM``).
+    host_optimizer_s_per_param: float = 0.0
+    #: The same step's fixed seconds per parameter tensor (the default implementation issues
+    #: ~10 ops per tensor); measured with it.
+    host_optimizer_s_per_tensor: float = 0.0
     #: Bytes/s of one node's local disk (read or write), shared by its devices: what
     #: ``offload="disk"`` pages the optimizer state through; 0: no disk to offload to.
     disk_bandwidth: float = 0.0
@@ -442,6 +460,14 @@ class Cluster:
             _check(math.isfinite(value) and value >= 0, f"cluster {self.name!r}: {name} must "
                    f"be a bandwidth", expected=">= 0 bytes/s (0: none)", found=value,
                    fix=f"give e.g. {name}: 25 GB/s, or leave it out")
+            object.__setattr__(self, name, value)
+        for name, limit in (("host_optimizer_s_per_param", 1e-6),
+                            ("host_optimizer_s_per_tensor", 1e-2)):
+            value = parse_quantity(getattr(self, name), "s", what=name)
+            _check(math.isfinite(value) and 0 <= value < limit,
+                   f"cluster {self.name!r}: {name} must be a host optimizer step's time",
+                   expected=f"0 <= value < {limit:g} s (0: priced as host memory traffic)",
+                   found=value, fix="regenerate with autopar calibrate --device cuda, or give 0")
             object.__setattr__(self, name, value)
         _check(isinstance(self.collectives, Mapping),
                f"cluster {self.name!r}: collectives must be a mapping",
@@ -530,6 +556,8 @@ class Cluster:
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "host_link_bandwidth": self.host_link_bandwidth,
             "host_memory_bandwidth": self.host_memory_bandwidth,
+            "host_optimizer_s_per_param": self.host_optimizer_s_per_param,
+            "host_optimizer_s_per_tensor": self.host_optimizer_s_per_tensor,
             "disk_bandwidth": self.disk_bandwidth,
             "device": {"name": d.name, "peak_flops": dict(d.peak_flops),
                        "memory_bytes": d.memory_bytes, "memory_bandwidth": d.memory_bandwidth,
@@ -543,6 +571,8 @@ class Cluster:
                        "op_table": {k: list(v) for k, v in d.op_table.items()},
                        "node_overhead_s": d.node_overhead_s,
                        "node_backward_overhead_s": d.node_backward_overhead_s,
+                       "launch_overhead_s": d.launch_overhead_s,
+                       "launch_backward_overhead_s": d.launch_backward_overhead_s,
                        "optimizer_s_per_param": d.optimizer_s_per_param,
                        "optimizer_s_per_tensor": d.optimizer_s_per_tensor,
                        "reserved_memory_bytes": d.reserved_memory_bytes,

@@ -222,8 +222,14 @@ def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_
         "gemm_table": [[m, n, k, r] for (m, n, k), r in rate.items()],
         "attention_table": [[1024, 64, 3.0e14, 2.0e14], [2048, 128, 4.0e14, 3.0e14]],
         "op_table": {"gelu": [3e-12, 6e-12], "layer_norm": [4e-12, 9e-12]},
+        "launch_overhead_s": 1.2e-5, "launch_backward_overhead_s": 1.5e-5,
+        "host_optimizer_s_per_param": 3e-9, "host_optimizer_s_per_tensor": 5e-5,
     }
     cluster = cuda_cluster(measured, torch_version="test")
+    assert (cluster.device.launch_overhead_s, cluster.device.launch_backward_overhead_s) == \
+        (1.2e-5, 1.5e-5)
+    assert (cluster.host_optimizer_s_per_param, cluster.host_optimizer_s_per_tensor) == \
+        (3e-9, 5e-5)
     preset = Cluster.load("h100-80g")
     assert cluster.name == "h100-80g-calibrated"
     assert (cluster.nodes, cluster.devices_per_node) == (preset.nodes, preset.devices_per_node)

@@ -53,6 +53,40 @@ def test_node_overhead_is_added_per_graph_node(costs):
     assert 20 <= block.nodes <= 40 and block.grad_nodes >= len(block.params) == 12
 
 
+@pytest.mark.parametrize("launch", [1e-9, 1e-3])
+def test_a_layer_waits_for_its_launches_where_they_take_longer_than_its_kernels(costs, launch):
+    """Where the host runs ahead of the device (``launch_overhead_s``, a GPU's), a layer takes
+    the longer of its kernels and its nodes' launches, forward and backward (input and weight
+    gradients together): 1 ns per node changes nothing; 1 ms per node makes every layer
+    nodes x 1 ms forward and grad_nodes x 1 ms backward."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    base = _host()
+    device = dataclasses.replace(base.device, launch_overhead_s=launch,
+                                 launch_backward_overhead_s=launch)
+    plain = CostModel(costs, base, setup).layer_costs(1, False, 2)
+    host = CostModel(costs, dataclasses.replace(base, device=device), setup).layer_costs(1, False, 2)
+    for i, (a, b) in enumerate(zip(plain, host)):
+        t = costs.template(i)
+        assert b.forward_s == pytest.approx(max(a.forward_s, t.nodes * launch))
+        assert b.backward_s + b.weight_s == pytest.approx(
+            max(a.backward_s + a.weight_s, t.grad_nodes * launch))
+        assert b.weight_s == a.weight_s
+        if launch == 1e-9:
+            assert b == a
+
+
+def test_the_host_measurement_of_a_gpu_runs_on_any_device():
+    """``calibrate --device cuda``'s host measurements, run here on the CPU: a node's launch
+    costs microseconds, and torch's AdamW a few nanoseconds per parameter (it reads and writes
+    ~10 fp32 arrays per parameter: at 1-100 GB/s of host memory, 0.4-40 ns)."""
+    from autopar.planner.calibration_cuda import measure_host
+
+    m = measure_host("cpu", repeat=2)
+    assert 0 < m["launch_overhead_s"] < 1e-3 and 0 < m["launch_backward_overhead_s"] < 1e-3
+    assert 4e-10 < m["host_optimizer_s_per_param"] < 4e-8
+    assert 0 <= m["host_optimizer_s_per_tensor"] < 1e-2
+
+
 def test_op_table_prices_slow_element_wise_ops(costs):
     setup = TrainingSetup(8, SHAPE["seq"], "fp32")
     plain = CostModel(costs, _host(), setup).layer_costs(1, False, 2)[1]

@@ -169,8 +169,9 @@ def test_offloaded_state_and_step_are_priced_from_the_cluster(gpt2_costs, zero):
     """Device memory: ZeRO's model states (Rajbhandari et al. 2020) less what offload moves to
     the host: on a GPU all optimizer bytes (12 per parameter in mixed precision). Step: the
     closed form of what the runtime does, from the preset's PCIe, host-memory and disk
-    bandwidths: fp32 gradients out and bf16 weights back over PCIe, 28 bytes of host memory
-    traffic per parameter shared by the node's 8 GPUs, and with "disk" the two fp32 moments read
+    bandwidths: fp32 gradients out and bf16 weights back over PCIe, 84 bytes of host memory
+    traffic per parameter (torch's for-loop AdamW: 8 ops over fp32 arrays) shared by the node's
+    8 GPUs, and with "disk" the two fp32 moments read
     and written at the node's disk bandwidth, overlapped with the host step."""
     from autopar.planner.cost_model import CostModel, TrainingSetup
 
@@ -186,11 +187,34 @@ def test_offloaded_state_and_step_are_priced_from_the_cluster(gpt2_costs, zero):
         assert ref.optimizer == pytest.approx(12 * local, rel=1e-9)
         assert rank.optimizer == 0 and rank.weights == ref.weights
         link = local * (4 + 2) / 25e9
-        host = 28 * local * 8 / 409.6e9
+        host = 84 * local * 8 / 409.6e9
         if offload == "disk":
             host = max(host, 2 * 8 * local * 8 / 15.2e9)
         assert ev.prediction.breakdown["optimizer_s"] == pytest.approx(link + host, rel=1e-9)
         assert ev.step_time_s > base.step_time_s
+
+
+def test_a_measured_host_optimizer_prices_the_offloaded_step(gpt2_costs):
+    """With the host's AdamW measured (``host_optimizer_s_per_param`` and ``_per_tensor``, as
+    ``autopar calibrate --device cuda`` writes them), the host step is the longer of the memory
+    traffic and the measured time, the node's 8 devices stepping one after another: in closed
+    form, 8 x (P x per_param + T x per_tensor) for a rank's P parameters in T tensors."""
+    import dataclasses
+
+    from autopar.planner.cost_model import CostModel, TrainingSetup
+
+    zm, costs = gpt2_costs
+    preset = autopar.Cluster.load("a100-80g").with_devices(8)
+    P = sum(p.numel() for p in zm.model.parameters())
+    T = len(list(zm.model.parameters()))
+    link = P * (4 + 2) / 25e9
+    for per_param, per_tensor, host in ((3.6e-9, 1e-4, 8 * (3.6e-9 * P + 1e-4 * T)),
+                                        (1e-12, 0.0, 84 * P * 8 / 409.6e9)):  # memory-bound
+        cl = dataclasses.replace(preset, host_optimizer_s_per_param=per_param,
+                                 host_optimizer_s_per_tensor=per_tensor)
+        cm = CostModel(costs, cl, TrainingSetup(64, 1024))
+        ev = cm.evaluate(_candidate(8, 0, "optimizer"))
+        assert ev.prediction.breakdown["optimizer_s"] == pytest.approx(link + host, rel=1e-9)
 
 
 def test_the_search_offloads_only_where_memory_requires_it(gpt2_costs):

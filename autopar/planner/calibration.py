@@ -98,23 +98,25 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str, float]:
-    """Host time per graph node, as a generated stage program pays it: a chain of ``nodes``
-    ATen overloads on an 8-element tensor that requires grad, called from Python the way the
-    program's code calls them, alternately a view (``t``) and an element-wise op (``add``
-    of a tensor), since about half of a transformer block's nodes are views.
+def node_chain_times(device: Any = "cpu", repeat: int = 5, nodes: int = NODE_CHAIN
+                     ) -> tuple[float, float]:
+    """Host seconds per graph node (forward, backward), as a generated stage program pays them:
+    a chain of ``nodes`` ATen overloads on an 8-element tensor on ``device`` that requires grad,
+    called from Python the way the program's code calls them, alternately a view (``t``) and an
+    element-wise op (``add`` of a tensor), since about half of a transformer block's nodes are
+    views. Forward: the calls, autograd recording included; backward: ``backward()`` over the
+    chain (the engine calling each node's backward function, the leaf's gradient accumulated).
 
-    - ``node_forward_s``: per node of the forward, autograd recording included;
-    - ``node_backward_s``: per node of ``backward()`` over the chain (the engine calling each
-      node's backward function, the leaf's gradient accumulated);
-    - ``node_overhead_s`` / ``node_backward_overhead_s``: the same less the kernel floor (a
-      1-element op without autograd, what the roofline already charges a tiny op), i.e. what a
-      node costs beyond its op: the cost model adds these to every node."""
+    On a CPU the op runs on the calling thread, so the time includes the tiny op itself. On a
+    GPU the host only launches: each timing starts with the device idle and stops when the last
+    call returns, without waiting for the kernels (a tiny kernel takes less than its launch, so
+    the device keeps up and the host's time is what is measured)."""
     import torch
 
     aten = torch.ops.aten
-    leaf = torch.ones(2, 4, requires_grad=True)
-    other = torch.full((4, 2), 0.5)
+    leaf = torch.ones(2, 4, requires_grad=True, device=device)
+    other = torch.full((4, 2), 0.5, device=device)
+    sync = torch.cuda.synchronize if leaf.is_cuda else (lambda: None)
 
     def forward() -> "torch.Tensor":
         x = leaf
@@ -123,21 +125,36 @@ def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str,
             x = aten.add.Tensor(x, other if x.shape[0] == 4 else other.t())
         return x
 
-    def backward_times() -> list[float]:
-        times = []
-        for _ in range(repeat + 1):
-            out = forward()
-            grad = torch.ones_like(out)
-            start = time.perf_counter()
-            out.backward(grad)
-            times.append(time.perf_counter() - start)
-            leaf.grad = None
-        return times[1:]  # the first is a warm-up
+    fwd, bwd = [], []
+    for _ in range(repeat + 1):
+        sync()
+        start = time.perf_counter()
+        out = forward()
+        fwd.append(time.perf_counter() - start)
+        grad = torch.ones_like(out)
+        sync()
+        start = time.perf_counter()
+        out.backward(grad)
+        bwd.append(time.perf_counter() - start)
+        leaf.grad = None
+    # the first is a warm-up; nodes // 2 pairs of calls
+    per_node = 2 * (nodes // 2)
+    return (statistics.median(fwd[1:]) / per_node, statistics.median(bwd[1:]) / per_node)
+
+
+def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str, float]:
+    """Host time per graph node on this CPU (:func:`node_chain_times`), with and without the
+    op itself:
+
+    - ``node_forward_s`` / ``node_backward_s``: per node of the forward and the backward;
+    - ``node_overhead_s`` / ``node_backward_overhead_s``: the same less the kernel floor (a
+      1-element op without autograd, what the roofline already charges a tiny op), i.e. what a
+      node costs beyond its op: the cost model adds these to every node."""
+    import torch
 
     one = torch.ones(1)
     floor = _best_time(lambda: one.add(one), repeat, inner=200)
-    t_fwd = _best_time(forward, repeat, inner=5) / nodes
-    t_bwd = statistics.median(backward_times()) / nodes
+    t_fwd, t_bwd = node_chain_times("cpu", repeat, nodes)
     return {"node_forward_s": t_fwd, "node_backward_s": t_bwd,
             "node_overhead_s": max(t_fwd - floor, 0.0),
             "node_backward_overhead_s": max(t_bwd - floor, 0.0)}

@@ -1,6 +1,7 @@
 """Measure one CUDA device (``autopar calibrate --device cuda``) with CUDA events: bf16 GEMM
 rates (peak and a table by shape), copy bandwidth, a tiny kernel's throughput floor, causal
-fused-attention rates and element-wise op times; the nodes and links come from the GPU's preset
+fused-attention rates and element-wise op times, and its host (the time to launch a graph node,
+an offloaded AdamW step); the nodes and links come from the GPU's preset
 (one device measures no link). The CPU host's calibration is :mod:`autopar.planner.calibration`.
 """
 
@@ -97,7 +98,26 @@ def measure_cuda(quick: bool = False) -> dict[str, Any]:
             att.append([s, d, flops / t_f, 2.5 * flops / max(t_fb - t_f, 1e-9)])
     out["attention_table"] = att
     out["op_table"] = _cuda_op_table(dev, repeat)
+    out.update(measure_host(dev, repeat))
     return out
+
+
+def measure_host(device: Any, repeat: int) -> dict[str, float]:
+    """What the host of a ``device`` costs a training step (host-side timers, no CUDA events):
+
+    - ``launch_overhead_s`` / ``launch_backward_overhead_s``: host seconds per graph node
+      launched on ``device`` forward and backward (:func:`~autopar.planner.calibration.
+      node_chain_times`), which bound a layer's time when its kernels are shorter;
+    - ``host_optimizer_s_per_param`` / ``_per_tensor``: torch's AdamW (its default
+      implementation) over fp32 tensors in host memory with all the host's threads, as the
+      runtime steps an offloaded optimizer (:func:`~autopar.planner.calibration.
+      measure_optimizer_step`)."""
+    from autopar.planner.calibration import measure_optimizer_step, node_chain_times
+
+    fwd, bwd = node_chain_times(device, repeat)
+    per_param, per_tensor = measure_optimizer_step(repeat)
+    return {"launch_overhead_s": fwd, "launch_backward_overhead_s": bwd,
+            "host_optimizer_s_per_param": per_param, "host_optimizer_s_per_tensor": per_tensor}
 
 
 def _cuda_op_table(dev: Any, repeat: int) -> dict[str, list[float]]:
@@ -175,7 +195,11 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
         "attention_efficiency": min(1.0, max(r[2] for r in m["attention_table"])
                                     / m["gemm_flops_bf16"]),
         "op_table": m["op_table"], "default_dtype": "bf16",
+        "launch_overhead_s": m["launch_overhead_s"],
+        "launch_backward_overhead_s": m["launch_backward_overhead_s"],
     })
+    doc["host_optimizer_s_per_param"] = m["host_optimizer_s_per_param"]
+    doc["host_optimizer_s_per_tensor"] = m["host_optimizer_s_per_tensor"]
     doc["name"] = name or f"{base}-calibrated"
     doc["sources"] = {**doc.get("sources", {}), **{
         "device.peak_flops": f"best bf16 torch.mm at n in (4096, 8192), fp32 at 4096 without "
@@ -189,6 +213,11 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
                                   f"forward and backward; {where}",
         "device.op_table": f"forward and backward per element on {CUDA_OP_ROWS} x "
                            f"{CUDA_OP_COLS} bf16 elements (cross-entropy fp32); {where}",
+        "device.launch_overhead_s": f"host time per node of a chain of t and add calls on the "
+                                    f"GPU, forward and backward, not waiting for the kernels; "
+                                    f"{where}",
+        "host_optimizer_s_per_param": f"torch.optim.AdamW's default step over fp32 host tensors "
+                                      f"(transformer blocks' shapes), all host threads; {where}",
         "gemm_efficiency": "1.0: the measured rates are the achievable rates",
         "links": f"from the {base} preset (one device measures no link)",
     }}

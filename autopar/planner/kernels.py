@@ -18,6 +18,11 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
   measured time per parameter where that is longer (``optimizer_s_per_param``), plus the
   measured fixed cost per parameter tensor it steps (``optimizer_s_per_tensor``: a CPU core's
   for-loop AdamW runs ~10 ops per tensor, 45-70 us however small the tensor).
+- an offloaded step on a GPU's host: torch's for-loop AdamW over fp32 host tensors, 84 bytes
+  of host memory traffic per parameter (``HOST_ADAMW_BYTES_PER_PARAM``), or the host's measured
+  rate where that is longer (``Cluster.host_optimizer_s_per_param``).
+- the host's launches on a GPU: a layer takes the longer of its kernels and its nodes times
+  ``launch_overhead_s`` (the host runs ahead of the device until it cannot).
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ from typing import Sequence
 from autopar.cluster import Cluster
 
 __all__ = ["wave_efficiency", "table_rate", "gemm_time", "memory_time", "optimizer_time",
-           "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "GEMM_TILES",
+           "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "HOST_ADAMW_BYTES_PER_PARAM",
+           "GEMM_TILES",
            "ATTENTION_BACKWARD_FACTOR", "PRECISION_BYTES"]
 
 #: Bytes the Adam step moves per parameter of the local shard (see module docstring).
 OPTIMIZER_BYTES_PER_PARAM = 28
+#: Bytes torch's AdamW moves per parameter in its default implementation on host tensors (the
+#: for-loop ``_single_tensor_adam``: torch picks foreach or fused kernels only for GPU tensors),
+#: what the runtime runs for an offloaded optimizer; fp32, each op reading its operands and
+#: writing its result: ``param.mul_`` (weight decay) 8, ``exp_avg.lerp_(grad)`` 12,
+#: ``exp_avg_sq.mul_`` 8, ``.addcmul_(grad, grad)`` 16, ``sqrt()`` 8 and ``/ bias_correction`` 8
+#: (two new tensors), ``.add_(eps)`` 8, ``param.addcdiv_(exp_avg, denom)`` 16.
+HOST_ADAMW_BYTES_PER_PARAM = 84
 #: Thread-block tiles cuBLAS uses for large GEMMs (NVIDIA Matrix Multiplication Background).
 GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 #: FlashAttention-2's backward does 5 matmuls to the forward's 2.
@@ -103,9 +116,11 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
     - the reduced fp32 gradients go to the host and the updated weights (``weight_bytes`` per
       parameter) come back over ``host_link_bandwidth``, after the backward and before the next
       forward (not overlapped);
-    - the host steps: ``OPTIMIZER_BYTES_PER_PARAM`` of memory traffic per parameter at the
-      node's ``host_memory_bandwidth`` shared by its devices (a CPU cluster's device is the host:
-      its own :func:`optimizer_time`);
+    - the host steps: ``HOST_ADAMW_BYTES_PER_PARAM`` of memory traffic per parameter at the
+      node's ``host_memory_bandwidth`` shared by its devices, or the measured time of torch's
+      AdamW on that host (``host_optimizer_s_per_param`` and ``_per_tensor``, one device's step
+      using the whole host, so ``devices_per_node`` of them one after another), whichever is
+      longer (a CPU cluster's device is the host: its own :func:`optimizer_time`);
     - ``disk``: each bucket's ``state_bytes`` per parameter (Adam's two fp32 moments) is read
       before its step and written after it, at the node's ``disk_bandwidth`` shared by its
       devices, overlapped with the other buckets' steps: the longer of the two.
@@ -115,8 +130,10 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
     per_node = cluster.devices_per_node
     if cluster.host_link_bandwidth > 0:
         link = params * (4.0 + weight_bytes) / cluster.host_link_bandwidth
-        host = OPTIMIZER_BYTES_PER_PARAM * params * per_node / cluster.host_memory_bandwidth \
+        host = HOST_ADAMW_BYTES_PER_PARAM * params * per_node / cluster.host_memory_bandwidth \
             if cluster.host_memory_bandwidth > 0 else optimizer_time(cluster, params, tensors)
+        host = max(host, per_node * (params * cluster.host_optimizer_s_per_param
+                                     + tensors * cluster.host_optimizer_s_per_tensor))
     else:
         link, host = 0.0, optimizer_time(cluster, params, tensors)
     if offload == "disk":

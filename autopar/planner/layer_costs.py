@@ -192,18 +192,24 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
             for kind, (tf, tb) in cp_exchange(cluster, cp, cp_span, kv, esize, f, fb).items():
                 cp_comm[kind][0] += tf
                 cp_comm[kind][1] += tb
-    # the host's cost per node (CPU processes: dispatch and autograd, serial with the compute)
-    fwd += template.nodes * d.node_overhead_s
-    bwd += template.grad_nodes * d.node_backward_overhead_s
-    for experts in template.moe_experts:  # runtime/moe.py's ops: per local expert and routing
+    # the host's cost per node: the graph's nodes and runtime/moe.py's ops (per local expert
+    # and routing)
+    nodes, grad_nodes = float(template.nodes), float(template.grad_nodes)
+    for experts in template.moe_experts:
         local = experts / ep
-        fwd += (MOE_OPS_PER_EXPERT * local + MOE_ROUTING_OPS[ep > 1]) * d.node_overhead_s
-        bwd += (MOE_OPS_PER_EXPERT * local + MOE_ROUTING_GRAD_OPS[ep > 1]) \
-            * d.node_backward_overhead_s
+        nodes += MOE_OPS_PER_EXPERT * local + MOE_ROUTING_OPS[ep > 1]
+        grad_nodes += MOE_OPS_PER_EXPERT * local + MOE_ROUTING_GRAD_OPS[ep > 1]
+    # CPU processes: dispatch and autograd on the thread that then computes, serial
+    fwd += nodes * d.node_overhead_s
+    bwd += grad_nodes * d.node_backward_overhead_s
     # gradient accumulation: each micro-batch's weight gradients are added into the step's
     # gradient buffer (read it and the new gradient, write it back), with the weight gradients
     local = sum(n / tp if fqn in split.sharded_params else n for fqn, n in template.params.items())
     wgt += memory_time(cluster, GRAD_ACCUMULATION_READS_WRITES * STATE_BYTES[dtype][1] * local)
+    # GPUs: the host launches ahead while earlier kernels run; a layer whose launches take longer
+    # than its kernels (small micro-batches) waits for the host
+    fwd = max(fwd, nodes * d.launch_overhead_s)
+    bwd += max(0.0, grad_nodes * d.launch_backward_overhead_s - bwd - wgt)
     # tensor-parallel communication: the program's collectives
     tp_f = tp_b = 0.0
     calls = []
