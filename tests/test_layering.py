@@ -29,7 +29,8 @@ PACKAGES = {"autopar": "autopar", "passes": "autopar.passes", "runtime": "autopa
 
 LEAF = ("autopar.errors", "autopar.ir", "autopar.solver", "autopar.sharding", "autopar.plan_types", "autopar.units",
         "autopar.cluster", "autopar.captured",
-        "autopar._version", "autopar.runtime.schedules")
+        "autopar._version", "autopar.runtime.schedules", "autopar.runtime.pipeline_actions",
+        "autopar.runtime.schedule_builders")
 PLANNER_API_CLI = ("autopar.planner", "autopar.api", "autopar.cli", "autopar.commands",
                    "autopar.demo", "autopar.compiler", "autopar.parallel_model")
 #: (importer prefix, forbidden prefixes, why)

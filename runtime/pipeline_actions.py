@@ -1,0 +1,387 @@
+"""Pipeline schedules as data: per-rank action lists with a short text form that round-trips.
+
+An :class:`Action` is ``(stage, kind, micro-batch)`` and prints as ``1F0`` (stage 1 forward of
+micro-batch 0), ``3I2`` (input gradient), ``3W2`` (weight gradient), ``2B5`` (full backward),
+``0SEND_F4`` / ``1RECV_F4`` (activation to / from the next / previous stage) and ``1SEND_B4`` /
+``0RECV_B4`` (gradient to / from the previous / next stage), the spelling of
+``torch.distributed.pipelining``. A :class:`PipelineSchedule` is one action list per pipeline
+rank; stage ``s`` lives on rank ``s % p`` (with ``v`` stages per rank: Megatron-LM's loop
+placement, so rank ``r`` holds stages ``r, r + p, ..., r + (v - 1) p``).
+
+Generators (:func:`build_schedule`) produce compute-only lists; :func:`add_communication`
+lowers them by putting a send right after the compute that produces a tensor for another rank and
+a receive right before the compute that needs one. Consecutive send/receive actions form one
+batch of ``isend/irecv`` in the executor (Megatron's ``send_forward_recv_backward``). The
+simulator (:mod:`autopar.runtime.simulator`) runs the lowered lists of every rank without
+processes and proves them deadlock-free.
+
+The text form, one line per rank::
+
+    # autopar schedule kind=1f1b ranks=2 microbatches=2
+    0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+    1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from autopar.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from autopar.runtime.schedules import ScheduleSpec
+
+__all__ = ["ScheduleKind", "ActionKind", "Action", "PipelineSchedule", "SCHEDULES",
+           "add_communication", "comm_batches", "COMPUTE_KINDS", "COMM_KINDS"]
+
+#: The registry, one :class:`~autopar.runtime.schedules.ScheduleSpec` per schedule; its entries
+#: are written by :mod:`autopar.runtime.schedules` (which imports this module, so the action
+#: vocabulary and the generators need not import the registry).
+SCHEDULES: dict["ScheduleKind", "ScheduleSpec"] = {}
+
+
+class ScheduleKind(str, enum.Enum):
+    """Pipeline schedules (the value is the CLI spelling). Each has one :class:`ScheduleSpec`
+    in :data:`SCHEDULES`, which everything else reads."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+
+    @property
+    def spec(self) -> "ScheduleSpec":
+        return SCHEDULES[self]  # filled by autopar.runtime.schedules
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the schedule runs several stages (chunks) per rank."""
+        return SCHEDULES[self].min_virtual_stages > 1
+
+
+class ActionKind(str, enum.Enum):
+    """What one action does (the value is its text spelling)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"  # full backward: input and weight gradients together
+    BACKWARD_INPUT = "I"  # gradient of the stage's inputs only (zero-bubble)
+    BACKWARD_WEIGHT = "W"  # gradient of the stage's weights (zero-bubble, deferred)
+    SEND_F = "SEND_F"  # stage s sends its output to stage s + 1
+    RECV_F = "RECV_F"  # stage s receives its input from stage s - 1
+    SEND_B = "SEND_B"  # stage s sends its input gradient to stage s - 1
+    RECV_B = "RECV_B"  # stage s receives its output gradient from stage s + 1
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return self in COMM_KINDS
+
+
+COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                           ActionKind.BACKWARD_WEIGHT})
+COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
+                        ActionKind.RECV_B})
+
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: ``kind`` on ``stage`` for ``microbatch``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(f"action {self.stage}{self.kind.value}{self.microbatch} has a "
+                                f"negative index", expected="stage >= 0 and micro-batch >= 0")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ScheduleError(f"cannot read action {text!r}",
+                                expected="STAGE KIND MICROBATCH, e.g. 1F0, 3I2, 0SEND_F4",
+                                found=repr(text))
+        return cls(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSchedule:
+    """One action list per pipeline rank. Validated on construction.
+
+    ``kind`` is the generator that made it (None for a hand-written or parsed custom schedule).
+    Stages must be numbered 0..S-1, each on exactly one rank; every (stage, micro-batch) has one
+    forward and either one full backward or one input- and one weight-gradient action, in a valid
+    order on its rank.
+    """
+
+    ranks: tuple[tuple[Action, ...], ...]
+    num_microbatches: int
+    kind: ScheduleKind | None = None
+
+    def __post_init__(self) -> None:
+        ranks = tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in actions)
+                      for actions in self.ranks)
+        object.__setattr__(self, "ranks", ranks)
+        if self.kind is not None:
+            object.__setattr__(self, "kind", ScheduleKind(self.kind))
+        if not ranks:
+            raise ScheduleError("a schedule needs at least one rank", found="no action lists")
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ScheduleError("a schedule needs at least one micro-batch",
+                                found=f"num_microbatches={self.num_microbatches!r}")
+        self._validate()
+
+    # -- derived ----------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        owner: dict[int, int] = {}
+        for rank, actions in enumerate(self.ranks):
+            for a in actions:
+                owner.setdefault(a.stage, rank)
+        return tuple(owner[s] for s in range(len(owner)))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    @property
+    def has_communication(self) -> bool:
+        return any(a.kind.is_comm for actions in self.ranks for a in actions)
+
+    @property
+    def splits_backward(self) -> bool:
+        return any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in self.ranks for a in actions)
+
+    def in_flight(self, rank: int) -> list[tuple[int, ...]]:
+        """Micro-batches whose activations rank ``rank`` holds after each of its actions, per
+        local stage (in :meth:`stages_of` order): forward done, backward (B, or W when split)
+        not yet. What the stage partitioner charges activation memory for."""
+        local = {s: i for i, s in enumerate(self.stages_of(rank))}
+        counts = [0] * len(local)
+        out = []
+        for a in self.ranks[rank]:
+            if a.kind is ActionKind.FORWARD:
+                counts[local[a.stage]] += 1
+            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                counts[local[a.stage]] -= 1
+            out.append(tuple(counts))
+        return out
+
+    def peak_in_flight(self, rank: int) -> int:
+        return max((sum(c) for c in self.in_flight(rank)), default=0)
+
+    def link_order_mismatch(self) -> str | None:
+        """The first link (sending rank -> receiving rank) whose receiver takes its messages in
+        another order than the sender sends them, described; None when every link agrees.
+        NCCL matches point-to-point messages between two ranks by their order (it ignores
+        tags), so a schedule run over NCCL needs None; gloo matches the executor's tags."""
+        lowered = add_communication(self)
+        where = lowered.stage_to_rank
+        sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+        taken: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+        for rank, actions in enumerate(lowered.ranks):
+            for a in actions:
+                s, mb = a.stage, a.microbatch
+                if a.kind is ActionKind.SEND_F:
+                    sent.setdefault((rank, where[s + 1]), []).append((s, "F", mb))
+                elif a.kind is ActionKind.SEND_B:
+                    sent.setdefault((rank, where[s - 1]), []).append((s, "B", mb))
+                elif a.kind is ActionKind.RECV_F:
+                    taken.setdefault((where[s - 1], rank), []).append((s - 1, "F", mb))
+                elif a.kind is ActionKind.RECV_B:
+                    taken.setdefault((where[s + 1], rank), []).append((s + 1, "B", mb))
+        for link in sorted(sent):
+            for i, (out, got) in enumerate(zip(sent[link], taken.get(link, []))):
+                if out != got:
+                    return (f"rank {link[0]} sends {out[0]}{out[1]}{out[2]} as message {i} to "
+                            f"rank {link[1]}, which takes {got[0]}{got[1]}{got[2]} there")
+        return None
+
+    def compute_only(self) -> "PipelineSchedule":
+        return PipelineSchedule(tuple(tuple(a for a in actions if a.kind.is_compute)
+                                      for actions in self.ranks), self.num_microbatches, self.kind)
+
+    # -- text form ------------------------------------------------------------------------
+    def to_text(self) -> str:
+        kind = self.kind.value if self.kind is not None else "custom"
+        lines = [f"# autopar schedule kind={kind} ranks={self.num_ranks} "
+                 f"microbatches={self.num_microbatches}"]
+        lines += [f"{rank}: " + " ".join(str(a) for a in actions)
+                  for rank, actions in enumerate(self.ranks)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "PipelineSchedule":
+        header: dict[str, str] = {}
+        rows: dict[int, tuple[Action, ...]] = {}
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line:
+                continue
+            if line.startswith("#"):
+                header.update(dict(re.findall(r"(\w+)=(\S+)", line)))
+                continue
+            rank_text, sep, body = line.partition(":")
+            if not sep or not rank_text.strip().isdigit():
+                raise ScheduleError(f"line {lineno} of a schedule has no rank",
+                                    expected="RANK: ACTION ACTION ...", found=repr(raw))
+            rows[int(rank_text)] = tuple(Action.parse(tok) for tok in body.split())
+        if sorted(rows) != list(range(len(rows))):
+            raise ScheduleError("schedule ranks are not numbered 0..p-1", found=str(sorted(rows)))
+        written = header.get("microbatches")
+        mbs = int(written) if written is not None else 1 + max(
+            (a.microbatch for r in rows.values() for a in r), default=0)
+        kind = header.get("kind", "custom")
+        return cls(tuple(rows[r] for r in range(len(rows))), mbs,
+                   None if kind == "custom" else ScheduleKind(kind))
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    # -- validation ---------------------------------------------------------------------------
+    def _validate(self) -> None:
+        owner: dict[int, int] = {}
+        for rank, actions in enumerate(self.ranks):
+            for a in actions:
+                if owner.setdefault(a.stage, rank) != rank:
+                    raise ScheduleError(f"stage {a.stage} has actions on ranks {owner[a.stage]} "
+                                        f"and {rank}", expected="each stage on exactly one rank",
+                                        found=f"action {a} on rank {rank}")
+        num_stages = len(owner)
+        if sorted(owner) != list(range(num_stages)):
+            raise ScheduleError("stages are not numbered 0..S-1", found=str(sorted(owner)))
+        if num_stages % len(self.ranks):
+            raise ScheduleError("every rank must hold the same number of stages",
+                                found=f"{num_stages} stages on {len(self.ranks)} ranks")
+        m = self.num_microbatches
+        last = num_stages - 1
+        for rank, actions in enumerate(self.ranks):
+            counts = Counter((a.stage, a.kind, a.microbatch) for a in actions)
+            dup = [k for k, c in counts.items() if c > 1]
+            if dup:
+                s, k, mb = dup[0]
+                raise ScheduleError(f"action {s}{k.value}{mb} appears {counts[dup[0]]} times on "
+                                    f"rank {rank}", expected="each action once")
+            seen: set[tuple[int, ActionKind, int]] = set()
+            for a in actions:
+                if a.microbatch >= m:
+                    raise ScheduleError(f"action {a} on rank {rank} names micro-batch "
+                                        f"{a.microbatch}", expected=f"micro-batches 0..{m - 1}")
+                if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                    if (a.stage, ActionKind.FORWARD, a.microbatch) not in seen:
+                        raise ScheduleError(f"backward {a} on rank {rank} comes before its "
+                                            f"forward", expected=f"{a.stage}F{a.microbatch} first")
+                if a.kind is ActionKind.BACKWARD_WEIGHT:
+                    if (a.stage, ActionKind.BACKWARD_INPUT, a.microbatch) not in seen:
+                        raise ScheduleError(f"weight gradient {a} on rank {rank} comes before its "
+                                            f"input gradient",
+                                            expected=f"{a.stage}I{a.microbatch} first")
+                if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) and a.stage == last:
+                    raise ScheduleError(f"{a}: the last stage has no next stage")
+                if a.kind in (ActionKind.RECV_F, ActionKind.SEND_B) and a.stage == 0:
+                    raise ScheduleError(f"{a}: the first stage has no previous stage")
+                seen.add((a.stage, a.kind, a.microbatch))
+            for stage in (s for s, r in owner.items() if r == rank):
+                for mb in range(m):
+                    f = counts[(stage, ActionKind.FORWARD, mb)]
+                    full = counts[(stage, ActionKind.BACKWARD, mb)]
+                    i = counts[(stage, ActionKind.BACKWARD_INPUT, mb)]
+                    w = counts[(stage, ActionKind.BACKWARD_WEIGHT, mb)]
+                    if f != 1 or not ((full, i, w) == (1, 0, 0) or (full, i, w) == (0, 1, 1)):
+                        raise ScheduleError(
+                            f"stage {stage} micro-batch {mb} on rank {rank} is incomplete",
+                            expected="one F and either one B or one I and one W",
+                            found=f"F x{f}, B x{full}, I x{i}, W x{w}",
+                            fix="every micro-batch must go forward and backward once per stage")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering: sends and receives
+# ---------------------------------------------------------------------------------------------
+
+def add_communication(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Insert SEND/RECV actions for every tensor that crosses ranks.
+
+    A send goes right after the compute that produces the tensor (sends never block the sender);
+    a receive right before the compute that needs it. Between two computes the sends of the first
+    come before the receives of the second, so the executor batches them into one
+    ``batch_isend_irecv``. Stages on the same rank hand tensors over locally.
+    """
+    if schedule.has_communication:
+        return schedule
+    where = schedule.stage_to_rank
+    last = len(where) - 1
+    ranks = []
+    for rank, actions in enumerate(schedule.ranks):
+        out: list[Action] = []
+        for a in actions:
+            s, mb = a.stage, a.microbatch
+            if a.kind is ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
+                out.append(Action(s, ActionKind.RECV_F, mb))
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s < last \
+                    and where[s + 1] != rank:
+                out.append(Action(s, ActionKind.RECV_B, mb))
+            out.append(a)
+            if a.kind is ActionKind.FORWARD and s < last and where[s + 1] != rank:
+                out.append(Action(s, ActionKind.SEND_F, mb))
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s > 0 \
+                    and where[s - 1] != rank:
+                out.append(Action(s, ActionKind.SEND_B, mb))
+        ranks.append(tuple(_sends_first(out)))
+    return PipelineSchedule(tuple(ranks), schedule.num_microbatches, schedule.kind)
+
+
+def _sends_first(actions: Sequence[Action]) -> list[Action]:
+    """Within each run of consecutive communication actions, sends before receives."""
+    out: list[Action] = []
+    run: list[Action] = []
+    for a in list(actions) + [None]:  # type: ignore[list-item]
+        if a is not None and a.kind.is_comm:
+            run.append(a)
+            continue
+        out += [x for x in run if x.kind in (ActionKind.SEND_F, ActionKind.SEND_B)]
+        out += [x for x in run if x.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        run = []
+        if a is not None:
+            out.append(a)
+    return out
+
+
+def comm_batches(actions: Iterable[Action]) -> list[list[Action]]:
+    """Group a rank's list into runs: each compute alone, each run of comm actions together."""
+    out: list[list[Action]] = []
+    for a in actions:
+        if a.kind.is_comm and out and out[-1][0].kind.is_comm:
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
