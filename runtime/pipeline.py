@@ -39,7 +39,8 @@ tp x pp mesh each rank runs its own (sharded) stage modules and exchanges activa
 rank of the next stage in its tp column (``mesh.stage_rank``).
 
 The stage modules come from ``autopar.passes.split_stages`` (the runtime does not import the
-passes; the expected attributes are spelled out by :class:`StageProgram`).
+passes; the expected attributes are spelled out by :class:`StageProgram`); each runs as a
+:class:`StageModule` (``runtime/stage_module.py``, re-exported here).
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ from __future__ import annotations
 import functools
 import gc
 from datetime import timedelta
-from typing import Callable, Any, Mapping, Protocol, Sequence
+from typing import Callable, Any, Mapping, Sequence
 
-import sympy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -60,8 +60,7 @@ from autopar.errors import (
     PlanMismatchError,
     ScheduleError,
 )
-from autopar.runtime.layer_recompute import recompute_per_layer, recompute_region
-from autopar.runtime.layer_units import instrument_layers
+from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import wait_work
 from autopar.runtime.schedules import (
@@ -70,6 +69,16 @@ from autopar.runtime.schedules import (
     PipelineSchedule,
     add_communication,
     comm_batches,
+)
+from autopar.runtime.stage_module import (
+    StageCut,
+    StageModule,
+    StageProgram,
+    bind_sizes,
+    module_attribute,
+    placeholder_kind,
+    split_microbatches,
+    stage_params,
 )
 from autopar.runtime.split_backward import (
     PendingWeightGradients,
@@ -80,117 +89,6 @@ from autopar.runtime.split_backward import (
 
 __all__ = ["PipelineExecutor", "ExecutorHooks", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
            "module_attribute"]
-
-
-class _Cut(Protocol):
-    name: str
-    spec: Any  # autopar.ir.TensorSpec
-    requires_grad: bool
-
-    def shape_at(self, **sizes: int) -> tuple[int, ...]: ...
-
-
-class _Placeholder(Protocol):
-    name: str
-    kind: Any  # an enum whose value is parameter/buffer/constant/activation/input/target
-    key: str | int
-
-
-class StageProgram(Protocol):
-    """What the executor needs of one stage (``autopar.passes.split_stages.StageGraph``)."""
-
-    index: int
-    gm: torch.fx.GraphModule
-    placeholders: Sequence[_Placeholder]
-    inputs: Sequence[_Cut]
-    outputs: Sequence[_Cut]
-    returns_loss: bool
-
-
-def split_microbatches(tensors: Sequence[Any], m: int) -> list[tuple[Any, ...]]:
-    """Split every tensor along dim 0 into m equal micro-batches (non-tensors are repeated)."""
-    out: list[list[Any]] = [[] for _ in range(m)]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            if t.shape[0] % m:
-                raise InvalidInputError("the batch does not split into equal micro-batches",
-                                        expected=f"batch size divisible by {m} micro-batches",
-                                        found=f"batch size {t.shape[0]}",
-                                        fix="change the batch size or the micro-batch count")
-            for i, chunk in enumerate(t.chunk(m, dim=0)):
-                out[i].append(chunk)
-        else:
-            for i in range(m):
-                out[i].append(t)
-    return [tuple(x) for x in out]
-
-
-def bind_sizes(specs: Sequence[Any], tensors: Sequence[Any]) -> dict[str, int]:
-    """Sizes of the shape symbols (``b``, ``s``) from tensors and their symbolic specs."""
-    sizes: dict[str, int] = {}
-    for spec, t in zip(specs, tensors):
-        if spec is None or not isinstance(t, torch.Tensor):
-            continue
-        if len(spec.shape) != t.dim():
-            raise InvalidInputError("an input has the wrong number of dims",
-                                    expected=str(spec), found=str(tuple(t.shape)))
-        for dim, size in zip(spec.shape, t.shape):
-            if isinstance(dim, sympy.Symbol):
-                if sizes.setdefault(dim.name, int(size)) != int(size):
-                    raise InvalidInputError(f"inputs disagree on the size of {dim.name}",
-                                            found=f"{sizes[dim.name]} and {int(size)}")
-    return sizes
-
-
-def module_attribute(fqn: str) -> str:
-    """A parameter FQN as a module attribute name (attributes cannot contain dots)."""
-    return fqn.replace(".", "__")
-
-
-class StageModule(nn.Module):
-    """One stage's graph module with the stage's parameters registered on it.
-
-    Its forward takes the stage's whole argument list (parameters included, as the lifted graph
-    binds them), so the module owns exactly the parameters it reads and any module hook (a ZeRO-3
-    gather before the call, a free after) wraps each stage call.
-    """
-
-    def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter], *,
-                 layer_units: bool = False, compile_backend: str | None = None,
-                 recompute_blocks: frozenset[str] = frozenset()) -> None:
-        """``layer_units``: instrument the graph with one :class:`LayerBoundary` per captured
-        layer (``runtime/layer_units.py``), children of this module, so that ZeRO-3 gathers
-        one layer at a time rather than the whole stage. ``compile_backend``: run the graph
-        through ``torch.compile`` with that backend (compiled on its first call, again for a
-        new micro-batch shape or for inference). ``recompute_blocks``: the layers full recompute
-        checkpoints one at a time (``runtime/layer_recompute.py``; not with ``layer_units`` or
-        ``compile_backend``); :attr:`recomputes_layers` says whether this stage holds any (else
-        the executor checkpoints the stage whole)."""
-        super().__init__()
-        self.index = stage.index
-        graph = getattr(stage, "gm", None)
-        for fqn in _in_order_of_use(stage):
-            self.register_parameter(module_attribute(fqn), params[fqn])
-        if layer_units and graph is not None:
-            attribute_of = {ph.name: module_attribute(ph.key) for ph in stage.placeholders
-                            if _kind(ph) == "parameter"}
-            graph, boundaries = instrument_layers(graph, dict(self.named_parameters()),
-                                                  attribute_of)
-            # registered after the parameters, so named_parameters() keeps their names
-            self.layers = nn.ModuleList(boundaries)
-        #: Full recompute checkpoints this stage's blocks one by one (its graph calls them
-        #: through layer_recompute.checkpointed).
-        self.recomputes_layers = False
-        if recompute_blocks and graph is not None and not layer_units \
-                and compile_backend is None:
-            graph, runs = recompute_per_layer(graph, recompute_blocks)
-            self.recomputes_layers = runs > 0
-        if compile_backend is not None and graph is not None:
-            graph = torch.compile(graph, backend=compile_backend, dynamic=False)
-        object.__setattr__(self, "_graph", graph)  # not a submodule: no params
-
-    def forward(self, *args: Any) -> Any:
-        return self._graph(*args)
 
 
 class ExecutorHooks:
@@ -282,7 +180,7 @@ class PipelineExecutor:
         self.buffers: dict[str, torch.Tensor] = {}
         for stage in self.local.values():
             for ph in stage.placeholders:
-                kind = _kind(ph)
+                kind = placeholder_kind(ph)
                 if kind == "parameter" and ph.key not in self.params:
                     if ph.key not in tensors:
                         raise InvalidInputError(f"no value for parameter {ph.key}",
@@ -509,7 +407,7 @@ class PipelineExecutor:
         args: list[Any] = []
         act = iter(acts)
         for ph in stage.placeholders:
-            kind = _kind(ph)
+            kind = placeholder_kind(ph)
             if kind == "parameter":
                 args.append(self.params[ph.key])
             elif kind == "buffer":
@@ -637,7 +535,7 @@ class PipelineExecutor:
 
     # -- communication ------------------------------------------------------------------------
     @staticmethod
-    def _check_dtypes(stage: int, tensors: Sequence[torch.Tensor], cuts: Sequence[_Cut]) -> None:
+    def _check_dtypes(stage: int, tensors: Sequence[torch.Tensor], cuts: Sequence[StageCut]) -> None:
         """The receiver allocates each crossing tensor at the dtype the split recorded."""
         for t, c in zip(tensors, cuts):
             if t.dtype != c.spec.dtype:
@@ -744,33 +642,3 @@ def _announced(module: Callable[..., Any], hook: Callable[[int, int], None], sta
         return module(*args)
 
     return run
-
-
-def _kind(ph: _Placeholder) -> str:
-    kind = ph.kind
-    return kind.value if hasattr(kind, "value") else str(kind)
-
-
-def _in_order_of_use(stage: StageProgram) -> list[str]:
-    """The stage's parameters in the order its graph first reads them. Registration order is
-    what the data-parallel engine's buckets follow (reversed: the order gradients arrive in);
-    each bucket's reduction launches in bucket order, so a bucket whose gradients come last
-    must come last, or it holds back the reductions of all the others and every full gradient
-    buffer stays alive until the end of the backward."""
-    fqns = list(dict.fromkeys(stage_params(stage)))
-    graph = getattr(stage, "gm", None)
-    if graph is None:
-        return fqns
-    key_of = {ph.name: ph.key for ph in stage.placeholders if _kind(ph) == "parameter"}
-    first: dict[str, int] = {}
-    for i, node in enumerate(graph.graph.nodes):
-        if node.op in ("placeholder", "output"):
-            continue
-        for a in node.all_input_nodes:
-            if a.name in key_of:
-                first.setdefault(key_of[a.name], i)
-    return sorted(fqns, key=lambda f: first.get(f, -1))
-
-
-def stage_params(stage: StageProgram) -> list[str]:
-    return [ph.key for ph in stage.placeholders if _kind(ph) == "parameter"]
