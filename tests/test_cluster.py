@@ -207,6 +207,34 @@ def test_group_spans_follow_the_mesh_layout():
     assert mesh_span(c, 16, 2, 4, "pp") == GroupSpan(2, 1, 2)
 
 
+def test_calibrate_device_cuda_writes_and_shows_the_measurements(tmp_path, monkeypatch, capsys):
+    """The CLI path of ``autopar calibrate --device cuda`` (a GPU's measurements stubbed by the
+    dict measure_cuda returns): the file holds the measured launch and host-optimizer costs and
+    the table shows them."""
+    import torch
+
+    from autopar.cli import main
+    from autopar.planner import calibration_cuda
+
+    measured = {
+        "device_name": "NVIDIA H100 80GB HBM3", "gemm_flops_bf16": 7.5e14,
+        "gemm_flops_fp32": 5.0e13, "memory_bandwidth": 2.9e12, "kernel_floor_s": 2.5e-6,
+        "gemm_table": [[512, 1024, 1024, 1e14]], "attention_table": [[1024, 64, 3e14, 2e14]],
+        "op_table": {"gelu": [3e-12, 6e-12]}, "launch_overhead_s": 1.2e-5,
+        "launch_backward_overhead_s": 1.5e-5, "host_optimizer_s_per_param": 3e-9,
+        "host_optimizer_s_per_tensor": 5e-5,
+    }
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(calibration_cuda, "measure_cuda", lambda quick=False: measured)
+    out = tmp_path / "h100.json"
+    assert main(["calibrate", "--device", "cuda", "--out", str(out)]) == 0
+    cluster = Cluster.load(str(out))
+    assert cluster.device.launch_overhead_s == 1.2e-5
+    assert cluster.host_optimizer_s_per_param == 3e-9
+    shown = capsys.readouterr().out
+    assert "12.0 us / 15.0 us" in shown and "3.00 ns" in shown
+
+
 def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_path):
     """``autopar calibrate --device cuda`` output (built here from a measurement dict, as
     measure_cuda returns it on a GPU): the device's numbers are the measured ones, the nodes and

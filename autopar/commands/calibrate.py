@@ -79,7 +79,12 @@ def _run_cuda(args: argparse.Namespace) -> int:
         ("GEMM fp32 (no TF32)", f"{d.peak_flops['fp32'] / 1e12:.1f} TFLOP/s"),
         ("copy bandwidth", f"{fmt_bytes(d.memory_bandwidth)}/s"),
         ("kernel floor", fmt_seconds(d.kernel_floor_s)),
-        ("attention / GEMM rate", f"{d.attention_efficiency:.2f}")])
+        ("attention / GEMM rate", f"{d.attention_efficiency:.2f}"),
+        ("launch per node (forward / backward)",
+         f"{fmt_seconds(d.launch_overhead_s)} / {fmt_seconds(d.launch_backward_overhead_s)}"),
+        ("host AdamW per parameter / per tensor",
+         f"{cluster.host_optimizer_s_per_param * 1e9:.2f} ns / "
+         f"{fmt_seconds(cluster.host_optimizer_s_per_tensor)}")])
 
 
 def _write_and_show(args: argparse.Namespace, cluster, raw: dict, what: str,
