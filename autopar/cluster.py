@@ -154,8 +154,8 @@ class DeviceSpec:
     attention_table: tuple[tuple[float, float, float, float], ...] = ()
     #: Host time per graph node of the forward, added to the node's compute: dispatch of the op
     #: and autograd's recording of it, on the thread that then runs the op (CPU processes).
-    #: 0 where the host runs ahead of the device (GPUs launch kernels asynchronously; the
-    #: kernel floor stands for their launch).
+    #: 0 where the host runs ahead of the device (GPUs launch kernels asynchronously: their
+    #: host cost is ``launch_overhead_s``, which bounds a layer's time rather than adding to it).
     node_overhead_s: float = 0.0
     #: The same per node of the backward graph (autograd's engine calling the node's backward
     #: function, accumulating gradients into ``.grad``), added to the backward's compute.

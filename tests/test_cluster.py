@@ -207,6 +207,18 @@ def test_group_spans_follow_the_mesh_layout():
     assert mesh_span(c, 16, 2, 4, "pp") == GroupSpan(2, 1, 2)
 
 
+#: What measure_cuda returns on an H100 (made-up figures of the right size), for the tests of
+#: what ``calibrate --device cuda`` does with its measurements.
+H100_MEASURED = {
+    "device_name": "NVIDIA H100 80GB HBM3", "gemm_flops_bf16": 7.5e14,
+    "gemm_flops_fp32": 5.0e13, "memory_bandwidth": 2.9e12, "kernel_floor_s": 2.5e-6,
+    "gemm_table": [[512, 1024, 1024, 1e14]], "attention_table": [[1024, 64, 3e14, 2e14]],
+    "op_table": {"gelu": [3e-12, 6e-12]}, "launch_overhead_s": 1.2e-5,
+    "launch_backward_overhead_s": 1.5e-5, "host_optimizer_s_per_param": 3e-9,
+    "host_optimizer_s_per_tensor": 5e-5,
+}
+
+
 def test_calibrate_device_cuda_writes_and_shows_the_measurements(tmp_path, monkeypatch, capsys):
     """The CLI path of ``autopar calibrate --device cuda`` (a GPU's measurements stubbed by the
     dict measure_cuda returns): the file holds the measured launch and host-optimizer costs and
@@ -216,16 +228,8 @@ def test_calibrate_device_cuda_writes_and_shows_the_measurements(tmp_path, monke
     from autopar.cli import main
     from autopar.planner import calibration_cuda
 
-    measured = {
-        "device_name": "NVIDIA H100 80GB HBM3", "gemm_flops_bf16": 7.5e14,
-        "gemm_flops_fp32": 5.0e13, "memory_bandwidth": 2.9e12, "kernel_floor_s": 2.5e-6,
-        "gemm_table": [[512, 1024, 1024, 1e14]], "attention_table": [[1024, 64, 3e14, 2e14]],
-        "op_table": {"gelu": [3e-12, 6e-12]}, "launch_overhead_s": 1.2e-5,
-        "launch_backward_overhead_s": 1.5e-5, "host_optimizer_s_per_param": 3e-9,
-        "host_optimizer_s_per_tensor": 5e-5,
-    }
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(calibration_cuda, "measure_cuda", lambda quick=False: measured)
+    monkeypatch.setattr(calibration_cuda, "measure_cuda", lambda quick=False: H100_MEASURED)
     out = tmp_path / "h100.json"
     assert main(["calibrate", "--device", "cuda", "--out", str(out)]) == 0
     cluster = Cluster.load(str(out))
@@ -245,13 +249,10 @@ def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_
 
     rate = {(m, n, k): 1e14 + m for m in (512, 8192) for n in (1024, 4096) for k in (1024, 4096)}
     measured = {
-        "device_name": "NVIDIA H100 80GB HBM3", "gemm_flops_bf16": 7.5e14,
-        "gemm_flops_fp32": 5.0e13, "memory_bandwidth": 2.9e12, "kernel_floor_s": 2.5e-6,
+        **H100_MEASURED,
         "gemm_table": [[m, n, k, r] for (m, n, k), r in rate.items()],
         "attention_table": [[1024, 64, 3.0e14, 2.0e14], [2048, 128, 4.0e14, 3.0e14]],
         "op_table": {"gelu": [3e-12, 6e-12], "layer_norm": [4e-12, 9e-12]},
-        "launch_overhead_s": 1.2e-5, "launch_backward_overhead_s": 1.5e-5,
-        "host_optimizer_s_per_param": 3e-9, "host_optimizer_s_per_tensor": 5e-5,
     }
     cluster = cuda_cluster(measured, torch_version="test")
     assert (cluster.device.launch_overhead_s, cluster.device.launch_backward_overhead_s) == \
