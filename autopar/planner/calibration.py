@@ -52,8 +52,12 @@ MAX_OVERSUBSCRIPTION_PROBE_CORES = 16
 #: warm 3 ms GEMM a 2 MiB all-reduce took ~1 ms longer than back to back; after this, ~2 ms, and
 #: an 8 MiB one ~3.3 ms: what a tensor-parallel step paid.
 PACE_TOKENS, PACE_IN, PACE_OUT, PACE_GEMMS, PACE_COPIES = 2048, 256, 1024, 2, 8
-#: Nodes in the chain that times the host's per-node cost.
-NODE_CHAIN = 400
+#: The tiny GPT-2 whose exported program times the host's cost per graph node
+#: (:func:`block_node_times`): blocks (against one), hidden size, tokens.
+BLOCK_PROBE_LAYERS, BLOCK_PROBE_HIDDEN, BLOCK_PROBE_TOKENS = 5, 8, 4
+#: Runs per repeat of that probe (a run takes milliseconds; the median of many steadies the
+#: difference of two such times on a shared host).
+BLOCK_PROBE_RUNS = 4
 #: Hidden size and count of the transformer blocks whose parameters (4 matrices, 12 h^2, and
 #: 8 vectors each) the optimizer step is timed on: ~6.3M parameters, 25 MiB per state tensor,
 #: beyond a core's caches as a model's are.
@@ -98,14 +102,23 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def node_chain_times(device: Any = "cpu", repeat: int = 5, nodes: int = NODE_CHAIN
-                     ) -> tuple[float, float]:
-    """Host seconds per graph node (forward, backward), as a generated stage program pays them:
-    a chain of ``nodes`` ATen overloads on an 8-element tensor on ``device`` that requires grad,
-    called from Python the way the program's code calls them, alternately a view (``t``) and an
-    element-wise op (``add`` of a tensor), since about half of a transformer block's nodes are
-    views. Forward: the calls, autograd recording included; backward: ``backward()`` over the
-    chain (the engine calling each node's backward function, the leaf's gradient accumulated).
+def block_node_times(device: Any = "cpu", repeat: int = 5) -> tuple[float, float]:
+    """Host seconds per graph node (forward, backward) of a transformer block's own program, as
+    a generated stage program pays them: the zoo's GPT-2 (``autopar.models``) at tiny sizes
+    (hidden ``BLOCK_PROBE_HIDDEN``, ``BLOCK_PROBE_TOKENS`` tokens: every op a few elements, so
+    what is timed is the calls), exported by ``torch.export`` as autopar's capture exports it,
+    with ``BLOCK_PROBE_LAYERS`` blocks and with one, on ``device``. Per node: the difference of
+    the two models' times over the difference of their node counts, so that the model's own
+    ends (embedding, head, loss, the exported module's input checks) cancel out:
+
+    - forward: the call to the exported module, over its ``call_function`` nodes (a tuple's
+      ``getitem`` excluded: the cost model counts nodes the same way);
+    - backward: ``backward()`` of the loss, over the autograd graph's nodes (each op's backward
+      function and each parameter's gradient accumulation).
+
+    A real block's node is not a chain's ``t`` or ``add``: ``linear``, ``layer_norm``, the fused
+    attention and the views between them dispatch several ATen calls each; on this repository's
+    2-core VM a block's node cost ~3x a chain of ``t`` and ``add`` (docs/cost-model.md).
 
     On a CPU the op runs on the calling thread, so the time includes the tiny op itself. On a
     GPU the host only launches: each timing starts with the device idle and stops when the last
@@ -113,37 +126,79 @@ def node_chain_times(device: Any = "cpu", repeat: int = 5, nodes: int = NODE_CHA
     the device keeps up and the host's time is what is measured)."""
     import torch
 
-    aten = torch.ops.aten
-    leaf = torch.ones(2, 4, requires_grad=True, device=device)
-    other = torch.full((4, 2), 0.5, device=device)
-    sync = torch.cuda.synchronize if leaf.is_cuda else (lambda: None)
+    from autopar.models import build
 
-    def forward() -> "torch.Tensor":
-        x = leaf
-        for _ in range(nodes // 2):
-            x = aten.t.default(x)
-            x = aten.add.Tensor(x, other if x.shape[0] == 4 else other.t())
-        return x
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    tokens = BLOCK_PROBE_TOKENS
+    probes = []
+    for layers in (1, BLOCK_PROBE_LAYERS):
+        zm = build("gpt", layers=layers, hidden=BLOCK_PROBE_HIDDEN, heads=2, vocab=16,
+                   seq=tokens, dropout=0.0, seed=0, device=device)
+        inputs, targets = zm.example_inputs(1, tokens, device=device)
+        program = torch.export.export(_loss_module(zm.model, zm.loss_fn), (*inputs, *targets),
+                                      strict=False)
+        nodes = sum(1 for n in program.graph.nodes
+                    if n.op == "call_function" and "getitem" not in str(n.target))
+        probes.append((nodes, program.module(), (*inputs, *targets)))
 
-    fwd, bwd = [], []
-    for _ in range(repeat + 1):
+    def run(module: Any, args: tuple[Any, ...]) -> tuple[float, float, int]:
         sync()
         start = time.perf_counter()
-        out = forward()
-        fwd.append(time.perf_counter() - start)
-        grad = torch.ones_like(out)
+        loss = module(*args)
+        fwd = time.perf_counter() - start
+        grad_nodes = _autograd_nodes(loss)
         sync()
         start = time.perf_counter()
-        out.backward(grad)
-        bwd.append(time.perf_counter() - start)
-        leaf.grad = None
-    # the first is a warm-up; nodes // 2 pairs of calls
-    per_node = 2 * (nodes // 2)
-    return (statistics.median(fwd[1:]) / per_node, statistics.median(bwd[1:]) / per_node)
+        loss.backward()
+        bwd = time.perf_counter() - start
+        module.zero_grad(set_to_none=True)
+        return fwd, bwd, grad_nodes
+
+    # the two models alternate, so that a shared host's drift reaches both alike; two warm-up
+    # runs each (the second makes the gradients' accumulation real)
+    times: list[list[tuple[float, float, int]]] = [[], []]
+    for i in range(BLOCK_PROBE_RUNS * repeat + 2):
+        for which, (_, module, args) in enumerate(probes):
+            result = run(module, args)
+            if i >= 2:
+                times[which].append(result)
+    (n1, n2), (g1, g2) = (p[0] for p in probes), (t[0][2] for t in times)
+    f1, f2 = (statistics.median(r[0] for r in t) for t in times)
+    b1, b2 = (statistics.median(r[1] for r in t) for t in times)
+    return max(f2 - f1, 0.0) / (n2 - n1), max(b2 - b1, 0.0) / (g2 - g1)
 
 
-def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str, float]:
-    """Host time per graph node on this CPU (:func:`node_chain_times`), with and without the
+def _loss_module(model: Any, loss_fn: Callable[..., Any]) -> Any:
+    """``loss_fn(model(inputs), *targets)`` as one module, for ``torch.export``."""
+    import torch
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs: Any, *targets: Any) -> Any:
+            return loss_fn(self.model(inputs), *targets)
+
+    return Step()
+
+
+def _autograd_nodes(out: Any) -> int:
+    """Nodes of the autograd graph behind ``out`` (backward functions and gradient
+    accumulators): what ``backward()`` calls."""
+    seen: set[Any] = set()
+    todo = [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(nxt for nxt, _ in fn.next_functions)
+    return len(seen)
+
+
+def measure_node_overhead(repeat: int = 5) -> dict[str, float]:
+    """Host time per graph node on this CPU (:func:`block_node_times`), with and without the
     op itself:
 
     - ``node_forward_s`` / ``node_backward_s``: per node of the forward and the backward;
@@ -154,7 +209,7 @@ def measure_node_overhead(repeat: int = 5, nodes: int = NODE_CHAIN) -> dict[str,
 
     one = torch.ones(1)
     floor = _best_time(lambda: one.add(one), repeat, inner=200)
-    t_fwd, t_bwd = node_chain_times("cpu", repeat, nodes)
+    t_fwd, t_bwd = block_node_times("cpu", repeat)
     return {"node_forward_s": t_fwd, "node_backward_s": t_bwd,
             "node_overhead_s": max(t_fwd - floor, 0.0),
             "node_backward_overhead_s": max(t_bwd - floor, 0.0)}
@@ -602,11 +657,13 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.peak_flops": f"best torch.mm rate over n in {list(GEMM_SIZES)}; {where}",
             "device.memory_bandwidth": f"tensor copy of 16-32 MiB, read + write; {where}",
             "device.kernel_floor_s": f"median time of a 1-element add; {where}",
-            "device.node_overhead_s": f"per node of a chain of {NODE_CHAIN} ATen calls (t, add) "
-                                      f"on a tensor that requires grad, less the kernel floor; "
-                                      f"{where}",
-            "device.node_backward_overhead_s": f"per node of backward() over the same chain, "
-                                               f"less the kernel floor; {where}",
+            "device.node_overhead_s": (
+                f"per node of a tiny GPT-2's exported forward ({BLOCK_PROBE_LAYERS} blocks "
+                f"against 1, hidden {BLOCK_PROBE_HIDDEN}, {BLOCK_PROBE_TOKENS} tokens), less "
+                f"the kernel floor; {where}"),
+            "device.node_backward_overhead_s": (
+                f"per autograd node of the same model's backward, less the kernel floor; "
+                f"{where}"),
             "cores_per_node": f"CPU cores of the host (affinity mask); {where}",
             "disk_bandwidth": f"{DISK_PROBE_BYTES // 2**20} MiB written with fsync and read "
                               f"back in 4 MiB chunks in the temporary directory, the slower "

@@ -107,14 +107,14 @@ def measure_host(device: Any, repeat: int) -> dict[str, float]:
 
     - ``launch_overhead_s`` / ``launch_backward_overhead_s``: host seconds per graph node
       launched on ``device`` forward and backward (:func:`~autopar.planner.calibration.
-      node_chain_times`), which bound a layer's time when its kernels are shorter;
+      block_node_times`), which bound a layer's time when its kernels are shorter;
     - ``host_optimizer_s_per_param`` / ``_per_tensor``: torch's AdamW (its default
       implementation) over fp32 tensors in host memory with all the host's threads, as the
       runtime steps an offloaded optimizer (:func:`~autopar.planner.calibration.
       measure_optimizer_step`)."""
-    from autopar.planner.calibration import measure_optimizer_step, node_chain_times
+    from autopar.planner.calibration import block_node_times, measure_optimizer_step
 
-    fwd, bwd = node_chain_times(device, repeat)
+    fwd, bwd = block_node_times(device, repeat)
     per_param, per_tensor = measure_optimizer_step(repeat)
     return {"launch_overhead_s": fwd, "launch_backward_overhead_s": bwd,
             "host_optimizer_s_per_param": per_param, "host_optimizer_s_per_tensor": per_tensor}
