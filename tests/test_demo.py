@@ -44,6 +44,7 @@ def test_host_calibration_is_measured_once_and_kept(tmp_path, monkeypatch):
         return Cluster.load("cpu"), {}
 
     monkeypatch.setattr(calibration, "calibrate_cluster", fake)
+    monkeypatch.setattr(calibration, "speed_probe", lambda: 0.01)  # the host keeps its speed
     path = calibration_cache.host_calibration(say=said.append)
     assert runs == [(2, True)] and len(said) == 1 and path in said[0]
     assert path.startswith(str(tmp_path / "cache")) and Cluster.load(path) == Cluster.load("cpu")
@@ -54,6 +55,37 @@ def test_host_calibration_is_measured_once_and_kept(tmp_path, monkeypatch):
     assert Cluster.load(path).name == "cpu"
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert calibration_cache.host_calibration() != path and len(runs) == 3
+
+
+def test_host_calibration_is_measured_again_when_the_host_changed_speed(tmp_path, monkeypatch):
+    """Beside the cached calibration, a speed probe: a later call within DRIFT_TOLERANCE of it
+    keeps the file; beyond it (either way) measures again, saying why; a file kept without a
+    probe takes today's as its reference."""
+    import os
+
+    from autopar import Cluster
+    from autopar.planner import calibration, calibration_cache
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    runs, said, speed = [], [], [0.010]
+    monkeypatch.setattr(calibration, "calibrate_cluster",
+                        lambda world, quick: (runs.append(world), (Cluster.load("cpu"), {}))[1])
+    monkeypatch.setattr(calibration, "speed_probe", lambda: speed[0])
+    path = calibration_cache.host_calibration(say=said.append)
+    assert len(runs) == 1 and os.path.exists(path + ".probe.json")
+    tolerance = calibration_cache.DRIFT_TOLERANCE
+    speed[0] = 0.010 * (1 + tolerance / 2)  # noise: kept
+    assert calibration_cache.host_calibration(say=said.append) == path and len(runs) == 1
+    speed[0] = 0.010 * (1 + 2 * tolerance)  # a slower day: measured again
+    assert calibration_cache.host_calibration(say=said.append) == path and len(runs) == 2
+    assert "slower than when it was calibrated" in said[-1]
+    speed[0] = 0.010 * (1 + 2 * tolerance) / (1 + 2 * tolerance) ** 2  # faster: again
+    assert calibration_cache.host_calibration(say=said.append) == path and len(runs) == 3
+    assert "faster than when it was calibrated" in said[-1]
+    os.remove(path + ".probe.json")  # kept before probes: today's speed becomes the reference
+    speed[0] = 1.0
+    assert calibration_cache.host_calibration(say=said.append) == path and len(runs) == 3
+    assert calibration_cache.host_calibration(say=said.append) == path and len(runs) == 3
 
 
 @pytest.mark.distributed

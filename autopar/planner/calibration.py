@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
+__all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring", "speed_probe"]
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
 #: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds. Small m
@@ -300,6 +300,37 @@ def measure_optimizer_step(repeat: int = 5) -> tuple[float, float]:
     blocks = _adamw_step_time(shapes, repeat)
     params = sum(math.prod(shape) for shape in shapes)
     return max(blocks - len(shapes) * per_tensor, 0.0) / params, per_tensor
+
+
+#: The speed probe's work (:func:`speed_probe`): a GEMM of SPEED_PROBE_TOKENS x
+#: SPEED_PROBE_FEATURES by a square weight and a copy of SPEED_PROBE_COPY_BYTES: ~12 ms on one
+#: core of this repository's VM, what a step spends on its two kinds of work.
+SPEED_PROBE_TOKENS, SPEED_PROBE_FEATURES, SPEED_PROBE_COPY_BYTES = 1024, 512, 16 * 2**20
+
+
+def speed_probe(repeat: int = 21) -> float:
+    """Median seconds of a fixed piece of a step's work on one thread (a GEMM and a copy beyond
+    the caches, ``SPEED_PROBE_*``): a third of a second that says whether this host still runs
+    at the speed its calibration measured (a shared VM's cores change speed from day to day;
+    :mod:`autopar.planner.calibration_cache` measures again when the probe moved)."""
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(SPEED_PROBE_TOKENS, SPEED_PROBE_FEATURES)
+        w = torch.randn(SPEED_PROBE_FEATURES, SPEED_PROBE_FEATURES)
+        src = torch.randn(SPEED_PROBE_COPY_BYTES // 4)
+        dst = torch.empty_like(src)
+
+        def work() -> None:
+            F.linear(x, w)
+            dst.copy_(src)
+
+        return _best_time(work, repeat)
+    finally:
+        torch.set_num_threads(threads)
 
 
 #: Bytes written, synced and read back by :func:`measure_disk_bandwidth`.
