@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     import autopar
     from autopar import Cluster
     from autopar.plan_types import RecomputeKind, ScheduleKind
-    from autopar.planner.calibration import calibrate_cluster, host_cores
+    from autopar.planner.calibration import calibrate_cluster
+    from autopar.planner.calibration_host import host_cores
     from autopar.planner.candidates import Candidate
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.runtime.local_pool import LocalPool

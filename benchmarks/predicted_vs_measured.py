@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from autopar import Cluster
-    from autopar.planner.calibration import calibrate_cluster, host_cores
+    from autopar.planner.calibration import calibrate_cluster
+    from autopar.planner.calibration_host import host_cores
     from autopar.planner.cost_model import CostModel, TrainingSetup
     from autopar.planner.planning import capture_model_costs
     from autopar.planner.search import SearchSpace, search

@@ -274,7 +274,8 @@ def test_tp_layout_is_solved_at_the_candidates_micro_batch(wide_costs):
 def test_node_overhead_measurement():
     import torch
 
-    from autopar.planner.calibration import measure_node_overhead, measure_op_table
+    from autopar.planner.calibration import measure_op_table
+    from autopar.planner.calibration_host import measure_node_overhead
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -303,7 +304,7 @@ def test_block_node_time_prices_the_eager_blocks_of_a_tiny_gpt():
     import torch
 
     from autopar.models import build
-    from autopar.planner.calibration import _loss_module, block_node_times
+    from autopar.planner.calibration_host import block_node_times, loss_module
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -313,7 +314,7 @@ def test_block_node_time_prices_the_eager_blocks_of_a_tiny_gpt():
         for layers in (2, 8):
             zm = build("gpt", layers=layers, hidden=8, heads=2, vocab=16, seq=4, dropout=0.0)
             inputs, targets = zm.example_inputs(1, 4)
-            step = _loss_module(zm.model, zm.loss_fn)
+            step = loss_module(zm.model, zm.loss_fn)
             program = torch.export.export(step, (*inputs, *targets), strict=False)
             counts.append(sum(1 for n in program.graph.nodes if n.op == "call_function"
                               and "getitem" not in str(n.target)))

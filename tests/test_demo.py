@@ -34,7 +34,7 @@ def test_host_calibration_is_measured_once_and_kept(tmp_path, monkeypatch):
     import torch
 
     from autopar import Cluster
-    from autopar.planner import calibration, calibration_cache
+    from autopar.planner import calibration, calibration_cache, calibration_host
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     runs, said = [], []
@@ -44,7 +44,7 @@ def test_host_calibration_is_measured_once_and_kept(tmp_path, monkeypatch):
         return Cluster.load("cpu"), {}
 
     monkeypatch.setattr(calibration, "calibrate_cluster", fake)
-    monkeypatch.setattr(calibration, "speed_probe", lambda: 0.01)  # the host keeps its speed
+    monkeypatch.setattr(calibration_host, "speed_probe", lambda: 0.01)  # the host keeps its speed
     path = calibration_cache.host_calibration(say=said.append)
     assert runs == [(2, True)] and len(said) == 1 and path in said[0]
     assert path.startswith(str(tmp_path / "cache")) and Cluster.load(path) == Cluster.load("cpu")
@@ -64,13 +64,13 @@ def test_host_calibration_is_measured_again_when_the_host_changed_speed(tmp_path
     import os
 
     from autopar import Cluster
-    from autopar.planner import calibration, calibration_cache
+    from autopar.planner import calibration, calibration_cache, calibration_host
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     runs, said, speed = [], [], [0.010]
     monkeypatch.setattr(calibration, "calibrate_cluster",
                         lambda world, quick: (runs.append(world), (Cluster.load("cpu"), {}))[1])
-    monkeypatch.setattr(calibration, "speed_probe", lambda: speed[0])
+    monkeypatch.setattr(calibration_host, "speed_probe", lambda: speed[0])
     path = calibration_cache.host_calibration(say=said.append)
     assert len(runs) == 1 and os.path.exists(path + ".probe.json")
     tolerance = calibration_cache.DRIFT_TOLERANCE

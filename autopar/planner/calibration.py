@@ -5,7 +5,9 @@ Every rank runs the compute microbenchmarks at the same time (as ranks do in a l
 cores' contention is part of the figure); the collectives are timed over ``LocalPool``. The
 latency and bus bandwidth come from a least-squares fit of the ring model the cost model uses,
 ``t(S) = a + 2 (n-1)/n * S / B`` for all-reduce, over message sizes from 4 KiB to 16 MiB (in
-relative error, so that the small messages set the latency).
+relative error, so that the small messages set the latency). What the host itself costs (a graph
+node, the optimizer step, the disk, the speed probe) is measured by
+:mod:`autopar.planner.calibration_host`.
 
 ``--device cuda`` (:mod:`autopar.planner.calibration_cuda`) measures one GPU instead, with CUDA events:
 bf16 GEMM rates (peak and a table by shape), copy bandwidth, a tiny kernel's throughput floor,
@@ -16,14 +18,29 @@ preset (one device measures no link).
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import platform
 import statistics
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring", "speed_probe"]
+from autopar.planner.calibration_host import (
+    BLOCK_PROBE_HIDDEN,
+    BLOCK_PROBE_LAYERS,
+    BLOCK_PROBE_TOKENS,
+    DISK_PROBE_BYTES,
+    OPTIMIZER_BLOCKS,
+    OPTIMIZER_HIDDEN,
+    OPTIMIZER_TINY_NUMEL,
+    OPTIMIZER_TINY_TENSORS,
+    best_time,
+    host_cores,
+    measure_disk_bandwidth,
+    measure_node_overhead,
+    measure_optimizer_step,
+)
+
+__all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
 #: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds. Small m
@@ -52,33 +69,6 @@ MAX_OVERSUBSCRIPTION_PROBE_CORES = 16
 #: warm 3 ms GEMM a 2 MiB all-reduce took ~1 ms longer than back to back; after this, ~2 ms, and
 #: an 8 MiB one ~3.3 ms: what a tensor-parallel step paid.
 PACE_TOKENS, PACE_IN, PACE_OUT, PACE_GEMMS, PACE_COPIES = 2048, 256, 1024, 2, 8
-#: The tiny GPT-2 whose exported program times the host's cost per graph node
-#: (:func:`block_node_times`): blocks (against one), hidden size, tokens.
-BLOCK_PROBE_LAYERS, BLOCK_PROBE_HIDDEN, BLOCK_PROBE_TOKENS = 5, 8, 4
-#: Runs per repeat of that probe (a run takes milliseconds; the median of many steadies the
-#: difference of two such times on a shared host).
-BLOCK_PROBE_RUNS = 4
-#: Hidden size and count of the transformer blocks whose parameters (4 matrices, 12 h^2, and
-#: 8 vectors each) the optimizer step is timed on: ~6.3M parameters, 25 MiB per state tensor,
-#: beyond a core's caches as a model's are.
-OPTIMIZER_HIDDEN, OPTIMIZER_BLOCKS = 512, 2
-#: Tensors and their size that time the optimizer's fixed cost per tensor (128 elements: the
-#: element work is ~1% of it).
-OPTIMIZER_TINY_TENSORS, OPTIMIZER_TINY_NUMEL = 64, 128
-
-
-def _best_time(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
-    """Median of ``repeat`` runs of ``inner`` calls (seconds per call), after one warm-up run.
-    The median, not the minimum: a training step is sustained work, and on a shared host the
-    minimum measures the rare moments the cores were free."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
 
 
 def _mean_time(fn: Callable[[], Any], calls: int) -> float:
@@ -92,127 +82,6 @@ def _mean_time(fn: Callable[[], Any], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls
-
-
-def host_cores() -> int:
-    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` elsewhere)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
-
-
-def block_node_times(device: Any = "cpu", repeat: int = 5) -> tuple[float, float]:
-    """Host seconds per graph node (forward, backward) of a transformer block's own program, as
-    a generated stage program pays them: the zoo's GPT-2 (``autopar.models``) at tiny sizes
-    (hidden ``BLOCK_PROBE_HIDDEN``, ``BLOCK_PROBE_TOKENS`` tokens: every op a few elements, so
-    what is timed is the calls), exported by ``torch.export`` as autopar's capture exports it,
-    with ``BLOCK_PROBE_LAYERS`` blocks and with one, on ``device``. Per node: the difference of
-    the two models' times over the difference of their node counts, so that the model's own
-    ends (embedding, head, loss, the exported module's input checks) cancel out:
-
-    - forward: the call to the exported module, over its ``call_function`` nodes (a tuple's
-      ``getitem`` excluded: the cost model counts nodes the same way);
-    - backward: ``backward()`` of the loss, over the autograd graph's nodes (each op's backward
-      function and each parameter's gradient accumulation).
-
-    A real block's node is not a chain's ``t`` or ``add``: ``linear``, ``layer_norm``, the fused
-    attention and the views between them dispatch several ATen calls each; on this repository's
-    2-core VM a block's node cost ~3x a chain of ``t`` and ``add`` (docs/cost-model.md).
-
-    On a CPU the op runs on the calling thread, so the time includes the tiny op itself. On a
-    GPU the host only launches: each timing starts with the device idle and stops when the last
-    call returns, without waiting for the kernels (a tiny kernel takes less than its launch, so
-    the device keeps up and the host's time is what is measured)."""
-    import torch
-
-    from autopar.models import build
-
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    tokens = BLOCK_PROBE_TOKENS
-    probes = []
-    for layers in (1, BLOCK_PROBE_LAYERS):
-        zm = build("gpt", layers=layers, hidden=BLOCK_PROBE_HIDDEN, heads=2, vocab=16,
-                   seq=tokens, dropout=0.0, seed=0, device=device)
-        inputs, targets = zm.example_inputs(1, tokens, device=device)
-        program = torch.export.export(_loss_module(zm.model, zm.loss_fn), (*inputs, *targets),
-                                      strict=False)
-        nodes = sum(1 for n in program.graph.nodes
-                    if n.op == "call_function" and "getitem" not in str(n.target))
-        probes.append((nodes, program.module(), (*inputs, *targets)))
-
-    def run(module: Any, args: tuple[Any, ...]) -> tuple[float, float, int]:
-        sync()
-        start = time.perf_counter()
-        loss = module(*args)
-        fwd = time.perf_counter() - start
-        grad_nodes = _autograd_nodes(loss)
-        sync()
-        start = time.perf_counter()
-        loss.backward()
-        bwd = time.perf_counter() - start
-        module.zero_grad(set_to_none=True)
-        return fwd, bwd, grad_nodes
-
-    # the two models alternate, so that a shared host's drift reaches both alike; two warm-up
-    # runs each (the second makes the gradients' accumulation real)
-    times: list[list[tuple[float, float, int]]] = [[], []]
-    for i in range(BLOCK_PROBE_RUNS * repeat + 2):
-        for which, (_, module, args) in enumerate(probes):
-            result = run(module, args)
-            if i >= 2:
-                times[which].append(result)
-    (n1, n2), (g1, g2) = (p[0] for p in probes), (t[0][2] for t in times)
-    f1, f2 = (statistics.median(r[0] for r in t) for t in times)
-    b1, b2 = (statistics.median(r[1] for r in t) for t in times)
-    return max(f2 - f1, 0.0) / (n2 - n1), max(b2 - b1, 0.0) / (g2 - g1)
-
-
-def _loss_module(model: Any, loss_fn: Callable[..., Any]) -> Any:
-    """``loss_fn(model(inputs), *targets)`` as one module, for ``torch.export``."""
-    import torch
-
-    class Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, inputs: Any, *targets: Any) -> Any:
-            return loss_fn(self.model(inputs), *targets)
-
-    return Step()
-
-
-def _autograd_nodes(out: Any) -> int:
-    """Nodes of the autograd graph behind ``out`` (backward functions and gradient
-    accumulators): what ``backward()`` calls."""
-    seen: set[Any] = set()
-    todo = [out.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        todo.extend(nxt for nxt, _ in fn.next_functions)
-    return len(seen)
-
-
-def measure_node_overhead(repeat: int = 5) -> dict[str, float]:
-    """Host time per graph node on this CPU (:func:`block_node_times`), with and without the
-    op itself:
-
-    - ``node_forward_s`` / ``node_backward_s``: per node of the forward and the backward;
-    - ``node_overhead_s`` / ``node_backward_overhead_s``: the same less the kernel floor (a
-      1-element op without autograd, what the roofline already charges a tiny op), i.e. what a
-      node costs beyond its op: the cost model adds these to every node."""
-    import torch
-
-    one = torch.ones(1)
-    floor = _best_time(lambda: one.add(one), repeat, inner=200)
-    t_fwd, t_bwd = block_node_times("cpu", repeat)
-    return {"node_forward_s": t_fwd, "node_backward_s": t_bwd,
-            "node_overhead_s": max(t_fwd - floor, 0.0),
-            "node_backward_overhead_s": max(t_bwd - floor, 0.0)}
 
 
 #: Elements per op in the op table's measurements (1024 tokens x 2048 features: a micro-batch's
@@ -252,7 +121,7 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
     n = x.numel()
     out = {}
     for name, fn in ops.items():
-        forward = _best_time(fn, repeat, inner=3)
+        forward = best_time(fn, repeat, inner=3)
         times = []
         for _ in range(repeat + 1):
             result = fn()
@@ -263,107 +132,6 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
         x.grad = weight.grad = bias.grad = None
         out[name] = [forward / n, statistics.median(times[1:]) / n]
     return out
-
-
-def _adamw_step_time(shapes: list[tuple[int, ...]], repeat: int) -> float:
-    """Median seconds of ``torch.optim.AdamW.step()`` (its defaults: the implementation a
-    training script gets on this device) over fresh parameters of ``shapes``, every one with a
-    gradient, after two steps that create the moments."""
-    import torch
-
-    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    opt.step()
-    opt.step()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_optimizer_step(repeat: int = 5) -> tuple[float, float]:
-    """(seconds per parameter, fixed seconds per tensor) of an AdamW step.
-
-    The fixed cost: ``OPTIMIZER_TINY_TENSORS`` tensors of ``OPTIMIZER_TINY_NUMEL`` elements,
-    whose element work is negligible, over their count. The rate: ``OPTIMIZER_BLOCKS``
-    transformer blocks' parameters of hidden size ``OPTIMIZER_HIDDEN``, less their tensors'
-    fixed cost, per parameter."""
-    h = OPTIMIZER_HIDDEN
-    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
-              (h,), (h,), (h,), (h,)] * OPTIMIZER_BLOCKS
-    per_tensor = _adamw_step_time([(OPTIMIZER_TINY_NUMEL,)] * OPTIMIZER_TINY_TENSORS,
-                                  repeat) / OPTIMIZER_TINY_TENSORS
-    blocks = _adamw_step_time(shapes, repeat)
-    params = sum(math.prod(shape) for shape in shapes)
-    return max(blocks - len(shapes) * per_tensor, 0.0) / params, per_tensor
-
-
-#: The speed probe's work (:func:`speed_probe`): a GEMM of SPEED_PROBE_TOKENS x
-#: SPEED_PROBE_FEATURES by a square weight and a copy of SPEED_PROBE_COPY_BYTES: ~12 ms on one
-#: core of this repository's VM, what a step spends on its two kinds of work.
-SPEED_PROBE_TOKENS, SPEED_PROBE_FEATURES, SPEED_PROBE_COPY_BYTES = 1024, 512, 16 * 2**20
-
-
-def speed_probe(repeat: int = 21) -> float:
-    """Median seconds of a fixed piece of a step's work on one thread (a GEMM and a copy beyond
-    the caches, ``SPEED_PROBE_*``): a third of a second that says whether this host still runs
-    at the speed its calibration measured (a shared VM's cores change speed from day to day;
-    :mod:`autopar.planner.calibration_cache` measures again when the probe moved)."""
-    import torch
-    import torch.nn.functional as F
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        x = torch.randn(SPEED_PROBE_TOKENS, SPEED_PROBE_FEATURES)
-        w = torch.randn(SPEED_PROBE_FEATURES, SPEED_PROBE_FEATURES)
-        src = torch.randn(SPEED_PROBE_COPY_BYTES // 4)
-        dst = torch.empty_like(src)
-
-        def work() -> None:
-            F.linear(x, w)
-            dst.copy_(src)
-
-        return _best_time(work, repeat)
-    finally:
-        torch.set_num_threads(threads)
-
-
-#: Bytes written, synced and read back by :func:`measure_disk_bandwidth`.
-DISK_PROBE_BYTES = 64 * 2**20
-
-
-def measure_disk_bandwidth(directory: str | None = None, nbytes: int = DISK_PROBE_BYTES) -> float:
-    """Bytes/s of the disk under ``directory`` (default: the temporary directory), as
-    ``offload="disk"`` uses it: ``nbytes`` written in 4 MiB chunks and ``fsync``ed, then read
-    back after dropping the file's pages where the OS allows (``posix_fadvise DONTNEED``); the
-    slower of the two rates (a step writes what it reads)."""
-    import os
-    import tempfile
-
-    chunk = os.urandom(4 * 2**20)
-    with tempfile.TemporaryDirectory(dir=directory) as root:
-        path = os.path.join(root, "probe.bin")
-        start = time.perf_counter()
-        with open(path, "wb") as fh:
-            for _ in range(max(1, nbytes // len(chunk))):
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        write = time.perf_counter() - start
-        with open(path, "rb") as fh:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            start = time.perf_counter()
-            while fh.read(len(chunk)):
-                pass
-            read = time.perf_counter() - start
-    size = max(1, nbytes // len(chunk)) * len(chunk)
-    return size / max(write, read)
 
 
 def measure_compute(quick: bool = False) -> dict[str, float]:
@@ -380,20 +148,20 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
         for n in GEMM_SIZES[: 3 if quick else None]:
             a = torch.randn(n, n, dtype=dtype)
             b = torch.randn(n, n, dtype=dtype)
-            t = _best_time(lambda: torch.mm(a, b), repeat)
+            t = best_time(lambda: torch.mm(a, b), repeat)
             best = max(best, 2 * n**3 / t)
         out[f"gemm_flops_{name}"] = best
     src = torch.randn(8 * 2**20 // 4 * (2 if quick else 4))  # 16-32 MiB, beyond the caches
     dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), repeat)
+    t = best_time(lambda: dst.copy_(src), repeat)
     out["memory_bandwidth"] = 2 * src.numel() * 4 / t  # read + write
     one = torch.ones(1)
-    out["kernel_floor_s"] = _best_time(lambda: one.add(one), repeat, inner=200)
+    out["kernel_floor_s"] = best_time(lambda: one.add(one), repeat, inner=200)
     out.update(measure_node_overhead(repeat))
     out["op_table"] = measure_op_table(repeat)
     out["optimizer_s_per_param"], out["optimizer_s_per_tensor"] = measure_optimizer_step(repeat)
     q = torch.randn(1, 4, 256, 64)
-    t = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
+    t = best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
     out["attention_flops_fp32"] = 4 * 4 * 256 * 256 * 64 / t
     # GEMM rate by shape (fp32, the CPU training precision)
     table = []
@@ -412,7 +180,7 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
                     a, w = pairs[next(turn) % copies]
                     F.linear(a, w)
 
-                t = _best_time(gemm, repeat, inner=min(copies, 8))
+                t = best_time(gemm, repeat, inner=min(copies, 8))
                 table.append([m, n, k, 2 * m * n * k / t])
     out["gemm_table"] = table
     # fused attention by sequence and head size, forward and backward
@@ -435,7 +203,7 @@ def measure_attention_table(seqs: Sequence[int], heads: Sequence[int], repeat: i
             bh = max(8, ATTENTION_OPERAND_BYTES // (s * d * 4))
             q = torch.randn(1, bh, s, d, requires_grad=True)
             flops = 4 * bh * s * s * d
-            t_f = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+            t_f = best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
                              repeat)
             o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
             g = torch.ones_like(o)
@@ -444,7 +212,7 @@ def measure_attention_table(seqs: Sequence[int], heads: Sequence[int], repeat: i
                 out_ = F.scaled_dot_product_attention(q, q, q, is_causal=True)
                 out_.backward(g)
 
-            t_fb = _best_time(fwd_bwd, repeat)
+            t_fb = best_time(fwd_bwd, repeat)
             att.append([s, d, flops / t_f, 2.5 * flops / max(t_fb - t_f, 1e-9)])
     return att
 

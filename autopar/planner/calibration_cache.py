@@ -10,7 +10,7 @@ resized VM measures again; deleting the file does too.
 
 The same host is not always as fast: a shared VM's cores ran ~20% slower one day than the day
 before, and a plan priced on the old figures came out 30% fast. Beside the file, a speed probe
-(:func:`autopar.planner.calibration.speed_probe`, a third of a second) is kept; each later call
+(:func:`autopar.planner.calibration_host.speed_probe`, a third of a second) is kept; each later call
 probes again and measures the whole calibration again when the host's speed moved by more than
 ``DRIFT_TOLERANCE``.
 
@@ -61,7 +61,7 @@ def host_calibration(*, say: Callable[[str], None] | None = None, world: int = 2
     ``DRIFT_TOLERANCE`` since (its speed probe); ``say`` is told why before a measurement."""
     from autopar.cluster import Cluster
     from autopar.errors import ClusterSpecError
-    from autopar.planner import calibration
+    from autopar.planner import calibration, calibration_host
 
     path = os.path.join(cache_dir(), f"host-{host_key()}-w{world}.json")
     probe_path = f"{path}.probe.json"
@@ -73,7 +73,7 @@ def host_calibration(*, say: Callable[[str], None] | None = None, world: int = 2
         except ClusterSpecError:
             pass  # a file from an older format or a torn write: measure again
         else:
-            then, now = _read_probe(probe_path), calibration.speed_probe()
+            then, now = _read_probe(probe_path), calibration_host.speed_probe()
             if then is None:  # kept before probes were: today's speed is its reference
                 _write(probe_path, json.dumps({"speed_probe_s": now}))
                 return path
@@ -90,7 +90,7 @@ def host_calibration(*, say: Callable[[str], None] | None = None, world: int = 2
     partial = f"{path}.{os.getpid()}.tmp"
     cluster.save(partial)
     os.replace(partial, path)  # whole or absent, even if two demos start at once
-    _write(probe_path, json.dumps({"speed_probe_s": calibration.speed_probe()}))
+    _write(probe_path, json.dumps({"speed_probe_s": calibration_host.speed_probe()}))
     return path
 
 

@@ -106,13 +106,13 @@ def measure_host(device: Any, repeat: int) -> dict[str, float]:
     """What the host of a ``device`` costs a training step (host-side timers, no CUDA events):
 
     - ``launch_overhead_s`` / ``launch_backward_overhead_s``: host seconds per graph node
-      launched on ``device`` forward and backward (:func:`~autopar.planner.calibration.
+      launched on ``device`` forward and backward (:func:`~autopar.planner.calibration_host.
       block_node_times`), which bound a layer's time when its kernels are shorter;
     - ``host_optimizer_s_per_param`` / ``_per_tensor``: torch's AdamW (its default
       implementation) over fp32 tensors in host memory with all the host's threads, as the
-      runtime steps an offloaded optimizer (:func:`~autopar.planner.calibration.
+      runtime steps an offloaded optimizer (:func:`~autopar.planner.calibration_host.
       measure_optimizer_step`)."""
-    from autopar.planner.calibration import block_node_times, measure_optimizer_step
+    from autopar.planner.calibration_host import block_node_times, measure_optimizer_step
 
     fwd, bwd = block_node_times(device, repeat)
     per_param, per_tensor = measure_optimizer_step(repeat)
