@@ -14,7 +14,8 @@ a unit (``"312 TFLOP/s"``, ``"80 GiB"``, ``"2.039 TB/s"``, ``"200 Gb/s"``, ``"2.
     cluster = Cluster.load("a100-80g").with_devices(1024)          # 128 nodes of 8
     cluster = Cluster.load("my-cluster.yaml")
 
-This is a leaf module: it imports only :mod:`autopar.errors` (and yaml to read files).
+This is a leaf module: it imports only :mod:`autopar.errors` and :mod:`autopar.units` (and yaml
+to read files).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import enum
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Mapping
 
 from autopar.errors import ClusterSpecError
+from autopar.units import parse_quantity
 
 __all__ = ["Cluster", "DeviceSpec", "LinkSpec", "LinkKind", "GroupSpan", "CollectiveSpec",
            "COLLECTIVE_NAMES", "PRESET_NAMES", "parse_quantity", "preset_names", "processor_share",
@@ -39,63 +40,6 @@ PRESET_NAMES = ("a100-80g", "h100-80g", "h200", "cpu")
 
 #: Compute dtypes a device may list a peak for.
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
-
-
-# ---------------------------------------------------------------------------------------------
-# Quantities with units
-# ---------------------------------------------------------------------------------------------
-
-_SCALE = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-          "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
-#: unit (after the prefix) -> (base unit, factor to it)
-_UNITS = {
-    "B": ("bytes", 1.0), "byte": ("bytes", 1.0), "bytes": ("bytes", 1.0),
-    "b": ("bytes", 1 / 8), "bit": ("bytes", 1 / 8),
-    "B/s": ("bytes/s", 1.0), "Bps": ("bytes/s", 1.0), "b/s": ("bytes/s", 1 / 8),
-    "bps": ("bytes/s", 1 / 8),
-    "FLOP/s": ("flop/s", 1.0), "FLOPS": ("flop/s", 1.0), "flop/s": ("flop/s", 1.0),
-    "s": ("s", 1.0), "ms": ("s", 1e-3), "us": ("s", 1e-6), "ns": ("s", 1e-9),
-}
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
-                       r"(Ki|Mi|Gi|Ti|[kKMGTP])?\s*([A-Za-z/]+)\s*$")
-
-
-def parse_quantity(value: Any, base: str, *, what: str = "value") -> float:
-    """A number in ``base`` units ("bytes", "bytes/s", "flop/s", "s") from a number or a string
-    with a unit: ``"80 GiB"``, ``"200 Gb/s"`` (bits), ``"312 TFLOP/s"``, ``"2.5 us"``."""
-    if isinstance(value, bool):
-        raise ClusterSpecError(f"{what} is a boolean", expected=f"a number of {base}",
-                               found=repr(value))
-    if isinstance(value, (int, float)):
-        return float(value)
-    if not isinstance(value, str):
-        raise ClusterSpecError(f"{what} has the wrong type", expected=f"a number of {base} or a "
-                               f"string with a unit", found=repr(value))
-    text = value.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    m = _QUANTITY.match(text)
-    if m is None:
-        raise ClusterSpecError(f"cannot read {what} {value!r}",
-                               expected=f"a number with a unit, e.g. {_example(base)}",
-                               found=repr(value))
-    number, prefix, unit = float(m.group(1)), m.group(2) or "", m.group(3)
-    if unit in ("ms", "us", "ns") and prefix:
-        unit = prefix + unit
-        prefix = ""
-    if unit not in _UNITS and prefix + unit in _UNITS:
-        unit, prefix = prefix + unit, ""
-    if unit not in _UNITS or _UNITS[unit][0] != base:
-        raise ClusterSpecError(f"{what} {value!r} has the wrong unit",
-                               expected=f"{base}, e.g. {_example(base)}", found=repr(unit))
-    return number * _SCALE[prefix] * _UNITS[unit][1]
-
-
-def _example(base: str) -> str:
-    return {"bytes": "'80 GiB'", "bytes/s": "'2.039 TB/s' or '200 Gb/s'",
-            "flop/s": "'312 TFLOP/s'", "s": "'2.5 us'"}[base]
 
 
 # ---------------------------------------------------------------------------------------------
