@@ -450,9 +450,11 @@ class PipelineExecutor:
                         out = module(*args)
                 elif self.recompute and not self._inference:
                     out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
-                else:
+                elif self.stage_modules[s].regathers:
                     with saved_gathers():  # SP's gathered GEMM inputs kept as shards
                         out = module(*args)
+                else:
+                    out = module(*args)
             if stage.returns_loss:
                 # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here
                 self._loss_sum = out.detach().float() / self.m + (

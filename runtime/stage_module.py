@@ -112,6 +112,10 @@ class StageModule(nn.Module):
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
+        #: The stage gathers a sequence-parallel input that autograd should keep as its shard
+        #: (``runtime/tp.py``'s ``saved_gathers``); else the executor installs no saved-tensor
+        #: hooks, whose two Python calls per saved tensor are host time on every micro-batch.
+        self.regathers = graph is None or any(_regathering_gather(n) for n in graph.graph.nodes)
         for fqn in in_order_of_use(stage):
             self.register_parameter(module_attribute(fqn), params[fqn])
         if layer_units and graph is not None:
@@ -134,6 +138,17 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self._graph(*args)
+
+
+def _regathering_gather(node: torch.fx.Node) -> bool:
+    """A call of ``runtime/tp.py``'s ``all_gather`` with ``grad="reduce_scatter"`` (sequence
+    parallel before a column-parallel GEMM)."""
+    from autopar.runtime import tp
+
+    if node.op != "call_function" or node.target is not tp.all_gather:
+        return False
+    grad = node.kwargs.get("grad", node.args[4] if len(node.args) > 4 else "slice")
+    return grad == "reduce_scatter"
 
 
 def placeholder_kind(ph: _Placeholder) -> str:
