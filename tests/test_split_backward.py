@@ -87,9 +87,9 @@ def test_scalar_loss_and_unused_weight():
 
 
 def test_split_backward_under_saved_gathers_frees_the_graph():
-    """A stage forward with sequence parallelism runs under ``saved_gathers`` (runtime/pipeline.py). A saved-tensor
-    hook that kept a node's own output with its grad_fn made a reference cycle through C++ that
-    gc cannot collect; the split backward retains the graph between I and W, so each micro-batch
+    """A stage forward with sequence parallelism runs under ``saved_gathers``
+    (runtime/pipeline.py). A saved-tensor hook that kept a node's own output with its grad_fn
+    made a reference cycle through C++ that gc cannot collect; the split backward retains the graph between I and W, so each micro-batch
     leaked its whole graph (zb-h1 and zb-v grew every step). Nothing of the graph may outlive W."""
     import gc
 
