@@ -113,6 +113,12 @@ class DeviceSpec:
     #: The same per node of the backward graph (autograd's engine thread launching each node's
     #: backward kernels).
     launch_backward_overhead_s: float = 0.0
+    #: Host time per autograd node that the zero-bubble schedules' split backward adds to a
+    #: layer's weight-gradient action (``runtime/split_backward.py`` walks the graph in Python
+    #: and calls autograd once per weight group), on the thread that then computes (CPU
+    #: processes). ``autopar calibrate`` measures it; 0 in the presets and on GPUs (not measured
+    #: there).
+    split_backward_overhead_s: float = 0.0
     #: Measured times of element-wise and normalization ops at ``default_dtype``: op name (as in
     #: the graph; ``gelu(tanh)`` for the tanh approximation) -> (forward, backward) seconds per
     #: element of the op's largest tensor. The roofline's bytes / bandwidth stays a floor; the
@@ -144,7 +150,7 @@ class DeviceSpec:
             flops[dtype] = value
         object.__setattr__(self, "peak_flops", flops)
         for name in ("node_overhead_s", "node_backward_overhead_s", "launch_overhead_s",
-                     "launch_backward_overhead_s"):
+                     "launch_backward_overhead_s", "split_backward_overhead_s"):
             value = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
             object.__setattr__(self, name, value)
             _check(math.isfinite(value) and 0 <= value < 1e-2,
@@ -517,6 +523,7 @@ class Cluster:
                        "node_backward_overhead_s": d.node_backward_overhead_s,
                        "launch_overhead_s": d.launch_overhead_s,
                        "launch_backward_overhead_s": d.launch_backward_overhead_s,
+                       "split_backward_overhead_s": d.split_backward_overhead_s,
                        "optimizer_s_per_param": d.optimizer_s_per_param,
                        "optimizer_s_per_tensor": d.optimizer_s_per_tensor,
                        "reserved_memory_bytes": d.reserved_memory_bytes,

@@ -75,6 +75,45 @@ def test_a_layer_waits_for_its_launches_where_they_take_longer_than_its_kernels(
             assert b == a
 
 
+def test_the_split_backwards_host_time_is_charged_to_the_weight_action_of_split_schedules(costs):
+    """``split_backward_overhead_s`` per autograd node: a zero-bubble schedule's weight-gradient
+    actions take ``grad_nodes x`` that much more per layer (summed over each stage's layers),
+    its forward and input-gradient actions and every non-split schedule nothing."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    base = _host(devices=2)
+    per_node = 1e-3
+    device = dataclasses.replace(base.device, split_backward_overhead_s=per_node)
+    plain = CostModel(costs, base, setup)
+    split = CostModel(costs, dataclasses.replace(base, device=device), setup)
+    for schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1):
+        c = _candidate(pp=2, schedule=schedule)
+        a, b = plain.sums.staging(c), split.sums.staging(c)
+        assert a.cuts == b.cuts and a.forward == b.forward and a.backward == b.backward
+        for (first, last), wa, wb in zip(a.cuts, a.weight, b.weight):
+            extra = sum(costs.template(i).grad_nodes for i in range(first, last + 1)) * per_node
+            if schedule.spec.splits_backward:
+                assert wb - wa == pytest.approx(extra)
+            else:
+                assert wb == wa == 0.0
+        assert [lc.split_s for lc in split.layer_costs(1, False, 2)] == pytest.approx(
+            [costs.template(i).grad_nodes * per_node for i in range(costs.num_layers)])
+
+
+def test_the_split_backward_measurement():
+    """Its host time per autograd node: microseconds, not nothing (the runtime walks the graph
+    in Python), not milliseconds."""
+    import torch
+
+    from autopar.planner.calibration_host import split_backward_node_time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert 0 < split_backward_node_time(repeat=2) < 1e-3
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_host_measurement_of_a_gpu_runs_on_any_device():
     """``calibrate --device cuda``'s host measurements, run here on the CPU: a node's launch
     costs microseconds, and torch's AdamW a few nanoseconds per parameter (it reads and writes

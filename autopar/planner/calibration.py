@@ -38,6 +38,7 @@ from autopar.planner.calibration_host import (
     measure_disk_bandwidth,
     measure_node_overhead,
     measure_optimizer_step,
+    split_backward_node_time,
 )
 
 __all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
@@ -158,6 +159,7 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     one = torch.ones(1)
     out["kernel_floor_s"] = best_time(lambda: one.add(one), repeat, inner=200)
     out.update(measure_node_overhead(repeat))
+    out["split_backward_overhead_s"] = split_backward_node_time(repeat)
     out["op_table"] = measure_op_table(repeat)
     out["optimizer_s_per_param"], out["optimizer_s_per_tensor"] = measure_optimizer_step(repeat)
     q = torch.randn(1, 4, 256, 64)
@@ -436,6 +438,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "op_table": c["op_table"],
             "node_overhead_s": c["node_overhead_s"],
             "node_backward_overhead_s": c["node_backward_overhead_s"],
+            "split_backward_overhead_s": c["split_backward_overhead_s"],
             "optimizer_s_per_param": c["optimizer_s_per_param"],
             "optimizer_s_per_tensor": c["optimizer_s_per_tensor"],
             "sm_count": 0,
@@ -463,6 +466,10 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.node_backward_overhead_s": (
                 f"per autograd node of the same model's backward, less the kernel floor; "
                 f"{where}"),
+            "device.split_backward_overhead_s": (
+                f"per autograd node, what runtime/split_backward.py's backward_input and "
+                f"backward_weight take over one backward() of the same tiny GPT-2 ({BLOCK_PROBE_LAYERS} "
+                f"blocks against 1); {where}"),
             "cores_per_node": f"CPU cores of the host (affinity mask); {where}",
             "disk_bandwidth": f"{DISK_PROBE_BYTES // 2**20} MiB written with fsync and read "
                               f"back in 4 MiB chunks in the temporary directory, the slower "

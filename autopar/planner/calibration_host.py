@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable
 
 __all__ = ["best_time", "host_cores", "block_node_times", "measure_node_overhead",
-           "measure_optimizer_step", "measure_disk_bandwidth", "speed_probe"]
+           "split_backward_node_time", "measure_optimizer_step", "measure_disk_bandwidth",
+           "speed_probe"]
 
 #: The tiny GPT-2 whose exported program times the host's cost per graph node
 #: (:func:`block_node_times`): blocks (against one), hidden size, tokens.
@@ -118,6 +119,53 @@ def block_node_times(device: Any = "cpu", repeat: int = 5) -> tuple[float, float
     f1, f2 = (statistics.median(r[0] for r in t) for t in times)
     b1, b2 = (statistics.median(r[1] for r in t) for t in times)
     return max(f2 - f1, 0.0) / (n2 - n1), max(b2 - b1, 0.0) / (g2 - g1)
+
+
+def split_backward_node_time(repeat: int = 5) -> float:
+    """Host seconds per autograd node that the zero-bubble schedules' split backward adds to a
+    plain ``backward()`` on this CPU: ``runtime/split_backward.py``'s ``backward_input`` (it walks
+    the graph in Python to find the input-gradient side and the cut each weight group starts
+    from) and ``backward_weight`` (one autograd call per group), less one ``backward()`` of the
+    same graph. On the tiny GPT-2 of :func:`block_node_times` (its blocks' embeddings given as a
+    leaf, the input the I action differentiates), 5 blocks against 1, run alternately."""
+    import torch
+
+    from autopar.models import build
+    from autopar.runtime.split_backward import backward_input, backward_weight
+
+    probes = []
+    for layers in (1, BLOCK_PROBE_LAYERS):
+        zm = build("gpt", layers=layers, hidden=BLOCK_PROBE_HIDDEN, heads=2, vocab=16,
+                   seq=BLOCK_PROBE_TOKENS, dropout=0.0, seed=0)
+        embeds = torch.randn(1, BLOCK_PROBE_TOKENS, BLOCK_PROBE_HIDDEN)
+        targets = torch.randint(0, 16, (1, BLOCK_PROBE_TOKENS))
+        probes.append((zm, embeds, targets, [p for p in zm.model.parameters()]))
+
+    def run(zm: Any, embeds: Any, targets: Any, params: list[Any], split: bool
+            ) -> tuple[float, int]:
+        x = embeds.detach().requires_grad_()
+        loss = zm.loss_fn(zm.model(inputs_embeds=x), targets)
+        nodes = _autograd_nodes(loss)
+        start = time.perf_counter()
+        if split:
+            _, pending = backward_input([loss], [None], [x], params)
+            backward_weight(pending)
+        else:
+            loss.backward()
+        elapsed = time.perf_counter() - start
+        zm.model.zero_grad(set_to_none=True)
+        return elapsed, nodes
+
+    extra: list[list[float]] = [[], []]
+    nodes = [0, 0]
+    for i in range(BLOCK_PROBE_RUNS * repeat + 2):
+        for which, (zm, embeds, targets, params) in enumerate(probes):
+            plain, nodes[which] = run(zm, embeds, targets, params, False)
+            split, _ = run(zm, embeds, targets, params, True)
+            if i >= 2:
+                extra[which].append(split - plain)
+    one, many = (statistics.median(e) for e in extra)
+    return max(many - one, 0.0) / (nodes[1] - nodes[0])
 
 
 def loss_module(model: Any, loss_fn: Callable[..., Any]) -> Any:

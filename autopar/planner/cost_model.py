@@ -383,7 +383,8 @@ class CostModel:
 
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         costs = self._costs(c)
-        times = self.sums.layer_times(costs, c.recompute, self.cp_attention(c))
+        times = self.sums.layer_times(costs, c.recompute, self.cp_attention(c),
+                                      c.schedule.spec.splits_backward)
         layout = self.layout(c.tp, c.sequence_parallel, c.micro_batch_size)
         layers = []
         largest = 0.0

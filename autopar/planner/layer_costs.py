@@ -96,6 +96,9 @@ class LayerCosts:
     #: Held only while the layer's backward runs, on top of the saved activations: the gradient
     #: of its largest tensor and of that tensor's input (``Template.transient``).
     transient_bytes: float = 0.0
+    #: Host seconds the zero-bubble schedules' split backward adds to its weight-gradient
+    #: action (``DeviceSpec.split_backward_overhead_s`` per autograd node); 0 otherwise.
+    split_s: float = 0.0
 
 
 def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: str, tp: int,
@@ -210,6 +213,9 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
     # than its kernels (small micro-batches) waits for the host
     fwd = max(fwd, nodes * d.launch_overhead_s)
     bwd += max(0.0, grad_nodes * d.launch_backward_overhead_s - bwd - wgt)
+    # the zero-bubble schedules' split backward: the runtime's graph walk and per-group autograd
+    # calls, charged to the weight-gradient action when the schedule splits (stage_sums.py)
+    split_s = grad_nodes * d.split_backward_overhead_s
     # tensor-parallel communication: the program's collectives
     tp_f = tp_b = 0.0
     calls = []
@@ -261,7 +267,7 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
         tp_calls=tuple(calls), ep_forward_s=ep_f, ep_backward_s=ep_b,
         cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {},
-        regather_s=regather_s)
+        regather_s=regather_s, split_s=split_s)
 
 
 def cp_exchange(cluster: Cluster, cp: int, span: Any, kv_elements: float, esize: int,

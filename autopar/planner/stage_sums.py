@@ -67,10 +67,11 @@ class StageSums:
         self._params_cache: dict[tuple, tuple[float, float, float, int]] = {}
 
     def layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
-                     cp_attention: str = "ring"
+                     cp_attention: str = "ring", split_backward: bool = False
                      ) -> list[tuple[float, float, float, float, float]]:
         """(forward, backward, weight, recompute, tp) per layer, forward/backward incl. TP and
-        the context-parallel K/V exchange (counted with the tensor-parallel communication)."""
+        the context-parallel K/V exchange (counted with the tensor-parallel communication); the
+        weight's time includes the split backward's host cost when the schedule splits it."""
         out = []
         for lc, block in zip(costs, self.is_block):
             cp_f, cp_b = lc.cp_comm.get(cp_attention, (0.0, 0.0))
@@ -84,7 +85,8 @@ class StageSums:
             again = 0.0 if recompute is RecomputeKind.FULL else lc.regather_s
             tp = lc.tp_forward_s + lc.tp_backward_s + cp_f + cp_b + again
             out.append((lc.forward_s + lc.tp_forward_s + cp_f,
-                        lc.backward_s + lc.tp_backward_s + cp_b + r + again, lc.weight_s, r, tp))
+                        lc.backward_s + lc.tp_backward_s + cp_b + r + again,
+                        lc.weight_s + (lc.split_s if split_backward else 0.0), r, tp))
         return out
 
     def activation(self, i: int, lc: LayerCosts, recompute: RecomputeKind) -> float:
@@ -110,10 +112,11 @@ class StageSums:
         a stage's sums are then two lookups, whatever its length)."""
         costs = self.costs(c)
         cp_attention = self.cp_attention(c)
-        key = (id(costs), c.recompute, cp_attention)
+        split = c.schedule.spec.splits_backward and any(lc.split_s for lc in costs)
+        key = (id(costs), c.recompute, cp_attention, split)
         hit = self._table_cache.get(key)
         if hit is None:
-            times = self.layer_times(costs, c.recompute, cp_attention)
+            times = self.layer_times(costs, c.recompute, cp_attention, split)
             acts = [self.activation(i, lc, c.recompute) for i, lc in enumerate(costs)]
             # while a layer's backward runs: its rematerialized activations (recompute) and
             # its transient gradients
