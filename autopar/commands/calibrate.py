@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         ("attention / GEMM rate", f"{d.attention_efficiency:.2f}"),
         ("AdamW step per parameter", fmt_seconds(d.optimizer_s_per_param)),
         ("AdamW step per tensor", fmt_seconds(d.optimizer_s_per_tensor)),
+        ("host per graph node, forward / backward",
+         f"{fmt_seconds(d.node_overhead_s)} / {fmt_seconds(d.node_backward_overhead_s)}"),
+        ("split backward per autograd node", fmt_seconds(d.split_backward_overhead_s)),
         *[(f"{name} latency / bus bandwidth", f"{fmt_seconds(raw[key]['latency_s'])} / "
                                               f"{fmt_bytes(raw[key]['bus_bandwidth'])}/s")
           for name, key in (("all-reduce", "all_reduce"), ("all-gather", "all_gather"),
