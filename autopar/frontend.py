@@ -52,11 +52,12 @@ from autopar.ir import (
     spec_from_value,
 )
 
-__all__ = ["capture", "CapturedGraph", "CaptureMethod", "ParamInfo", "plan_fingerprint"]
+__all__ = ["capture", "CapturedGraph", "CaptureMethod", "ParamInfo", "plan_fingerprint",
+           "TracedStep"]
 
 log = logging.getLogger(__name__)
 
-class _TracedStep(nn.Module):
+class TracedStep(nn.Module):
     """``loss_fn(model(*inputs), *targets)`` as one module, so export traces both together."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int,
@@ -126,7 +127,7 @@ def capture(
     args = tuple(a.to(device).contiguous() if device and isinstance(a, torch.Tensor)
                  else a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
 
-    step = _TracedStep(model, loss_fn, len(inputs), kwarg_names)
+    step = TracedStep(model, loss_fn, len(inputs), kwarg_names)
     dims = _default_dims(args, batch_dims, seq_dims)
     errors: list[str] = []
     captured = None

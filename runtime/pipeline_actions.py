@@ -11,8 +11,8 @@ placement, so rank ``r`` holds stages ``r, r + p, ..., r + (v - 1) p``).
 The generators (:mod:`autopar.runtime.schedule_builders`, reached through
 :func:`autopar.runtime.schedules.build_schedule`) produce compute-only lists;
 :func:`add_communication` lowers them by putting a send right after the compute that produces a
-tensor for another rank and a receive right before the compute that needs one. Consecutive send/receive actions form one
-batch of ``isend/irecv`` in the executor (Megatron's ``send_forward_recv_backward``). The
+tensor for another rank and a receive right before the compute that needs one. Consecutive
+send/receive actions form one batch of ``isend/irecv`` in the executor (Megatron's ``send_forward_recv_backward``). The
 simulator (:mod:`autopar.runtime.simulator`) runs the lowered lists of every rank without
 processes and proves them deadlock-free.
 

@@ -115,7 +115,7 @@ class StageModule(nn.Module):
         #: The stage gathers a sequence-parallel input that autograd should keep as its shard
         #: (``runtime/tp.py``'s ``saved_gathers``); else the executor installs no saved-tensor
         #: hooks, whose two Python calls per saved tensor are host time on every micro-batch.
-        self.regathers = graph is None or any(_regathering_gather(n) for n in graph.graph.nodes)
+        self.regathers = graph is None or any(keeps_gather_as_shard(n) for n in graph.graph.nodes)
         for fqn in in_order_of_use(stage):
             self.register_parameter(module_attribute(fqn), params[fqn])
         if layer_units and graph is not None:
@@ -140,7 +140,7 @@ class StageModule(nn.Module):
         return self._graph(*args)
 
 
-def _regathering_gather(node: torch.fx.Node) -> bool:
+def keeps_gather_as_shard(node: torch.fx.Node) -> bool:
     """A call of ``runtime/tp.py``'s ``all_gather`` with ``grad="reduce_scatter"`` (sequence
     parallel before a column-parallel GEMM)."""
     from autopar.runtime import tp

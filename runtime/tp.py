@@ -162,9 +162,10 @@ def saved_gathers() -> Any:
     gathered tensor, and gathers it again in the backward (Korthikanti et al. 2022, section
     4.2.2; Megatron-LM's sequence-parallel linear layers): the column-parallel GEMM after the
     gather saves its input for the weight gradient, ``tp`` times the shard, and only the shard
-    is kept. One more all-gather per such input in the backward. Active around the forward of each
-    stage that holds such a gather (runtime/pipeline.py, ``StageModule.regathers``); an all-gather without ``grad='reduce_scatter'`` and every
-    other tensor are saved as autograd saves them."""
+    is kept. One more all-gather per such input in the backward. Active around the forward of
+    each stage that holds such a gather (runtime/pipeline.py, ``StageModule.regathers``); an
+    all-gather without ``grad='reduce_scatter'`` and every other tensor are saved as autograd
+    saves them."""
     return torch.autograd.graph.saved_tensors_hooks(_pack_saved, _unpack_saved)
 
 

@@ -343,7 +343,8 @@ def test_block_node_time_prices_the_eager_blocks_of_a_tiny_gpt():
     import torch
 
     from autopar.models import build
-    from autopar.planner.calibration_host import block_node_times, loss_module
+    from autopar.frontend import TracedStep
+    from autopar.planner.calibration_host import block_node_times
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -353,7 +354,7 @@ def test_block_node_time_prices_the_eager_blocks_of_a_tiny_gpt():
         for layers in (2, 8):
             zm = build("gpt", layers=layers, hidden=8, heads=2, vocab=16, seq=4, dropout=0.0)
             inputs, targets = zm.example_inputs(1, 4)
-            step = loss_module(zm.model, zm.loss_fn)
+            step = TracedStep(zm.model, zm.loss_fn, 1)
             program = torch.export.export(step, (*inputs, *targets), strict=False)
             counts.append(sum(1 for n in program.graph.nodes if n.op == "call_function"
                               and "getitem" not in str(n.target)))

@@ -111,3 +111,23 @@ def test_split_backward_under_saved_gathers_frees_the_graph():
         backward_weight(pending)
         del x, out, found, pending
     assert live_graph_tensors() == before
+
+
+def test_only_a_sequence_parallel_gather_needs_the_saved_tensor_hooks():
+    """The executor enters ``saved_gathers`` only around a stage holding an all-gather whose
+    gradient is a reduce-scatter (``StageModule.regathers``): that call, with ``grad`` by
+    keyword or by position, and no other."""
+    import torch.fx
+
+    from autopar.runtime import tp
+    from autopar.runtime.stage_module import keeps_gather_as_shard
+
+    g = torch.fx.Graph()
+    group, x = g.placeholder("tp"), g.placeholder("x")
+    by_keyword = g.call_function(tp.all_gather, (group, x, 1), {"grad": "reduce_scatter"})
+    by_position = g.call_function(tp.all_gather, (group, x, 1, 1, "reduce_scatter"))
+    sliced = g.call_function(tp.all_gather, (group, x, 1))
+    other = g.call_function(tp.reduce_scatter, (group, x, 1))
+    assert keeps_gather_as_shard(by_keyword) and keeps_gather_as_shard(by_position)
+    assert not keeps_gather_as_shard(sliced) and not keeps_gather_as_shard(other)
+    assert not keeps_gather_as_shard(x)

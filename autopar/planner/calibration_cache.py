@@ -87,9 +87,7 @@ def host_calibration(*, say: Callable[[str], None] | None = None, world: int = 2
         say(why)
     cluster, _ = calibration.calibrate_cluster(world, quick=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.tmp"
-    cluster.save(partial)
-    os.replace(partial, path)  # whole or absent, even if two demos start at once
+    _write(path, cluster.dumps() + "\n")
     _write(probe_path, json.dumps({"speed_probe_s": calibration_host.speed_probe()}))
     return path
 
@@ -104,6 +102,7 @@ def _read_probe(path: str) -> float | None:
 
 
 def _write(path: str, text: str) -> None:
+    """Whole or absent, even if two demos write at once."""
     partial = f"{path}.{os.getpid()}.tmp"
     with open(partial, "w", encoding="utf-8") as fh:
         fh.write(text)

@@ -59,7 +59,7 @@ def block_node_times(device: Any = "cpu", repeat: int = 5) -> tuple[float, float
     """Host seconds per graph node (forward, backward) of a transformer block's own program, as
     a generated stage program pays them: the zoo's GPT-2 (``autopar.models``) at tiny sizes
     (hidden ``BLOCK_PROBE_HIDDEN``, ``BLOCK_PROBE_TOKENS`` tokens: every op a few elements, so
-    what is timed is the calls), exported by ``torch.export`` as autopar's capture exports it,
+    what is timed is the calls), exported by ``torch.export`` as autopar's capture exports it (its ``TracedStep``),
     with ``BLOCK_PROBE_LAYERS`` blocks and with one, on ``device``. Per node: the difference of
     the two models' times over the difference of their node counts, so that the model's own
     ends (embedding, head, loss, the exported module's input checks) cancel out:
@@ -71,7 +71,7 @@ def block_node_times(device: Any = "cpu", repeat: int = 5) -> tuple[float, float
 
     A real block's node is not a chain's ``t`` or ``add``: ``linear``, ``layer_norm``, the fused
     attention and the views between them dispatch several ATen calls each; on this repository's
-    2-core VM a block's node cost ~3x a chain of ``t`` and ``add`` (docs/cost-model.md).
+    2-core VM a block's node cost 2-3x a chain of ``t`` and ``add`` (docs/cost-model.md).
 
     On a CPU the op runs on the calling thread, so the time includes the tiny op itself. On a
     GPU the host only launches: each timing starts with the device idle and stops when the last
@@ -79,16 +79,13 @@ def block_node_times(device: Any = "cpu", repeat: int = 5) -> tuple[float, float
     the device keeps up and the host's time is what is measured)."""
     import torch
 
-    from autopar.models import build
+    from autopar.frontend import TracedStep
 
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    tokens = BLOCK_PROBE_TOKENS
     probes = []
-    for layers in (1, BLOCK_PROBE_LAYERS):
-        zm = build("gpt", layers=layers, hidden=BLOCK_PROBE_HIDDEN, heads=2, vocab=16,
-                   seq=tokens, dropout=0.0, seed=0, device=device)
-        inputs, targets = zm.example_inputs(1, tokens, device=device)
-        program = torch.export.export(loss_module(zm.model, zm.loss_fn), (*inputs, *targets),
+    for zm in probe_models(device):
+        inputs, targets = zm.example_inputs(1, BLOCK_PROBE_TOKENS, device=device)
+        program = torch.export.export(TracedStep(zm.model, zm.loss_fn, 1), (*inputs, *targets),
                                       strict=False)
         nodes = sum(1 for n in program.graph.nodes
                     if n.op == "call_function" and "getitem" not in str(n.target))
@@ -130,13 +127,10 @@ def split_backward_node_time(repeat: int = 5) -> float:
     leaf, the input the I action differentiates), 5 blocks against 1, run alternately."""
     import torch
 
-    from autopar.models import build
     from autopar.runtime.split_backward import backward_input, backward_weight
 
     probes = []
-    for layers in (1, BLOCK_PROBE_LAYERS):
-        zm = build("gpt", layers=layers, hidden=BLOCK_PROBE_HIDDEN, heads=2, vocab=16,
-                   seq=BLOCK_PROBE_TOKENS, dropout=0.0, seed=0)
+    for zm in probe_models("cpu"):
         embeds = torch.randn(1, BLOCK_PROBE_TOKENS, BLOCK_PROBE_HIDDEN)
         targets = torch.randint(0, 16, (1, BLOCK_PROBE_TOKENS))
         probes.append((zm, embeds, targets, [p for p in zm.model.parameters()]))
@@ -168,19 +162,14 @@ def split_backward_node_time(repeat: int = 5) -> float:
     return max(many - one, 0.0) / (nodes[1] - nodes[0])
 
 
-def loss_module(model: Any, loss_fn: Callable[..., Any]) -> Any:
-    """``loss_fn(model(inputs), *targets)`` as one module, for ``torch.export``."""
-    import torch
+def probe_models(device: Any = "cpu") -> list[Any]:
+    """The probes' tiny GPT-2s (the zoo's, hidden ``BLOCK_PROBE_HIDDEN``, ``BLOCK_PROBE_TOKENS``
+    positions, no dropout) with one block and with ``BLOCK_PROBE_LAYERS``, on ``device``."""
+    from autopar.models import build
 
-    class Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, inputs: Any, *targets: Any) -> Any:
-            return loss_fn(self.model(inputs), *targets)
-
-    return Step()
+    return [build("gpt", layers=layers, hidden=BLOCK_PROBE_HIDDEN, heads=2, vocab=16,
+                  seq=BLOCK_PROBE_TOKENS, dropout=0.0, seed=0, device=device)
+            for layers in (1, BLOCK_PROBE_LAYERS)]
 
 
 def _autograd_nodes(out: Any) -> int:
@@ -292,7 +281,6 @@ def measure_disk_bandwidth(directory: str | None = None, nbytes: int = DISK_PROB
     ``offload="disk"`` uses it: ``nbytes`` written in 4 MiB chunks and ``fsync``ed, then read
     back after dropping the file's pages where the OS allows (``posix_fadvise DONTNEED``); the
     slower of the two rates (a step writes what it reads)."""
-    import os
     import tempfile
 
     chunk = os.urandom(4 * 2**20)

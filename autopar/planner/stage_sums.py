@@ -112,7 +112,9 @@ class StageSums:
         a stage's sums are then two lookups, whatever its length)."""
         costs = self.costs(c)
         cp_attention = self.cp_attention(c)
-        split = c.schedule.spec.splits_backward and any(lc.split_s for lc in costs)
+        # a split backward's host time, where the device prices one (else the same table)
+        split = (c.schedule.spec.splits_backward
+                 and self.cluster.device.split_backward_overhead_s > 0)
         key = (id(costs), c.recompute, cp_attention, split)
         hit = self._table_cache.get(key)
         if hit is None:
