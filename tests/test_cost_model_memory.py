@@ -3,7 +3,12 @@ count; activations against Korthikanti et al. 2022 and against the analysis pass
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from autopar import Cluster, capture, models
 from autopar.ir import evaluate, info
@@ -11,7 +16,7 @@ from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.comm import mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         price_layer)
-from autopar.planner.memory import model_state_bytes
+from autopar.planner.memory import model_state_bytes, optimizer_step_bytes
 from conftest import build_tiny
 
 A100 = Cluster.load("a100-80g")
@@ -264,3 +269,93 @@ def test_backward_transients_and_the_fp32_loss_under_mixed_precision():
                                False))
     assert ev.ranks[0].activations == pytest.approx(sum(lc.act_bytes for lc in lm)
                                                     + 2 * b * s * V * 4)
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Live bytes of the storages the ops run inside allocate (not those of ``known`` tensors),
+    and their peak: what an operation allocates on top of the tensors it is given."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.live = self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                self.known.add(t.untyped_storage().data_ptr())
+                n = t.untyped_storage().nbytes()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, n)
+        return out
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_optimizer_step_temporary_is_torchs(foreach):
+    """What torch's AdamW allocates during a step, counted op by op: the foreach path (CUDA's
+    default) one fp32 temporary per stepped element, the for-loop path (the CPU's) two of the
+    largest tensor, here flat buckets as the runtime steps them: ``optimizer_step_bytes``."""
+    buckets = [torch.nn.Parameter(torch.randn(n)) for n in (300_000, 120_000, 7)]
+    for p in buckets:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(buckets, lr=1e-3, foreach=foreach)
+    opt.step()  # the moments exist from here on
+    held = buckets + [p.grad for p in buckets] + [
+        v for state in opt.state.values() for v in state.values()]
+    counter = _NewStorageBytes(held)
+    with counter:
+        opt.step()
+    stepped = sum(p.numel() for p in buckets)
+    want = (optimizer_step_bytes(stepped, "none", separate_host=True) if foreach
+            else optimizer_step_bytes(300_000, "none", separate_host=False))
+    # the step counters and bias corrections: a few scalar tensors per bucket
+    assert want <= counter.peak <= want + 64 * len(buckets)
+    assert optimizer_step_bytes(stepped, "optimizer", separate_host=True) == 0.0
+
+
+def test_the_step_temporary_sets_the_peak_when_activations_are_small(gpt2_small):
+    """A rank's peak is its states plus the larger of its activations (with ZeRO-3's buffers)
+    and the optimizer step's temporary: 4 bytes per stepped parameter on a GPU, the rank's
+    ZeRO share; the stage ILP's memory constraint (C7) bounds the same sum."""
+    _, _, costs = gpt2_small
+    cm = CostModel(costs, A100.with_devices(4), TrainingSetup(4, 128))
+    for zero, dp in ((0, 4), (1, 4), (3, 4)):
+        ev = cm.evaluate(Candidate(dp, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B,
+                                   RecomputeKind.FULL, zero, False))
+        r = ev.ranks[0]
+        P = sum(p.numel() for p in gpt2_small[0].model.parameters())
+        assert r.optimizer_step == pytest.approx(4 * P / (dp if zero else 1))
+        assert r.total == pytest.approx(r.states + max(r.activations + r.buffers,
+                                                       r.optimizer_step))
+        assert ev.prediction.peak_memory_bytes == int(r.total)
+        if zero == 0:  # 2 x 128 tokens of GPT-2 small: the temporary is the larger
+            assert r.optimizer_step > r.activations + r.buffers
+    off = cm.evaluate(Candidate(4, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL,
+                                0, False, offload="optimizer"))
+    assert off.ranks[0].optimizer_step == 0.0
+
+
+def test_the_stage_ilp_bounds_the_step_temporary():
+    """Two ranks, the last layer three times the others: the time-optimal cut puts three layers
+    on rank 0, which the activations alone allow; once the optimizer step's temporary is priced
+    (C7) it no longer fits, and the ILP, the closed form and brute force agree on the cut."""
+    from autopar.planner.stage_partition import (LayerCosts, PartitionProblem,
+                                                 brute_force_partition, partition_stages)
+    from autopar.planner.stage_problem import rank_memory
+
+    layers = [LayerCosts(f"l{i}", t, 2 * t, 0.0, params=100.0, activation_bytes=10.0)
+              for i, t in enumerate((1.0, 1.0, 1.0, 3.0))]
+    base = dict(layers=layers, num_ranks=2, num_microbatches=4, device_memory=8 * 300 + 100,
+                state_bytes_per_param=8.0)
+    loose = PartitionProblem(**base)
+    tight = PartitionProblem(**base, step_bytes_per_param=4.0)
+    assert partition_stages(loose).ranges == ((0, 2), (3, 3))
+    assert max(rank_memory(tight, [(0, 2), (3, 3)])) == pytest.approx(8 * 300 + 4 * 300)
+    got = partition_stages(tight)
+    assert got.ranges == brute_force_partition(tight).ranges == ((0, 1), (2, 3))
+    assert max(got.rank_memory) <= tight.device_memory

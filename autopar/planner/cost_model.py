@@ -62,7 +62,8 @@ from autopar.planner.layer_costs import BIAS_OP, LayerCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
-from autopar.planner.memory import STATE_BYTES, RankMemory, rank_memory
+from autopar.planner.memory import (STATE_BYTES, RankMemory, offloaded_state_bytes,
+                                    optimizer_step_bytes, rank_memory)
 from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
@@ -391,6 +392,8 @@ class CostModel:
         # while one layer's backward runs: its rematerialized block and transients
         working = max(self.sums.table(c).working, default=0.0)
         w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
+        separate_host = self.cluster.host_link_bandwidth > 0
+        o_bytes = offloaded_state_bytes(o_bytes, c.offload, separate_host)
         n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
         per_param = (w_bytes / (n if c.zero >= 3 else 1) + g_bytes / (n if c.zero >= 2
                      else 1) + o_bytes / (n if c.zero >= 1 else 1))
@@ -409,8 +412,12 @@ class CostModel:
         p, v = c.pp, c.virtual_stages
         nodes = {self.sums.stage_node(r, c.tp * c.cp) for r in range(p)}
         latency, bandwidth = p2p_link(self.cluster, inter_node=len(nodes) > 1)
+        # the optimizer step's temporary over the stepped share (memory.optimizer_step_bytes);
+        # on a CPU it is bounded by a bucket, not per parameter: the evaluation counts it
+        step_bytes = (optimizer_step_bytes(1 / n if c.zero >= 1 else 1.0, c.offload, True)
+                      if separate_host else 0.0)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
-                                bandwidth, latency)
+                                bandwidth, latency, step_bytes)
 
     def _schedule_activations(self, c: Candidate, problem: Any, st: Staging) -> list[float]:
         """Per pipeline rank: the peak over its action list of the activations its in-flight

@@ -29,6 +29,20 @@ Activations: a rank holds the activations of ``in_flight`` micro-batches (see
 :func:`autopar.planner.schedule_model.in_flight_micro_batches`: the peaks of the runtime's
 action lists) at the recompute setting's size, plus, with recomputation, one layer's full
 activations while that layer's backward runs.
+
+The optimizer step: after the last backward the activations are gone, but the step allocates a
+temporary of its own (:func:`optimizer_step_bytes`). torch's Adam / AdamW on CUDA tensors take the
+``foreach`` path (``torch.optim.optimizer._default_to_fused_or_foreach``), whose
+``_multi_tensor_adam`` computes ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`` for every
+stepped tensor at once: one fp32 temporary the size of the rank's stepped (ZeRO: sharded)
+master weights. On a CPU the for-loop path (``_single_tensor_adam``) computes
+``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``, two temporaries the size of one tensor, here a
+flat gradient bucket (runtime/data_parallel.py, 25 MiB by default). An offloaded optimizer steps
+on the host and leaves none on the device. The rank's peak is its states plus the larger of the
+two moments: ``max(activations + buffers, step temporary)``. Measured on an H100
+(``benchmarks/gpu_memory.py``, 2026-11-28): LLaMA-7B shapes cut to 4 layers (1.07 B parameters,
+2 x 2048 tokens, full recompute) peak 3.99 GiB above their states, the 4.0 GiB of that
+temporary, where the activations alone would have been 1.7 GiB.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
 
 __all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "offloaded_state_bytes",
-           "RankMemory", "rank_memory"]
+           "optimizer_step_bytes", "RankMemory", "rank_memory"]
 
 #: bytes per parameter (weights, gradients, optimizer states) by training precision (bf16: the
 #: gradients in fp32, as the runtime keeps them; see the module docstring).
@@ -65,6 +79,24 @@ def offloaded_state_bytes(optimizer_bytes: float, offload: str, separate_host: b
     if separate_host:
         return 0.0
     return optimizer_bytes if offload == "optimizer" else optimizer_bytes - MOMENT_BYTES
+
+
+#: Bytes per stepped parameter of the master weights the optimizer updates (fp32 in every
+#: training precision: runtime/zero.py keeps fp32 masters under mixed precision).
+MASTER_BYTES = 4
+
+#: Elements of the runtime's default flat gradient bucket (``DataParallelConfig.bucket_mb`` =
+#: 25, fp32 gradients): the largest tensor the CPU's for-loop optimizer steps at once.
+BUCKET_ELEMENTS = 25 * 2**20 // 4
+
+
+def optimizer_step_bytes(stepped_params: float, offload: str, separate_host: bool) -> float:
+    """Device bytes the optimizer step allocates on top of the states (module docstring): on a
+    GPU (``separate_host``) the foreach path's one fp32 temporary per stepped parameter, none when
+    the step is offloaded to the host; on a CPU the for-loop path's two bucket-sized ones."""
+    if separate_host:
+        return 0.0 if offload != "none" else MASTER_BYTES * stepped_params
+    return 2 * MASTER_BYTES * min(stepped_params, BUCKET_ELEMENTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +138,23 @@ class RankMemory:
     activations: float
     #: ZeRO-3 gathered parameters, and other transient buffers.
     buffers: float = 0.0
+    #: The optimizer step's temporary (:func:`optimizer_step_bytes`): allocated after the
+    #: backward, when the activations and buffers are freed.
+    optimizer_step: float = 0.0
+
+    @property
+    def states(self) -> float:
+        return self.weights + self.gradients + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.states + max(self.activations + self.buffers, self.optimizer_step)
 
     def to_json(self) -> dict[str, int]:
         return {"weights": int(self.weights), "gradients": int(self.gradients),
                 "optimizer": int(self.optimizer), "activations": int(self.activations),
-                "buffers": int(self.buffers), "total": int(self.total)}
+                "buffers": int(self.buffers), "optimizer_step": int(self.optimizer_step),
+                "total": int(self.total)}
 
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
@@ -126,7 +166,8 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     ``activations[r]`` (the schedule's in-flight micro-batches), and ZeRO-3's gathered buffers:
     the weights of the layer running and of the one prefetched and the unsharded gradients of
     the layer computed and of the one reduce-scattered; kept gathered between forward and
-    backward (``reshard_after_forward=False``), the whole stage's weights."""
+    backward (``reshard_after_forward=False``), the whole stage's weights; and the optimizer
+    step's temporary over the parameters the rank steps (:func:`optimizer_step_bytes`)."""
     w_bytes, g_bytes, full_o_bytes = STATE_BYTES[dtype]
     o_bytes = offloaded_state_bytes(full_o_bytes, c.offload, separate_host)
     n = c.dp * c.cp  # replicas
@@ -140,8 +181,10 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
         if c.zero == 3 and not c.reshard_after_forward:
             buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
         dense, ex = rs.params - rs.expert_params, rs.expert_params
+        stepped = dense / n + ex / ne if c.zero >= 1 else rs.params
         out.append(RankMemory(
             r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,
             g_per * dense + g_bytes / (ne if c.zero >= 2 else 1) * ex,
-            o_per * dense + o_bytes / (ne if c.zero >= 1 else 1) * ex, acts, buffers))
+            o_per * dense + o_bytes / (ne if c.zero >= 1 else 1) * ex, acts, buffers,
+            optimizer_step_bytes(stepped, c.offload, separate_host)))
     return out

@@ -265,7 +265,8 @@ def _add_loops(model: _Model, stage, transfer, prefix_at) -> None:
 
 
 def _add_memory(model: _Model, stage, vectors) -> None:
-    """(C6) parameter state + in-flight activations fit every rank, at every point of its list."""
+    """(C6) parameter state + in-flight activations fit every rank, at every point of its list;
+    (C7) so do parameter state + the optimizer step's temporary, after the backward."""
     problem = model.problem
     if math.isinf(problem.device_memory):
         return
@@ -279,6 +280,10 @@ def _add_memory(model: _Model, stage, vectors) -> None:
         for i, vec in enumerate(vectors[r]):
             acts = pulp.lpSum(n * scale * acts_of[s] for n, s in zip(vec, stages) if n)
             model.lp += static + acts <= 1.0, f"C6_{r}_{i}"
+        if problem.step_bytes_per_param > 0:
+            model.lp += static + pulp.lpSum(problem.step_bytes_per_param * scale
+                                            * stage("params", s) for s in stages) <= 1.0, \
+                f"C7_{r}"
 
 
 def _objective(model: _Model, transfer):

@@ -76,6 +76,10 @@ class PartitionProblem:
     #: Point-to-point link between neighbouring stages.
     link_bandwidth: float = math.inf
     link_latency: float = 0.0
+    #: Bytes per parameter the optimizer step allocates after the backward, when the
+    #: activations are freed (autopar.planner.memory.optimizer_step_bytes: 4 on a GPU, over the
+    #: rank's stepped share of its parameters; 0 where it is bounded by a bucket).
+    step_bytes_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -92,9 +96,9 @@ class PartitionProblem:
         if not self.layers:
             raise ValueError("the problem has no layers")
         if self.device_memory <= 0 or self.link_bandwidth <= 0 or self.link_latency < 0 \
-                or self.state_bytes_per_param < 0:
-            raise ValueError("device_memory and link_bandwidth must be positive, link_latency and "
-                             "state_bytes_per_param >= 0")
+                or self.state_bytes_per_param < 0 or self.step_bytes_per_param < 0:
+            raise ValueError("device_memory and link_bandwidth must be positive, link_latency, "
+                             "state_bytes_per_param and step_bytes_per_param >= 0")
 
     @property
     def num_stages(self) -> int:
@@ -213,7 +217,8 @@ def _stage_sum(problem: PartitionProblem, ranges, attr: str) -> list[float]:
 
 def rank_memory(problem: PartitionProblem, ranges: Sequence[tuple[int, int]],
                 vectors: list[list[tuple[int, ...]]] | None = None) -> list[float]:
-    """Peak bytes per rank: parameter state plus in-flight activations (constraint C6)."""
+    """Peak bytes per rank: parameter state plus the larger of the in-flight activations
+    (constraint C6) and the optimizer step's temporary (C7)."""
     vectors = vectors if vectors is not None else in_flight_vectors(problem)
     p = problem.num_ranks
     params = _stage_sum(problem, ranges, "params")
@@ -221,10 +226,11 @@ def rank_memory(problem: PartitionProblem, ranges: Sequence[tuple[int, int]],
     out = []
     for r in range(p):
         stages = problem.stages_of(r)
-        static = problem.state_bytes_per_param * sum(params[s] for s in stages)
+        held = sum(params[s] for s in stages)
         peak = max((sum(n * acts[s] for n, s in zip(vec, stages)) for vec in vectors[r]),
                    default=0.0)
-        out.append(static + peak)
+        out.append(problem.state_bytes_per_param * held
+                   + max(peak, problem.step_bytes_per_param * held))
     return out
 
 
