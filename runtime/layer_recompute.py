@@ -16,6 +16,16 @@ the loss) run as they are, as the cost model prices them. A recomputed block fir
 executor's announcement of its micro-batch (the stage's ``before_forward`` hook), so the block's
 dropout masks are its micro-batch's also when the backward that re-runs it comes after other
 micro-batches' forwards.
+
+torch's checkpoint saves and restores the global RNG state of every CUDA tensor argument
+(``preserve_rng_state``: for a block, its activations and each of its weights, ~26 per GPT-2
+block) so that a recomputed dropout draws the same mask. autopar's dropouts do not draw from the
+global RNG: the generated program draws every mask from a generator seeded by (step, site,
+sample) (runtime/rng.py), which replays itself. A block with no other random op is therefore
+checkpointed with ``preserve_rng_state=False``; one that still calls a random aten op keeps it.
+The per-tensor metadata check (``determinism_check``) is off too: the block is a captured graph
+of static shapes, recomputed with the same inputs. On an H100 these per-tensor Python calls made
+a fully recomputed GPT-2 medium step host-bound (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from autopar.ir import has_info, info
+from autopar.ir import has_info, info, op_name
 
 __all__ = ["recompute_per_layer", "checkpointed", "recompute_region"]
 
@@ -48,19 +58,51 @@ def recompute_region(announce: Callable[[], None] | None) -> Iterator[None]:
         _REGION.reset(token)
 
 
-def checkpointed(block: Callable[..., Any], *args: Any) -> Any:
-    """``block(*args)``, checkpointed inside :func:`recompute_region`."""
+def checkpointed(block: Callable[..., Any], global_rng: bool, *args: Any) -> Any:
+    """``block(*args)``, checkpointed inside :func:`recompute_region`; ``global_rng``: the block
+    draws from torch's global RNG, whose state the recompute must restore."""
     region = _REGION.get()
     if region is None or not torch.is_grad_enabled():
         return block(*args)
     announce = region[0]
 
+    # the graph's forward itself: torch's early stop ends a recompute by raising through it,
+    # and a GraphModule's __call__ extracts the traceback of every exception it passes on
+    forward = getattr(block, "forward", block)
+
     def run(*inputs: Any) -> Any:
         if announce is not None:
             announce()
-        return block(*inputs)
+        return forward(*inputs)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
+                                             preserve_rng_state=global_rng,
+                                             determinism_check="default" if global_rng
+                                             else "none")
+
+
+def draws_global_rng(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` calls a random op of torch (``passes.split_stages.RANDOM_OPS``) rather
+    than autopar's plan-independent dropout (``autopar.runtime``), which seeds its own."""
+    from autopar.passes.split_stages import RANDOM_OPS
+
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        module = getattr(node.target, "__module__", "") or ""
+        name = op_name(node)
+        if name not in RANDOM_OPS or module.startswith("autopar.runtime"):
+            continue
+        if name in _DROPOUTS:  # (input, p, train): p = 0 or train = False draws nothing
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            if (isinstance(p, (int, float)) and p == 0) or train is False:
+                continue
+        return True
+    return False
+
+
+_DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
 
 
 def recompute_per_layer(gm: torch.fx.GraphModule, blocks: frozenset[str]
@@ -89,9 +131,11 @@ def recompute_per_layer(gm: torch.fx.GraphModule, blocks: frozenset[str]
             continue
         if int(node.target.rsplit("_", 1)[1]) not in recomputed:
             continue
+        global_rng = draws_global_rng(getattr(split, node.target))
         with graph.inserting_before(node):
             block = graph.get_attr(node.target)
-            call = graph.call_function(checkpointed, (block, *node.args), dict(node.kwargs))
+            call = graph.call_function(checkpointed, (block, global_rng, *node.args),
+                                       dict(node.kwargs))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
         graph.erase_node(node)

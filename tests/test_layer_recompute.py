@@ -23,7 +23,7 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.runtime.layer_recompute import checkpointed
+from autopar.runtime.layer_recompute import checkpointed, draws_global_rng
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +39,8 @@ def _train(recompute, schedule="1f1b", steps=2):
     try:
         module = pm.executor.stage_modules[0]
         calls = [n for n in module._graph.graph.nodes if n.target is checkpointed]
+        # the blocks' dropouts are autopar's own (runtime/rng.py): no global RNG to restore
+        assert not any(n.args[1] for n in calls)
         losses = [pm.train_step(inputs, targets) for _ in range(steps)]
         state = {k: v.detach().clone() for k, v in pm.state_dict().items()}
     finally:
@@ -114,3 +116,20 @@ def test_per_block_recompute_lowers_the_measured_peak_as_priced():
     assert full["measured"] < 0.4 * none["measured"], (none, full)
     for got in (none, full):
         assert got["measured"] == pytest.approx(got["predicted"], rel=0.35), got
+
+
+def test_a_block_drawing_from_torchs_rng_keeps_its_state():
+    """A block calling a random op of torch itself is recomputed with the global RNG state
+    restored (``preserve_rng_state``); autopar's dropout, seeded per sample, needs none."""
+    from autopar.runtime import tp as tp_runtime
+
+    noisy = torch.fx.symbolic_trace(lambda x: x + torch.randn_like(x))
+    drop = torch.fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.1))
+    assert draws_global_rng(noisy) and draws_global_rng(drop)
+    assert not draws_global_rng(torch.fx.symbolic_trace(
+        lambda x: torch.nn.functional.dropout(x, 0.0) + torch.nn.functional.dropout(
+            x, 0.5, training=False)))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(tp_runtime.dropout, (None, x, 0.1), {"site": "s"}))
+    assert not draws_global_rng(torch.fx.GraphModule({}, graph))
