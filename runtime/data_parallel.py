@@ -581,9 +581,11 @@ class DataParallel:
         if self.pager is not None:
             self._paged_step(self.pager)
         else:
-            for b in self.buckets:
-                if b.requires_grad:
-                    b.set_optimizer_grads()
+            stepped = [b for b in self.buckets if b.requires_grad]
+            for b in stepped:  # a host optimizer's copies all launched, then waited for
+                b.set_optimizer_grads()
+            for b in stepped:
+                b.wait_host_grads()
             self.optimizer.step()
             for b in self.buckets:
                 if b.requires_grad:
@@ -603,6 +605,7 @@ class DataParallel:
             pager.install(b, ahead)
             ahead = pager.read_ahead(order[k + 1]) if k + 1 < len(order) else None
             b.set_optimizer_grads()
+            b.wait_host_grads()
             self.optimizer.step()
             b.clear_optimizer_grads()
             b.after_step()

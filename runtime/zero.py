@@ -234,6 +234,11 @@ class FlatBucket:
         self._gather_work: Any = None
         self._prefetch: Any = None  # stage 3: a parameter all-gather launched ahead of use
         self._grad32: torch.Tensor | None = None
+        #: Offloaded to a CUDA device's host: a pinned host buffer the reduced gradients are
+        #: copied into each step (kept: allocating and freeing pageable memory per step, and
+        #: copying into it, ran at 1.5 GB/s on an H100's host), and the event that copy ends on.
+        self._grad_host: torch.Tensor | None = None
+        self._grad_copied: Any = None
         if requires_grad and self.stage <= ZeroStage.OPTIMIZER:
             self.local_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype,
                                           device=self.device)
@@ -539,12 +544,28 @@ class FlatBucket:
         return pieces
 
     def set_optimizer_grads(self) -> None:
+        """Give the optimizer's pieces their gradients: views of the reduced gradient, or, for
+        a host optimizer on a CUDA device, of the pinned host copy this launches (asynchronous:
+        :meth:`wait_host_grads` before the step reads it)."""
         grad = self.reduced_grad()
-        if grad.dtype != self.master_dtype or grad.device != self.master_device:
+        if self.host_optimizer and self.device.type == "cuda":
+            if self._grad_host is None or self._grad_host.numel() != grad.numel():
+                self._grad_host = self._master_zeros(grad.numel())
+            self._grad_host.copy_(grad, non_blocking=True)
+            self._grad_copied = torch.cuda.Event()
+            self._grad_copied.record()
+            grad = self._grad_host
+        elif grad.dtype != self.master_dtype or grad.device != self.master_device:
             self._grad32 = grad.to(self.master_device, self.master_dtype)
             grad = self._grad32
         for _, piece, a, b in self.pieces:
             piece.grad = grad[a:b].view(piece.shape)
+
+    def wait_host_grads(self) -> None:
+        """Block until the gradients :meth:`set_optimizer_grads` copied to the host landed."""
+        if self._grad_copied is not None:
+            self._grad_copied.synchronize()
+            self._grad_copied = None
 
     def clear_optimizer_grads(self) -> None:
         for _, piece, _, _ in self.pieces:
@@ -554,16 +575,19 @@ class FlatBucket:
     def after_step(self) -> None:
         """Carry the updated master weights to the compute parameters (async gather, 1-2)."""
         mp = self.separate_master
+        # from pinned host masters the copy is asynchronous: the stream orders it before the
+        # next forward, and the masters change only in the next step, after that forward
+        async_copy = self.host_optimizer and self.device.type == "cuda"
         with torch.no_grad():
             if self.stage is ZeroStage.NONE:
                 if mp:
-                    self.flat_param.copy_(self.master)
+                    self.flat_param.copy_(self.master, non_blocking=async_copy)
             elif self.stage is ZeroStage.PARAMETERS:
                 if mp:
-                    self.param_shard.copy_(self.master)
+                    self.param_shard.copy_(self.master, non_blocking=async_copy)
             else:
                 if mp:
-                    self.flat_param[self.own].copy_(self.master)
+                    self.flat_param[self.own].copy_(self.master, non_blocking=async_copy)
                 if self.groups.shard_size > 1:
                     self._gather_work = dist.all_gather_single(
                         self.flat_param, self.flat_param[self.own],
