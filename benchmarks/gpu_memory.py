@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="override the model's depth")
     ap.add_argument("--only", type=int, nargs="*", help="run these rows of CONFIGS (0-based)")
     ap.add_argument("--json", help="write the rows as JSON to this file")
+    ap.add_argument("--cluster", help="price the step times with this cluster file (e.g. from "
+                                      "`autopar calibrate --device cuda`) instead of the preset")
     args = ap.parse_args(argv)
 
     import torch
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         model, batch, seq = args.model, args.batch, args.seq
     else:  # a check that the script runs: a tiny model, no memory figures
         device_name, model, batch, seq = "cpu", "gpt", 4, 32
-    preset = preset_for_device(device_name)
+    preset = args.cluster or preset_for_device(device_name)
     small = ({"layers": args.layers} if args.layers else {}) if cuda else \
         {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq": 32}
     factory = functools.partial(models.build, model, dropout=0.0, seed=0, **small)

@@ -86,6 +86,35 @@ def _profile(step, steps: int = 3) -> dict:
     return {"by_kind": by_kind, "top": top}
 
 
+def _host_profile(step, steps: int) -> dict:
+    """The host's time per step of ``step`` (no synchronization inside the loop) and the
+    functions that take it (cProfile, by own time): a host-bound step spends its time in
+    Python and launches, a GPU-bound one waits in a synchronizing call."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host_s = (time.perf_counter() - t0) / steps
+    torch.cuda.synchronize()
+    synced_s = (time.perf_counter() - t0) / steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    lines = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()]
+    return {"host_s": host_s, "synced_s": synced_s, "top": lines[-32:]}
+
+
 def predict(captured, preset: str, batch: int, seq: int, *, micro_batch_size: int | None = None,
             recompute: str = "none", dtype: str = "bf16", offload: str = "none"):
     """The cost model's prediction for a pinned one-device plan (ZeRO-0, 1F1B; by default one
@@ -117,9 +146,19 @@ def main(argv: list[str] | None = None) -> int:
                                       "`autopar calibrate --device cuda`)")
     ap.add_argument("--unpadded", action="store_true",
                     help="also run autopar with the vocabulary unpadded (vocab_multiple=0)")
-    ap.add_argument("--compile", action="store_true",
-                    help="also run eager under torch.compile and autopar with compile=True "
-                         "(inductor; compiled before the timed rounds)")
+    ap.add_argument("--compile", nargs="?", const="both", choices=("both", "autopar"),
+                    help="also run autopar with compile=True and (both, the default) eager "
+                         "under torch.compile (inductor; compiled before the timed rounds)")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                    help="autopar's activation recompute; with full, eager checkpoints each "
+                         "block too (Hugging Face's gradient_checkpointing_enable, torch's "
+                         "non-reentrant checkpoint)")
+    ap.add_argument("--offload", default="none", choices=("none", "optimizer"),
+                    help="autopar's optimizer offload (eager keeps its optimizer on the GPU)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also run N steps of each autopar variant under cProfile and print "
+                         "where the host's time goes (a step the host cannot keep ahead of the "
+                         "GPU shows its Python above the kernels' time)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 3 steps of each with torch.profiler: GPU kernel time by "
                          "kind (GEMM, attention, element-wise and the rest) and the top kernels")
@@ -149,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         pm = autopar.parallelize(model, example_inputs=inputs, example_targets=targets,
                                  loss_fn=zm.loss_fn, mixed_precision=True, compile=compile,
                                  plan={"tp": 1, "pp": 1, "dp": 1, "num_micro_batches": 1,
-                                       "zero": 0, "recompute": "none",
+                                       "zero": 0, "recompute": args.recompute,
+                                       "offload": args.offload,
                                        "vocab_multiple": vocab_multiple},
                                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
         setup = time.perf_counter() - t0
@@ -158,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def eager(compile: bool):
         model = models.build(args.model, dropout=0.0, seed=0).model.to(device)
+        if args.recompute == "full":  # torch's checkpoint per block, as Hugging Face runs it
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         run = torch.compile(model) if compile else model
 
@@ -185,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         pm0, setup_s["autopar, vocabulary unpadded"], *fns = parallelized(0, False)
         variants["autopar, vocabulary unpadded"] = tuple(fns)
         closing.append(pm0)
-    if args.compile:
+    if args.compile == "both":
         t0 = time.perf_counter()
         variants["eager, torch.compile"] = eager(True)
         # compiled outside the rounds: the no_grad forward, then forward + backward
@@ -193,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):
             variants["eager, torch.compile"][0]()
         setup_s["eager, torch.compile"] = time.perf_counter() - t0
+    if args.compile:
         pmc, setup_s["autopar, compile=True"], *fns = parallelized(128, True)
         t0 = time.perf_counter()
         first["autopar, compile=True"] = fns[1]()
@@ -208,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     preset = preset_for_device(torch.cuda.get_device_name(0))
     peak = Cluster.load(preset).peak_flops("bf16")
 
-    predicted = predict(pm.captured, preset, args.batch, args.seq)
-    calibrated = (predict(pm.captured, args.cluster, args.batch, args.seq)
+    planned = dict(recompute=args.recompute, offload=args.offload)
+    predicted = predict(pm.captured, preset, args.batch, args.seq, **planned)
+    calibrated = (predict(pm.captured, args.cluster, args.batch, args.seq, **planned)
                   if args.cluster else None)
 
     first = {name: float(first[name]) if name in first else float(fwd())
@@ -236,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backend": backend,
         "model": args.model, "params": params, "batch": args.batch, "seq": args.seq,
+        "recompute": args.recompute, "offload": args.offload,
         "setup_s": setup_s, "forward_flops": fwd_flops, "peak_bf16": peak,
         "first_loss": first, "median_s": med,
         "step_ratio": {n: ratio(n, "step") for n in names},
@@ -254,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out, indent=1))
     print()
     print(f"{out['device']}, torch {out['torch']}, backend {backend}, {args.model} "
-          f"({params / 1e6:.0f}M params), batch {args.batch} x {args.seq} tokens, bf16")
+          f"({params / 1e6:.0f}M params), batch {args.batch} x {args.seq} tokens, bf16, "
+          f"autopar's recompute {args.recompute}, offload {args.offload}")
     print("| | step ms (median) | x eager | forward ms | x eager | tokens/s | MFU | first loss |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in names:
@@ -274,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in prof["by_kind"].items()))
             for kernel, t in prof["top"]:
                 print(f"    {t * 1e3:7.2f} ms  {kernel[:110]}")
+    if args.host_profile:
+        out["host_profile"] = {name: _host_profile(variants[name][0], args.host_profile)
+                               for name in names if name.startswith("autopar")}
+        for name, prof in out["host_profile"].items():
+            print(f"{name}: host seconds per step {prof['host_s']:.4f} "
+                  f"(GPU-synchronized {prof['synced_s']:.4f}); top functions by own time:")
+            for line in prof["top"]:
+                print("    " + line)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
