@@ -119,6 +119,14 @@ class DeviceSpec:
     #: processes). ``autopar calibrate`` measures it; 0 in the presets and on GPUs (not measured
     #: there).
     split_backward_overhead_s: float = 0.0
+    #: Host seconds full recompute adds per checkpointed block (``checkpoint_call_overhead_s``:
+    #: torch's non-reentrant ``checkpoint`` setting up its frame and hooks, forward and
+    #: recompute) and per tensor the block saves (``checkpoint_tensor_overhead_s``: its pack hooks
+    #: in the forward, the recompute's and the unpack in the backward), beyond running the
+    #: block's forward again. ``autopar calibrate`` measures both (``--device cuda`` too); 0 in
+    #: the presets.
+    checkpoint_call_overhead_s: float = 0.0
+    checkpoint_tensor_overhead_s: float = 0.0
     #: Measured times of element-wise and normalization ops at ``default_dtype``: op name (as in
     #: the graph; ``gelu(tanh)`` for the tanh approximation) -> (forward, backward) seconds per
     #: element of the op's largest tensor. The roofline's bytes / bandwidth stays a floor; the
@@ -150,7 +158,8 @@ class DeviceSpec:
             flops[dtype] = value
         object.__setattr__(self, "peak_flops", flops)
         for name in ("node_overhead_s", "node_backward_overhead_s", "launch_overhead_s",
-                     "launch_backward_overhead_s", "split_backward_overhead_s"):
+                     "launch_backward_overhead_s", "split_backward_overhead_s",
+                     "checkpoint_call_overhead_s", "checkpoint_tensor_overhead_s"):
             value = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
             object.__setattr__(self, name, value)
             _check(math.isfinite(value) and 0 <= value < 1e-2,
@@ -524,6 +533,8 @@ class Cluster:
                        "launch_overhead_s": d.launch_overhead_s,
                        "launch_backward_overhead_s": d.launch_backward_overhead_s,
                        "split_backward_overhead_s": d.split_backward_overhead_s,
+                       "checkpoint_call_overhead_s": d.checkpoint_call_overhead_s,
+                       "checkpoint_tensor_overhead_s": d.checkpoint_tensor_overhead_s,
                        "optimizer_s_per_param": d.optimizer_s_per_param,
                        "optimizer_s_per_tensor": d.optimizer_s_per_tensor,
                        "reserved_memory_bytes": d.reserved_memory_bytes,

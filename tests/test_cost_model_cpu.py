@@ -114,6 +114,93 @@ def test_the_split_backward_measurement():
         torch.set_num_threads(threads)
 
 
+def test_full_recompute_pays_the_checkpoints_host_time_per_block(costs):
+    """``checkpoint_call_overhead_s`` per checkpointed block and ``checkpoint_tensor_overhead_s``
+    per tensor it saves: under full recompute every repeated block's recompute (and so its
+    backward) takes ``call + saved x per_tensor`` more; the embedding and head, which the
+    runtime does not checkpoint per block, and every other recompute setting nothing."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    base = _host(devices=1)
+    call, per_tensor = 2e-4, 1e-5
+    device = dataclasses.replace(base.device, checkpoint_call_overhead_s=call,
+                                 checkpoint_tensor_overhead_s=per_tensor)
+    plain = CostModel(costs, base, setup)
+    charged = CostModel(costs, dataclasses.replace(base, device=device), setup)
+    lc = charged.layer_costs(1, False, 2)
+    for recompute in RecomputeKind:
+        a = plain.sums.layer_times(plain.layer_costs(1, False, 2), recompute)
+        b = charged.sums.layer_times(lc, recompute)
+        for i, (ta, tb) in enumerate(zip(a, b)):
+            block = plain.sums.is_block[i]
+            extra = call + len(costs.template(i).saved) * per_tensor \
+                if block and recompute is RecomputeKind.FULL else 0.0
+            assert tb[3] - ta[3] == pytest.approx(extra, abs=1e-15)  # the recompute
+            assert tb[1] - ta[1] == pytest.approx(extra, abs=1e-15)  # the backward holds it
+            assert tb[0] == ta[0] and tb[2] == ta[2]
+
+
+def test_the_checkpoint_probe_prices_a_real_blocks_checkpoint():
+    """The per-call and per-saved-tensor costs, measured on chains of ``sin``, price torch's
+    checkpoint of a different function, a GPT-2 block (``runtime/layer_recompute``'s settings):
+    its extra host time over a plain forward + backward and the forward run again, counted
+    with the tensors the block saves (24). Within 4x either way: three runs here measured the
+    block at 1.3-2.7x the price (this VM's speed moves by up to 2x between minutes, and the
+    block's module calls cost more than the chain's ops). What the model priced before, nothing
+    beyond the forward run again, fails; so would a probe off by a factor of ten."""
+    import statistics
+    import time
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from autopar.models import build
+    from autopar.planner.calibration_host import checkpoint_overhead
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        call, per_tensor = checkpoint_overhead("cpu", repeat=3)
+        zm = build("gpt", layers=1, hidden=8, heads=2, vocab=16, seq=4, dropout=0.0)
+        block = zm.model.transformer.h[0]
+        x0 = torch.randn(1, 4, 8)
+        saved = 0
+
+        def count(t):
+            nonlocal saved
+            saved += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            block(x0.requires_grad_())[0].sum().backward()
+
+        def run(mode):
+            x = x0.detach().requires_grad_()
+            start = time.perf_counter()
+            if mode == "checkpoint":
+                y = checkpoint(block.forward, x, use_reentrant=False, preserve_rng_state=False,
+                               determinism_check="none")[0]
+            else:
+                y = block(x)[0]
+            if mode == "forward":
+                return time.perf_counter() - start
+            y.sum().backward()
+            return time.perf_counter() - start
+
+        times = {m: [] for m in ("plain", "forward", "checkpoint")}
+        for i in range(42):
+            for mode in times:
+                t = run(mode)
+                if i >= 2:
+                    times[mode].append(t)
+    finally:
+        torch.set_num_threads(threads)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    measured = med["checkpoint"] - med["plain"] - med["forward"]
+    priced = call + saved * per_tensor
+    assert saved >= 10 and per_tensor > 0
+    assert priced / 4 < measured < 4 * priced, (measured, priced, call, per_tensor, saved)
+
+
 def test_the_host_measurement_of_a_gpu_runs_on_any_device():
     """``calibrate --device cuda``'s host measurements, run here on the CPU: a node's launch
     costs microseconds, and torch's AdamW a few nanoseconds per parameter (it reads and writes

@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         ("host per graph node, forward / backward",
          f"{fmt_seconds(d.node_overhead_s)} / {fmt_seconds(d.node_backward_overhead_s)}"),
         ("split backward per autograd node", fmt_seconds(d.split_backward_overhead_s)),
+        ("full recompute's checkpoint per block / per saved tensor",
+         f"{fmt_seconds(d.checkpoint_call_overhead_s)} / "
+         f"{fmt_seconds(d.checkpoint_tensor_overhead_s)}"),
         *[(f"{name} latency / bus bandwidth", f"{fmt_seconds(raw[key]['latency_s'])} / "
                                               f"{fmt_bytes(raw[key]['bus_bandwidth'])}/s")
           for name, key in (("all-reduce", "all_reduce"), ("all-gather", "all_gather"),
@@ -85,6 +88,9 @@ def _run_cuda(args: argparse.Namespace) -> int:
         ("attention / GEMM rate", f"{d.attention_efficiency:.2f}"),
         ("launch per node (forward / backward)",
          f"{fmt_seconds(d.launch_overhead_s)} / {fmt_seconds(d.launch_backward_overhead_s)}"),
+        ("recompute's checkpoint per block / saved tensor",
+         f"{fmt_seconds(d.checkpoint_call_overhead_s)} / "
+         f"{fmt_seconds(d.checkpoint_tensor_overhead_s)}"),
         ("host AdamW per parameter / per tensor",
          f"{cluster.host_optimizer_s_per_param * 1e9:.2f} ns / "
          f"{fmt_seconds(cluster.host_optimizer_s_per_tensor)}")])

@@ -28,12 +28,14 @@ from autopar.planner.calibration_host import (
     BLOCK_PROBE_HIDDEN,
     BLOCK_PROBE_LAYERS,
     BLOCK_PROBE_TOKENS,
+    CHECKPOINT_PROBE_TENSORS,
     DISK_PROBE_BYTES,
     OPTIMIZER_BLOCKS,
     OPTIMIZER_HIDDEN,
     OPTIMIZER_TINY_NUMEL,
     OPTIMIZER_TINY_TENSORS,
     best_time,
+    checkpoint_overhead,
     host_cores,
     measure_disk_bandwidth,
     measure_node_overhead,
@@ -44,6 +46,12 @@ from autopar.planner.calibration_host import (
 __all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
+
+#: Where the checkpoint's host costs come from (calibration_host.checkpoint_overhead).
+CHECKPOINT_SOURCE = (f"torch.utils.checkpoint (non-reentrant, no RNG stash) over chains of "
+                     f"{' and '.join(map(str, CHECKPOINT_PROBE_TENSORS))} sin ops, less the plain "
+                     f"forward + backward and the forward run again: intercept per call, slope "
+                     f"per saved tensor; ")
 #: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds. Small m
 #: too: a micro-batch of one short sequence is 64-128 tokens, where a CPU GEMM runs well below
 #: its large-shape rate (the table is flat outside the measured range).
@@ -160,6 +168,8 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
     out["kernel_floor_s"] = best_time(lambda: one.add(one), repeat, inner=200)
     out.update(measure_node_overhead(repeat))
     out["split_backward_overhead_s"] = split_backward_node_time(repeat)
+    out["checkpoint_call_overhead_s"], out["checkpoint_tensor_overhead_s"] = \
+        checkpoint_overhead("cpu", repeat)
     out["op_table"] = measure_op_table(repeat)
     out["optimizer_s_per_param"], out["optimizer_s_per_tensor"] = measure_optimizer_step(repeat)
     q = torch.randn(1, 4, 256, 64)
@@ -439,6 +449,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "node_overhead_s": c["node_overhead_s"],
             "node_backward_overhead_s": c["node_backward_overhead_s"],
             "split_backward_overhead_s": c["split_backward_overhead_s"],
+            "checkpoint_call_overhead_s": c["checkpoint_call_overhead_s"],
+            "checkpoint_tensor_overhead_s": c["checkpoint_tensor_overhead_s"],
             "optimizer_s_per_param": c["optimizer_s_per_param"],
             "optimizer_s_per_tensor": c["optimizer_s_per_tensor"],
             "sm_count": 0,
@@ -470,6 +482,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                 f"per autograd node, what runtime/split_backward.py's backward_input and "
                 f"backward_weight take over one backward() of the same tiny GPT-2 ({BLOCK_PROBE_LAYERS} "
                 f"blocks against 1); {where}"),
+            "device.checkpoint_call_overhead_s": CHECKPOINT_SOURCE + where,
+            "device.checkpoint_tensor_overhead_s": CHECKPOINT_SOURCE + where,
             "cores_per_node": f"CPU cores of the host (affinity mask); {where}",
             "disk_bandwidth": f"{DISK_PROBE_BYTES // 2**20} MiB written with fsync and read "
                               f"back in 4 MiB chunks in the temporary directory, the slower "

@@ -11,6 +11,8 @@ import datetime
 import statistics
 from typing import Any, Callable
 
+from autopar.planner.calibration import CHECKPOINT_SOURCE
+
 __all__ = ["measure_cuda", "calibrate_cuda_cluster", "cuda_cluster"]
 
 
@@ -112,12 +114,15 @@ def measure_host(device: Any, repeat: int) -> dict[str, float]:
       implementation) over fp32 tensors in host memory with all the host's threads, as the
       runtime steps an offloaded optimizer (:func:`~autopar.planner.calibration_host.
       measure_optimizer_step`)."""
-    from autopar.planner.calibration_host import block_node_times, measure_optimizer_step
+    from autopar.planner.calibration_host import (block_node_times, checkpoint_overhead,
+                                                  measure_optimizer_step)
 
     fwd, bwd = block_node_times(device, repeat)
     per_param, per_tensor = measure_optimizer_step(repeat)
+    call, saved = checkpoint_overhead(device, repeat)
     return {"launch_overhead_s": fwd, "launch_backward_overhead_s": bwd,
-            "host_optimizer_s_per_param": per_param, "host_optimizer_s_per_tensor": per_tensor}
+            "host_optimizer_s_per_param": per_param, "host_optimizer_s_per_tensor": per_tensor,
+            "checkpoint_call_overhead_s": call, "checkpoint_tensor_overhead_s": saved}
 
 
 def _cuda_op_table(dev: Any, repeat: int) -> dict[str, list[float]]:
@@ -197,6 +202,8 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
         "op_table": m["op_table"], "default_dtype": "bf16",
         "launch_overhead_s": m["launch_overhead_s"],
         "launch_backward_overhead_s": m["launch_backward_overhead_s"],
+        "checkpoint_call_overhead_s": m.get("checkpoint_call_overhead_s", 0.0),
+        "checkpoint_tensor_overhead_s": m.get("checkpoint_tensor_overhead_s", 0.0),
     })
     doc["host_optimizer_s_per_param"] = m["host_optimizer_s_per_param"]
     doc["host_optimizer_s_per_tensor"] = m["host_optimizer_s_per_tensor"]
@@ -218,6 +225,8 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
                                     f"{where}",
         "host_optimizer_s_per_param": f"torch.optim.AdamW's default step over fp32 host tensors "
                                       f"(transformer blocks' shapes), all host threads; {where}",
+        "device.checkpoint_call_overhead_s": f"{CHECKPOINT_SOURCE}on the GPU; {where}",
+        "device.checkpoint_tensor_overhead_s": f"{CHECKPOINT_SOURCE}on the GPU; {where}",
         "gemm_efficiency": "1.0: the measured rates are the achievable rates",
         "links": f"from the {base} preset (one device measures no link)",
     }}

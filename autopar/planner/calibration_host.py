@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 __all__ = ["best_time", "host_cores", "block_node_times", "measure_node_overhead",
            "split_backward_node_time", "measure_optimizer_step", "measure_disk_bandwidth",
-           "speed_probe"]
+           "speed_probe", "checkpoint_overhead"]
 
 #: The tiny GPT-2 whose exported program times the host's cost per graph node
 #: (:func:`block_node_times`): blocks (against one), hidden size, tokens.
@@ -160,6 +160,66 @@ def split_backward_node_time(repeat: int = 5) -> float:
                 extra[which].append(split - plain)
     one, many = (statistics.median(e) for e in extra)
     return max(many - one, 0.0) / (nodes[1] - nodes[0])
+
+
+#: Saved tensors of the two chains :func:`checkpoint_overhead` checkpoints, and its runs.
+CHECKPOINT_PROBE_TENSORS = (8, 64)
+CHECKPOINT_PROBE_RUNS = 12
+
+
+def checkpoint_overhead(device: Any = "cpu", repeat: int = 5) -> tuple[float, float]:
+    """Host seconds torch's non-reentrant checkpoint adds, as full recompute calls it
+    (``runtime/layer_recompute.checkpointed``: no RNG stash, no metadata check), beyond the
+    forward it runs again: (per checkpointed call, per tensor the call saves).
+
+    A chain of ``sin`` on a 1 x 16 tensor (each saves its input) of 8 and of 64 ops, run
+    alternately: forward + backward plainly, under the checkpoint, and the forward alone (what
+    the recompute runs again, priced as the layer's forward). The extra of the checkpointed
+    run over the other two is linear in the saved tensors: its slope is the per-tensor cost
+    (pack hooks in the forward and in the recompute, the unpack in the backward), its
+    intercept the per-call one. On ``cuda`` the host's times, not waiting for the kernels."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    cuda = torch.device(device).type == "cuda"
+    x0 = torch.randn(1, 16, device=device)
+
+    def chain(n: int) -> Callable[[Any], Any]:
+        def run(x: Any) -> Any:
+            for _ in range(n):
+                x = torch.sin(x)
+            return x
+        return run
+
+    def timed(f: Callable[[Any], Any], mode: str) -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        x = x0.detach().requires_grad_()
+        start = time.perf_counter()
+        if mode == "checkpoint":
+            y = checkpoint(f, x, use_reentrant=False, preserve_rng_state=False,
+                           determinism_check="none")
+        else:
+            y = f(x)
+        if mode == "forward":
+            return time.perf_counter() - start
+        y.sum().backward()
+        return time.perf_counter() - start
+
+    times: dict[tuple[int, str], list[float]] = {}
+    for i in range(CHECKPOINT_PROBE_RUNS * repeat + 2):
+        for n in CHECKPOINT_PROBE_TENSORS:
+            f = chain(n)
+            for mode in ("plain", "forward", "checkpoint"):
+                t = timed(f, mode)
+                if i >= 2:
+                    times.setdefault((n, mode), []).append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lo, hi = CHECKPOINT_PROBE_TENSORS
+    extra = {n: med[(n, "checkpoint")] - med[(n, "plain")] - med[(n, "forward")]
+             for n in (lo, hi)}
+    per_tensor = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
+    return max(0.0, extra[lo] - lo * per_tensor), per_tensor
 
 
 def probe_models(device: Any = "cpu") -> list[Any]:

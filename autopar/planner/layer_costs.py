@@ -99,6 +99,10 @@ class LayerCosts:
     #: Host seconds the zero-bubble schedules' split backward adds to its weight-gradient
     #: action (``DeviceSpec.split_backward_overhead_s`` per autograd node); 0 otherwise.
     split_s: float = 0.0
+    #: Host seconds a full recompute's checkpoint of this layer adds beyond its forward run
+    #: again (``DeviceSpec.checkpoint_call_overhead_s`` + its saved tensors x
+    #: ``checkpoint_tensor_overhead_s``): charged to repeated blocks under full recompute.
+    checkpoint_s: float = 0.0
 
 
 def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: str, tp: int,
@@ -216,6 +220,10 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
     # the zero-bubble schedules' split backward: the runtime's graph walk and per-group autograd
     # calls, charged to the weight-gradient action when the schedule splits (stage_sums.py)
     split_s = grad_nodes * d.split_backward_overhead_s
+    # full recompute's checkpoint (runtime/layer_recompute.py): a frame per block, hooks per
+    # saved tensor
+    checkpoint_s = d.checkpoint_call_overhead_s \
+        + len(template.saved) * d.checkpoint_tensor_overhead_s
     # tensor-parallel communication: the program's collectives
     tp_f = tp_b = 0.0
     calls = []
@@ -267,7 +275,7 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
         gemm_flops=v[template.gemm_flops], core_flops=v[template.core_flops],
         tp_calls=tuple(calls), ep_forward_s=ep_f, ep_backward_s=ep_b,
         cp_comm={k: (f, b_) for k, (f, b_) in cp_comm.items()} if cp > 1 else {},
-        regather_s=regather_s, split_s=split_s)
+        regather_s=regather_s, split_s=split_s, checkpoint_s=checkpoint_s)
 
 
 def cp_exchange(cluster: Cluster, cp: int, span: Any, kv_elements: float, esize: int,

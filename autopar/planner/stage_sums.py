@@ -77,7 +77,7 @@ class StageSums:
             cp_f, cp_b = lc.cp_comm.get(cp_attention, (0.0, 0.0))
             r = 0.0
             if block and recompute is RecomputeKind.FULL:
-                r = lc.forward_s + lc.tp_forward_s + cp_f
+                r = lc.forward_s + lc.tp_forward_s + cp_f + lc.checkpoint_s
             elif block and recompute is RecomputeKind.SELECTIVE and not lc.cp_comm:
                 r = lc.core_forward_s  # under cp the ring attention keeps no scores to redo
             # SP's GEMM inputs gathered again in the backward, unless the stage is recomputed
