@@ -41,6 +41,7 @@ import torch.fx
 from autopar.errors import PassError, PlanMismatchError
 from autopar.ir import META_KEY, Layer, NodeKind, TensorSpec, has_info, info, op_name
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
+from autopar.runtime.rng import TORCH_RANDOM_OPS
 
 __all__ = [
     "StageInputKind",
@@ -55,11 +56,7 @@ __all__ = [
 ]
 
 #: Ops whose result differs from one call to the next: never recomputed on another stage.
-RANDOM_OPS = frozenset({
-    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
-    "bernoulli", "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "normal",
-    "uniform", "multinomial", "exponential", "poisson", "rrelu", "rrelu_with_noise",
-})
+RANDOM_OPS = TORCH_RANDOM_OPS
 
 _SOURCE_KINDS = (NodeKind.INPUT, NodeKind.TARGET, NodeKind.BUFFER, NodeKind.CONSTANT)
 

@@ -39,6 +39,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from autopar.ir import has_info, info, op_name
+from autopar.runtime.rng import TORCH_RANDOM_OPS
 
 __all__ = ["recompute_per_layer", "checkpointed", "recompute_region"]
 
@@ -82,20 +83,19 @@ def checkpointed(block: Callable[..., Any], global_rng: bool, *args: Any) -> Any
 
 
 def draws_global_rng(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` calls a random op of torch (``passes.split_stages.RANDOM_OPS``) rather
-    than autopar's plan-independent dropout (``autopar.runtime``), which seeds its own."""
-    from autopar.passes.split_stages import RANDOM_OPS
-
+    """Whether ``gm`` calls a random op of torch (:data:`~autopar.runtime.rng.TORCH_RANDOM_OPS`)
+    rather than autopar's plan-independent dropout (``autopar.runtime``), which seeds its own."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
         module = getattr(node.target, "__module__", "") or ""
         name = op_name(node)
-        if name not in RANDOM_OPS or module.startswith("autopar.runtime"):
+        if name not in TORCH_RANDOM_OPS or module.startswith("autopar.runtime"):
             continue
         if name in _DROPOUTS:  # (input, p, train): p = 0 or train = False draws nothing
             p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get(
+                "train", node.kwargs.get("training", True))  # aten's name, F.dropout's
             if (isinstance(p, (int, float)) and p == 0) or train is False:
                 continue
         return True

@@ -27,7 +27,16 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["DropoutRNG"]
+__all__ = ["DropoutRNG", "TORCH_RANDOM_OPS"]
+
+#: torch's ops whose result differs from one call to the next (they draw from its global RNG):
+#: never recomputed on another stage (passes/split_stages.py), and the reason a checkpointed
+#: block must restore that RNG when it runs again (runtime/layer_recompute.py).
+TORCH_RANDOM_OPS = frozenset({
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+    "bernoulli", "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "normal",
+    "uniform", "multinomial", "exponential", "poisson", "rrelu", "rrelu_with_noise",
+})
 
 
 class DropoutRNG:
