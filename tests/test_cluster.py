@@ -215,7 +215,8 @@ H100_MEASURED = {
     "gemm_table": [[512, 1024, 1024, 1e14]], "attention_table": [[1024, 64, 3e14, 2e14]],
     "op_table": {"gelu": [3e-12, 6e-12]}, "launch_overhead_s": 1.2e-5,
     "launch_backward_overhead_s": 1.5e-5, "host_optimizer_s_per_param": 3e-9,
-    "host_optimizer_s_per_tensor": 5e-5,
+    "host_optimizer_s_per_tensor": 5e-5, "checkpoint_call_overhead_s": 2e-4,
+    "checkpoint_tensor_overhead_s": 1e-5,
 }
 
 
@@ -259,6 +260,8 @@ def test_a_calibrated_gpu_keeps_its_preset_links_and_prices_with_its_tables(tmp_
         (1.2e-5, 1.5e-5)
     assert (cluster.host_optimizer_s_per_param, cluster.host_optimizer_s_per_tensor) == \
         (3e-9, 5e-5)
+    assert (cluster.device.checkpoint_call_overhead_s,
+            cluster.device.checkpoint_tensor_overhead_s) == (2e-4, 1e-5)
     preset = Cluster.load("h100-80g")
     assert cluster.name == "h100-80g-calibrated"
     assert (cluster.nodes, cluster.devices_per_node) == (preset.nodes, preset.devices_per_node)

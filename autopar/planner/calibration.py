@@ -28,7 +28,7 @@ from autopar.planner.calibration_host import (
     BLOCK_PROBE_HIDDEN,
     BLOCK_PROBE_LAYERS,
     BLOCK_PROBE_TOKENS,
-    CHECKPOINT_PROBE_TENSORS,
+    CHECKPOINT_SOURCE,
     DISK_PROBE_BYTES,
     OPTIMIZER_BLOCKS,
     OPTIMIZER_HIDDEN,
@@ -47,11 +47,6 @@ __all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_r
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
 
-#: Where the checkpoint's host costs come from (calibration_host.checkpoint_overhead).
-CHECKPOINT_SOURCE = (f"torch.utils.checkpoint (non-reentrant, no RNG stash) over chains of "
-                     f"{' and '.join(map(str, CHECKPOINT_PROBE_TENSORS))} sin ops, less the plain "
-                     f"forward + backward and the forward run again: intercept per call, slope "
-                     f"per saved tensor; ")
 #: Shapes of the measured GEMM table: m (tokens) x n x k, capped at 2^31 multiply-adds. Small m
 #: too: a micro-batch of one short sequence is 64-128 tokens, where a CPU GEMM runs well below
 #: its large-shape rate (the table is flat outside the measured range).

@@ -11,7 +11,7 @@ import datetime
 import statistics
 from typing import Any, Callable
 
-from autopar.planner.calibration import CHECKPOINT_SOURCE
+from autopar.planner.calibration_host import CHECKPOINT_SOURCE
 
 __all__ = ["measure_cuda", "calibrate_cuda_cluster", "cuda_cluster"]
 
@@ -202,8 +202,8 @@ def cuda_cluster(m: dict[str, Any], base: str | None = None, *, name: str | None
         "op_table": m["op_table"], "default_dtype": "bf16",
         "launch_overhead_s": m["launch_overhead_s"],
         "launch_backward_overhead_s": m["launch_backward_overhead_s"],
-        "checkpoint_call_overhead_s": m.get("checkpoint_call_overhead_s", 0.0),
-        "checkpoint_tensor_overhead_s": m.get("checkpoint_tensor_overhead_s", 0.0),
+        "checkpoint_call_overhead_s": m["checkpoint_call_overhead_s"],
+        "checkpoint_tensor_overhead_s": m["checkpoint_tensor_overhead_s"],
     })
     doc["host_optimizer_s_per_param"] = m["host_optimizer_s_per_param"]
     doc["host_optimizer_s_per_tensor"] = m["host_optimizer_s_per_tensor"]

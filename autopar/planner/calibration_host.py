@@ -165,6 +165,11 @@ def split_backward_node_time(repeat: int = 5) -> float:
 #: Saved tensors of the two chains :func:`checkpoint_overhead` checkpoints, and its runs.
 CHECKPOINT_PROBE_TENSORS = (8, 64)
 CHECKPOINT_PROBE_RUNS = 12
+#: How :func:`checkpoint_overhead` measures, for the calibrated files' sources.
+CHECKPOINT_SOURCE = (f"torch.utils.checkpoint (non-reentrant, no RNG stash) over chains of "
+                     f"{' and '.join(map(str, CHECKPOINT_PROBE_TENSORS))} sin ops, less the plain "
+                     f"forward + backward and the forward run again: intercept per call, slope "
+                     f"per saved tensor; ")
 
 
 def checkpoint_overhead(device: Any = "cpu", repeat: int = 5) -> tuple[float, float]:
