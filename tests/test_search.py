@@ -71,6 +71,35 @@ def test_branch_and_bound_equals_exhaustive(costs, name, cluster, n, batch, seq)
     assert full.candidates == len(priced)
 
 
+@pytest.mark.parametrize("name, cluster, n, batch, seq", [CASES[1], CASES[3]])
+def test_the_first_pass_on_several_processes_equals_one(costs, name, cluster, n, batch, seq):
+    """Forked pricing workers (each a share of the groups, pruning against the least k-th best
+    any share has found) give the same top k, predictions and memory verdicts as one process,
+    and exhaustive search; the small-device case has candidates that do not fit."""
+    cluster = small_gpu(4) if cluster == "small4" else cluster
+    setup = TrainingSetup(batch, seq, cluster.device.default_dtype)
+    one = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
+                 workers=1)
+    two = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
+                 workers=2)
+    full = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
+                  exhaustive=True, workers=2)
+    assert _top(one) == _top(two) == _top(full)
+    assert [e.prediction for e in (one.best, *one.alternatives)] == \
+        [e.prediction for e in (two.best, *two.alternatives)]
+    assert full.evaluated == full.candidates - full.pruned["structure"]
+    # every candidate priced once over the shares; the counts add up as on one process
+    for r in (one, two):
+        assert r.evaluated + r.pruned["bound"] + r.pruned["structure"] == r.candidates
+    assert (one.pruned["memory"] > 0) == (two.pruned["memory"] > 0)
+    # the best plan's mesh has it as its best on both
+    for r in (one, two):
+        c = r.best.candidate
+        assert min((e for e in r.best_per_mesh if (e.candidate.dp, e.candidate.tp,
+                                                    e.candidate.pp) == (c.dp, c.tp, c.pp)),
+                   key=lambda e: e.step_time_s).candidate == c
+
+
 def test_memory_decides_on_a_small_device(costs):
     cm = CostModel(costs["gpt2-small"], small_gpu(4).with_devices(8), TrainingSetup(128, 1024))
     result = search(cm, exhaustive=True, refine=0)

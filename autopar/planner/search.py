@@ -36,12 +36,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import math
+import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError
 from autopar.ir import graphs_read_only
@@ -277,17 +279,20 @@ def few_collections() -> Iterator[None]:
 
 
 def search(cm: CostModel, space: SearchSpace = SearchSpace(), *, top_k: int = 5,
-           exhaustive: bool = False, refine: int | None = None, progress: bool | None = None
-           ) -> SearchResult:
+           exhaustive: bool = False, refine: int | None = None, progress: bool | None = None,
+           workers: int | None = None) -> SearchResult:
     """The best feasible plan of ``space`` (see the module docstring); ``refine`` finalists
-    (default ``top_k``; 0: first pass only) are priced with the stage ILP and the simulator."""
+    (default ``top_k``; 0: first pass only) are priced with the stage ILP and the simulator.
+    ``workers``: processes pricing the first pass (default: one per core available when the
+    space has :data:`PARALLEL_MIN_CANDIDATES` or more, else 1; ``$AUTOPAR_SEARCH_WORKERS``
+    overrides the default)."""
     with few_collections(), graphs_read_only():
         return _search(cm, space, top_k=top_k, exhaustive=exhaustive, refine=refine,
-                       progress=progress)
+                       progress=progress, workers=workers)
 
 
 def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
-            refine: int | None, progress: bool | None) -> SearchResult:
+            refine: int | None, progress: bool | None, workers: int | None) -> SearchResult:
     refine = top_k if refine is None else refine
     start = time.perf_counter()
     candidates = enumerate_candidates(cm, space)
@@ -307,59 +312,191 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
     bounds = {g: lower_bound_step(cm, cs[0]) for g, cs in groups.items()}
     order = sorted(groups, key=lambda g: (bounds[g], g))
     k = max(top_k, refine, 1)
-    top: list[tuple] = []  # max-heap of the k best: (-time, negated key, evaluation)
-    evaluated = 0
-    memory_examples = 0
-    leanest: Evaluation | None = None
-    best_mesh: dict[tuple[int, int, int], Evaluation] = {}
+    pricing = _Pricing(cm, space, groups, order, bounds, k, exhaustive)
+    size = sum(len(cs) for cs in groups.values())
+    workers = _workers(workers, size)
     show = progress if progress is not None else (len(candidates) > 20000 and sys.stderr.isatty())
-    bar = _progress(len(order)) if show else None
-    try:
-        for g in order:
-            if bar:
-                bar[0].advance(bar[1])
-            if not exhaustive and len(top) >= k and bounds[g] > -top[0][0]:
-                pruned["bound"] += len(groups[g])
-                continue
-            for c in groups[g]:
-                if not exhaustive and len(top) >= k and cm.lower_bound(c) > -top[0][0]:
-                    pruned["bound"] += 1
-                    continue
-                ev = cm.evaluate(c, memory_first=True)
-                evaluated += 1
-                if not ev.feasible and space.offload is None:
-                    ev = _offloaded(cm, c, ev, space.offload_choices)
-                if not ev.feasible:
-                    pruned["memory"] += 1
-                    if "peak_memory_bytes" in ev.extra and (leanest is None or
-                                                            _peak(ev) < _peak(leanest)):
-                        leanest = ev
-                    if memory_examples < 8:
-                        memory_examples += 1
-                        examples.append((c.label(), ev.infeasible))
-                    continue
-                mesh = (c.dp, c.tp, c.pp, c.cp, c.cp_innermost, c.ep)
-                if mesh not in best_mesh or _rank_key(ev) < _rank_key(best_mesh[mesh]):
-                    best_mesh[mesh] = ev
-                item = (-ev.step_time_s, _neg(c.key()), ev)
-                if len(top) < k:
-                    heapq.heappush(top, item)
-                elif item[:2] > top[0][:2]:
-                    heapq.heapreplace(top, item)
-    finally:
-        if bar:
-            bar[0].stop()
-    if not top:
-        raise _nothing_fits(cm, candidates, pruned, examples, leanest)
-    ranked = sorted((item[2] for item in top), key=_rank_key)
+    found = (pricing.parallel(workers, show) if workers > 1
+             else pricing.share(0, 1, _progress(len(order)) if show else None))
+    pruned["memory"] += found.memory
+    pruned["bound"] += found.bound
+    examples.extend(found.examples)
+    if not found.top:
+        raise _nothing_fits(cm, candidates, pruned, examples, found.leanest)
+    ranked = list(found.top)
     if refine:
         ranked = _refine(cm, ranked, refine, pruned, examples)
-    meshes = sorted(best_mesh.values(), key=_rank_key)
+    meshes = sorted(found.best_mesh.values(), key=_rank_key)
     ranked[0] = cm.with_sharding(ranked[0])
     return SearchResult(best=ranked[0], alternatives=tuple(ranked[1:top_k]),
                         best_per_mesh=tuple(meshes), candidates=len(candidates),
-                        evaluated=evaluated, pruned=pruned, infeasible_examples=tuple(examples),
+                        evaluated=found.evaluated, pruned=pruned,
+                        infeasible_examples=tuple(examples),
                         time_s=time.perf_counter() - start, components=dict(COMPONENTS))
+
+
+#: The smallest space (well-formed candidates) priced on several processes by default: below
+#: it, forking and sending the results back cost more than they save.
+PARALLEL_MIN_CANDIDATES = 4000
+
+
+def _workers(requested: int | None, size: int) -> int:
+    """How many processes price the first pass: ``requested``, else ``$AUTOPAR_SEARCH_WORKERS``,
+    else one per core this process may use once the space is large; 1 where processes cannot
+    be forked (the workers inherit the cost model instead of receiving it pickled)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if requested is None:
+        env = os.environ.get("AUTOPAR_SEARCH_WORKERS")
+        if env:
+            requested = int(env)
+        elif size >= PARALLEL_MIN_CANDIDATES:
+            requested = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else (os.cpu_count() or 1)
+        else:
+            requested = 1
+    return max(1, min(requested, size))
+
+
+@dataclass
+class _Found:
+    """What one share of the first pass found: the ``k`` best feasible evaluations (best
+    first), the best of each mesh, the counts pruned by memory and by bound, up to 8 memory
+    examples, and the leanest candidate that did not fit."""
+
+    top: list[Evaluation]
+    best_mesh: dict[tuple, Evaluation]
+    evaluated: int = 0
+    memory: int = 0
+    bound: int = 0
+    examples: list[tuple[str, str]] = field(default_factory=list)
+    leanest: Evaluation | None = None
+
+    @staticmethod
+    def merge(parts: Sequence["_Found"], k: int) -> "_Found":
+        """The shares together: the ``k`` best of their bests, each mesh's best; exact, since a
+        share prunes only against its own ``k``-th best, never better than the union's."""
+        out = _Found(sorted((ev for p in parts for ev in p.top), key=_rank_key)[:k], {})
+        for p in parts:
+            for mesh, ev in p.best_mesh.items():
+                if mesh not in out.best_mesh or _rank_key(ev) < _rank_key(out.best_mesh[mesh]):
+                    out.best_mesh[mesh] = ev
+            out.evaluated += p.evaluated
+            out.memory += p.memory
+            out.bound += p.bound
+            out.examples.extend(p.examples)
+            if p.leanest is not None and (out.leanest is None
+                                          or _peak(p.leanest) < _peak(out.leanest)):
+                out.leanest = p.leanest
+        out.examples = out.examples[:8]
+        return out
+
+
+@dataclass
+class _Pricing:
+    """The first pass over the well-formed candidates, ``groups`` visited in ``order`` of their
+    ``bounds`` (module docstring), by one process or by several forked ones, each taking every
+    ``workers``-th group (so each share mixes cheap and dear groups)."""
+
+    cm: CostModel
+    space: SearchSpace
+    groups: Mapping[tuple, list[Candidate]]
+    order: Sequence[tuple]
+    bounds: Mapping[tuple, float]
+    k: int
+    exhaustive: bool
+
+    def share(self, index: int, workers: int, bar=None, done=None, kth=None) -> _Found:
+        """Price groups ``index``, ``index + workers``, ... (``bar``: a progress bar to
+        advance; ``done``: a shared counter of the groups visited, for the parent's bar;
+        ``kth``: a shared array of each share's ``k``-th best time: a share prunes against the
+        least of them, never better than the union's ``k``-th best, so pruning stays exact)."""
+        cm, k, space = self.cm, self.k, self.space
+        top: list[tuple] = []  # max-heap of the k best: (-time, negated key, evaluation)
+        found = _Found([], {})
+        limit = math.inf  # the k-th best time known (to this share, or to all)
+        try:
+            for g in self.order[index::workers]:
+                if bar:
+                    bar[0].advance(bar[1])
+                if done is not None:
+                    with done.get_lock():
+                        done.value += 1
+                if kth is not None:
+                    limit = min(kth)
+                if not self.exhaustive and self.bounds[g] > limit:
+                    found.bound += len(self.groups[g])
+                    continue
+                for c in self.groups[g]:
+                    if not self.exhaustive and cm.lower_bound(c) > limit:
+                        found.bound += 1
+                        continue
+                    ev = cm.evaluate(c, memory_first=True)
+                    found.evaluated += 1
+                    if not ev.feasible and space.offload is None:
+                        ev = _offloaded(cm, c, ev, space.offload_choices)
+                    if not ev.feasible:
+                        found.memory += 1
+                        if "peak_memory_bytes" in ev.extra and (
+                                found.leanest is None or _peak(ev) < _peak(found.leanest)):
+                            found.leanest = ev
+                        if len(found.examples) < 8:
+                            found.examples.append((c.label(), ev.infeasible or ""))
+                        continue
+                    mesh = (c.dp, c.tp, c.pp, c.cp, c.cp_innermost, c.ep)
+                    best = found.best_mesh.get(mesh)
+                    if best is None or _rank_key(ev) < _rank_key(best):
+                        found.best_mesh[mesh] = ev
+                    item = (-ev.step_time_s, _neg(c.key()), ev)
+                    if len(top) < k:
+                        heapq.heappush(top, item)
+                    elif item[:2] > top[0][:2]:
+                        heapq.heapreplace(top, item)
+                    else:
+                        continue
+                    if len(top) >= k:
+                        limit = min(limit, -top[0][0])
+                        if kth is not None:
+                            kth[index] = -top[0][0]
+        finally:
+            if bar:
+                bar[0].stop()
+        found.top = sorted((item[2] for item in top), key=_rank_key)
+        return found
+
+    def parallel(self, workers: int, show: bool) -> _Found:
+        """The shares priced by ``workers`` forked processes (they inherit this object: nothing
+        is pickled on the way out, only each share's :class:`_Found` on the way back)."""
+        global _PRICING
+        ctx = multiprocessing.get_context("fork")
+        done = ctx.Value("i", 0)
+        kth = ctx.RawArray("d", [math.inf] * workers)  # one writer per slot: no lock
+        _PRICING = (self, done, kth)
+        bar = None
+        try:
+            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                futures = [pool.submit(_price_share, i, workers) for i in range(workers)]
+                bar = _progress(len(self.order)) if show else None  # after the fork: rich
+                pending = set(futures)                              # runs a thread
+                while pending:
+                    _, pending = wait(pending, timeout=0.2)
+                    if bar:
+                        bar[0].update(bar[1], completed=done.value)
+                parts = [f.result() for f in futures]
+        finally:
+            _PRICING = None
+            if bar:
+                bar[0].stop()
+        return _Found.merge(parts, self.k)
+
+
+_PRICING: tuple[_Pricing, Any, Any] | None = None  # what forked pricing workers inherit
+
+
+def _price_share(index: int, workers: int) -> _Found:
+    assert _PRICING is not None, "pricing workers are forked from the searching process"
+    pricing, done, kth = _PRICING
+    return pricing.share(index, workers, done=done, kth=kth)
 
 
 def _prepare_layouts(cm: CostModel, candidates: Sequence[Candidate]) -> None:
