@@ -73,15 +73,20 @@ def test_branch_and_bound_equals_exhaustive(costs, name, cluster, n, batch, seq)
 
 @pytest.mark.parametrize("name, cluster, n, batch, seq", [CASES[1], CASES[3]])
 def test_the_first_pass_on_several_processes_equals_one(costs, name, cluster, n, batch, seq):
-    """Forked pricing workers (each a share of the groups, pruning against the least k-th best
-    any share has found) give the same top k, predictions and memory verdicts as one process,
-    and exhaustive search; the small-device case has candidates that do not fit."""
+    """Forked pricing workers (each a share of the groups, pruning against its own k-th best)
+    give the same top k, predictions and memory verdicts as one process, and exhaustive search;
+    the small-device case has candidates that do not fit. Two runs on two workers write the
+    same best per mesh (no share sees another's timing)."""
     cluster = small_gpu(4) if cluster == "small4" else cluster
     setup = TrainingSetup(batch, seq, cluster.device.default_dtype)
     one = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
                  workers=1)
     two = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
                  workers=2)
+    again = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
+                   workers=2)
+    assert [e.candidate for e in again.best_per_mesh] == [e.candidate for e in two.best_per_mesh]
+    assert again.evaluated == two.evaluated
     full = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
                   exhaustive=True, workers=2)
     assert _top(one) == _top(two) == _top(full)

@@ -370,6 +370,16 @@ class ModelCosts:
             raise _LayoutProblem(hit)
         return hit
 
+    def solved_layouts(self) -> dict[tuple, TPLayout | str]:
+        """The layouts solved so far (and the reasons a tp did not fit), by their key: what a
+        process that solved some hands to another (:meth:`adopt_layouts`)."""
+        return dict(self._layouts)
+
+    def adopt_layouts(self, solved: Mapping[tuple, TPLayout | str]) -> None:
+        """Layouts another process solved on the same captured graph (``solved_layouts``)."""
+        for key, value in solved.items():
+            self._layouts.setdefault(key, value)
+
     def prepare_layouts(self, tp: int, sequence_parallel: bool, *, cost: Any,
                         sizes: Sequence[Mapping[str, int]], vary: str = "b") -> None:
         """Solve the layouts of ``sizes`` (which differ only in ``vary``, the micro-batch) with

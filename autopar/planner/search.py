@@ -351,8 +351,7 @@ def _workers(requested: int | None, size: int) -> int:
         if env:
             requested = int(env)
         elif size >= PARALLEL_MIN_CANDIDATES:
-            requested = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-                else (os.cpu_count() or 1)
+            requested = _cores()
         else:
             requested = 1
     return max(1, min(requested, size))
@@ -406,15 +405,16 @@ class _Pricing:
     k: int
     exhaustive: bool
 
-    def share(self, index: int, workers: int, bar=None, done=None, kth=None) -> _Found:
+    def share(self, index: int, workers: int, bar=None, done=None) -> _Found:
         """Price groups ``index``, ``index + workers``, ... (``bar``: a progress bar to
-        advance; ``done``: a shared counter of the groups visited, for the parent's bar;
-        ``kth``: a shared array of each share's ``k``-th best time: a share prunes against the
-        least of them, never better than the union's ``k``-th best, so pruning stays exact)."""
+        advance; ``done``: a shared counter of the groups visited, for the parent's bar). A
+        share prunes against its own ``k``-th best, never better than the union's, so pruning
+        stays exact; and it sees no other share's, so what it prices does not depend on their
+        timing (the plan document's best per mesh is the same on every run)."""
         cm, k, space = self.cm, self.k, self.space
         top: list[tuple] = []  # max-heap of the k best: (-time, negated key, evaluation)
         found = _Found([], {})
-        limit = math.inf  # the k-th best time known (to this share, or to all)
+        limit = math.inf  # the k-th best time found
         try:
             for g in self.order[index::workers]:
                 if bar:
@@ -422,8 +422,6 @@ class _Pricing:
                 if done is not None:
                     with done.get_lock():
                         done.value += 1
-                if kth is not None:
-                    limit = min(kth)
                 if not self.exhaustive and self.bounds[g] > limit:
                     found.bound += len(self.groups[g])
                     continue
@@ -455,9 +453,7 @@ class _Pricing:
                     else:
                         continue
                     if len(top) >= k:
-                        limit = min(limit, -top[0][0])
-                        if kth is not None:
-                            kth[index] = -top[0][0]
+                        limit = -top[0][0]
         finally:
             if bar:
                 bar[0].stop()
@@ -470,8 +466,7 @@ class _Pricing:
         global _PRICING
         ctx = multiprocessing.get_context("fork")
         done = ctx.Value("i", 0)
-        kth = ctx.RawArray("d", [math.inf] * workers)  # one writer per slot: no lock
-        _PRICING = (self, done, kth)
+        _PRICING = (self, done)
         bar = None
         try:
             with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
@@ -490,34 +485,62 @@ class _Pricing:
         return _Found.merge(parts, self.k)
 
 
-_PRICING: tuple[_Pricing, Any, Any] | None = None  # what forked pricing workers inherit
+_PRICING: tuple[_Pricing, Any] | None = None  # what forked pricing workers inherit
 
 
 def _price_share(index: int, workers: int) -> _Found:
     assert _PRICING is not None, "pricing workers are forked from the searching process"
-    pricing, done, kth = _PRICING
-    return pricing.share(index, workers, done=done, kth=kth)
+    pricing, done = _PRICING
+    return pricing.share(index, workers, done=done)
 
 
 def _prepare_layouts(cm: CostModel, candidates: Sequence[Candidate]) -> None:
-    """Every tensor-parallel layout the candidates need, one (tp, SP) family per task on a
-    thread per core: HiGHS releases the interpreter while it solves, so one family's solve
-    overlaps another's Python (measured on GPT-3 175B's 30 layouts: 2.6 s on one thread, 1.7 s
-    on two cores)."""
+    """Every tensor-parallel layout the candidates need, one (tp, SP) family per task, on a
+    forked process per core (each family's layouts come back pickled), or on threads where
+    processes cannot be forked (HiGHS releases the interpreter while it solves, so one
+    family's solve overlaps another's Python). GPT-3 175B's 30 layouts: 2.6 s on one thread,
+    1.7 s on two; see benchmarks/README.md, "Planning time", for processes."""
     sizes: dict[tuple[int, bool], set[int]] = {}
     for c in candidates:
         if c.tp > 1 and cm.well_formed_but_for_layout(c):
             sizes.setdefault((c.tp, c.sequence_parallel), set()).add(c.micro_batch_size)
-    families = sorted(sizes.items())
-    workers = min(len(families), os.cpu_count() or 1)
+    families = [(tp, sp, sorted(mbs)) for (tp, sp), mbs in sorted(sizes.items())]
+    workers = min(len(families), _cores())
     if workers <= 1:
-        for (tp, sp), mbs in families:
-            cm.prepare_layouts(tp, sp, sorted(mbs))
+        for tp, sp, mbs in families:
+            cm.prepare_layouts(tp, sp, mbs)
+        return
+    if "fork" in multiprocessing.get_all_start_methods():
+        global _LAYOUTS
+        _LAYOUTS = cm
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")
+                                     ) as pool:
+                for solved in pool.map(_solve_family, families):
+                    cm.model.adopt_layouts(solved)
+        finally:
+            _LAYOUTS = None
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="autopar-layouts") as pool:
-        for done in [pool.submit(cm.prepare_layouts, tp, sp, sorted(mbs))
-                     for (tp, sp), mbs in families]:
+        for done in [pool.submit(cm.prepare_layouts, tp, sp, mbs) for tp, sp, mbs in families]:
             done.result()
+
+
+_LAYOUTS: CostModel | None = None  # what forked layout workers inherit
+
+
+def _solve_family(family: tuple[int, bool, list[int]]) -> dict[tuple, Any]:
+    assert _LAYOUTS is not None, "layout workers are forked from the searching process"
+    before = _LAYOUTS.model.solved_layouts()
+    _LAYOUTS.prepare_layouts(*family)
+    return {k: v for k, v in _LAYOUTS.model.solved_layouts().items() if k not in before}
+
+
+def _cores() -> int:
+    """The cores this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _refine(cm: CostModel, ranked: list[Evaluation], count: int, pruned: dict[str, int],
