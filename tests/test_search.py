@@ -105,6 +105,22 @@ def test_the_first_pass_on_several_processes_equals_one(costs, name, cluster, n,
                    key=lambda e: e.step_time_s).candidate == c
 
 
+def test_finalists_refined_on_several_processes_equal_one(costs):
+    """The finalists' stage ILPs and simulations on forked processes: the same refined
+    predictions, in the same order, as on one process (and cached in the cost model alike)."""
+    setup = TrainingSetup(64, 1024)
+    one = search(CostModel(costs["gpt2-small"], A100.with_devices(16), setup), SearchSpace(pp=4),
+                 top_k=3, workers=1)
+    cm = CostModel(costs["gpt2-small"], A100.with_devices(16), setup)
+    two = search(cm, SearchSpace(pp=4), top_k=3, workers=2)
+    assert _top(one) == _top(two)
+    for a, b in zip((one.best, *one.alternatives), (two.best, *two.alternatives)):
+        assert a.refined and b.refined
+        assert a.prediction.step_time_s == b.prediction.step_time_s
+        assert [s.layers for s in a.plan.stages] == [s.layers for s in b.plan.stages]
+        assert cm._refined[b.candidate].prediction == b.prediction  # adopted from a worker
+
+
 def test_memory_decides_on_a_small_device(costs):
     cm = CostModel(costs["gpt2-small"], small_gpu(4).with_devices(8), TrainingSetup(128, 1024))
     result = search(cm, exhaustive=True, refine=0)

@@ -320,6 +320,10 @@ class CostModel:
         fill = 0.0 if c.schedule.spec.splits_backward else (c.pp - 1) / c.virtual_stages
         return total * (m + fill) / c.pp + self._loss_all_reduce_time(c)
 
+    def adopt_refined(self, ev: Evaluation) -> None:
+        """A :meth:`refine` answer computed by another process on the same cost model."""
+        self._refined.setdefault(ev.candidate, ev)
+
     def refine(self, ev: Evaluation) -> Evaluation:
         """``ev``'s candidate priced for real: stages from the stage ILP, pipeline time from the
         runtime's simulator, activation memory from the schedule's in-flight micro-batches
