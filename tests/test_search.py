@@ -121,6 +121,31 @@ def test_finalists_refined_on_several_processes_equal_one(costs):
         assert cm._refined[b.candidate].prediction == b.prediction  # adopted from a worker
 
 
+def test_search_workers_setting(monkeypatch):
+    """``$AUTOPAR_SEARCH_WORKERS`` sets the processes of a search that does not pass ``workers``
+    (a bad value is a named error); small spaces stay on one process; a daemonic process (a
+    LocalPool rank, which may not fork children) always searches on one."""
+    import multiprocessing
+
+    from autopar.errors import InvalidInputError
+    from autopar.planner import search as search_module
+
+    monkeypatch.setattr(search_module, "_cores", lambda: 2)
+    monkeypatch.delenv("AUTOPAR_SEARCH_WORKERS", raising=False)
+    assert search_module._workers(None, 10) == 1
+    assert search_module._workers(None, search_module.PARALLEL_MIN_CANDIDATES) == 2
+    assert search_module._workers(3, 10) == 3 and search_module._workers(5, 2) == 2
+    monkeypatch.setenv("AUTOPAR_SEARCH_WORKERS", "1")
+    assert search_module._workers(None, 10**6) == 1
+    for bad in ("two", "0", "-1"):
+        monkeypatch.setenv("AUTOPAR_SEARCH_WORKERS", bad)
+        with pytest.raises(InvalidInputError, match="AUTOPAR_SEARCH_WORKERS"):
+            search_module._workers(None, 10)
+    monkeypatch.undo()
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
+    assert search_module._cores() == 1 and search_module._workers(4, 10**6) == 1
+
+
 def test_memory_decides_on_a_small_device(costs):
     cm = CostModel(costs["gpt2-small"], small_gpu(4).with_devices(8), TrainingSetup(128, 1024))
     result = search(cm, exhaustive=True, refine=0)

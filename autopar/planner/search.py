@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from autopar.errors import InfeasiblePlanError
+from autopar.errors import InfeasiblePlanError, InvalidInputError
 from autopar.ir import graphs_read_only
 from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.runtime.schedules import SCHEDULES
@@ -344,11 +344,16 @@ def _workers(requested: int | None, size: int) -> int:
     """How many processes price the first pass: ``requested``, else ``$AUTOPAR_SEARCH_WORKERS``,
     else one per core this process may use once the space is large; 1 where processes cannot
     be forked (the workers inherit the cost model instead of receiving it pickled)."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    if "fork" not in multiprocessing.get_all_start_methods() or _cores() == 1:
         return 1
     if requested is None:
         env = os.environ.get("AUTOPAR_SEARCH_WORKERS")
         if env:
+            if not env.isdigit() or int(env) < 1:
+                raise InvalidInputError("$AUTOPAR_SEARCH_WORKERS is not a process count",
+                                        expected="a positive integer", found=repr(env),
+                                        fix="set it to 1 (one process) or the cores to use, "
+                                            "or unset it")
             requested = int(env)
         elif size >= PARALLEL_MIN_CANDIDATES:
             requested = _cores()
@@ -537,7 +542,10 @@ def _solve_family(family: tuple[int, bool, list[int]]) -> dict[tuple, Any]:
 
 
 def _cores() -> int:
-    """The cores this process may use."""
+    """The cores this process may use to fork workers on (1 in a daemonic process, which may
+    not have children: a LocalPool rank)."""
+    if multiprocessing.current_process().daemon:
+        return 1
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
