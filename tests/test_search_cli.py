@@ -188,3 +188,24 @@ def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):
     assert len(raw["times"]["reduce_scatter_after_compute"]) == len(raw["sizes"])
     assert main(["plan", "gpt", "--cluster", str(out), "--gpus", "2", "--global-batch", "4",
                  "--json"]) == 0
+
+
+def test_the_console_script_writes_everything_before_its_fast_exit(tmp_path):
+    """``autopar plan`` ends its process with os._exit after flushing (autopar.cli.entry): the
+    plan file, the printed JSON and an error's message all arrive, with the exit status."""
+    import subprocess
+    import sys
+
+    exe = [sys.executable, "-c", "import sys; from autopar.cli import entry; "
+           "sys.argv[0] = 'autopar'; entry()"]
+    small = ["plan", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128",
+             "--seq", "32", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "16"]
+    out = tmp_path / "plan.json"
+    done = subprocess.run([*exe, *small, "--out", str(out), "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = json.loads(done.stdout)  # the whole document, flushed before the exit
+    assert json.loads(out.read_text()) == printed and printed["plan"]["dp"] >= 1
+    bad = subprocess.run([*exe, *small, "--tp", "3"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and "InfeasiblePlanError" in bad.stderr and "fix:" in bad.stderr
