@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from parallelize_jobs import EPS, LR, batches, make_model
+from parallelize_jobs import EPS, LR, batches, make_model, shared_captures
 from tp_helpers import TINY_COST
 
 #: Steps before the checkpoint, and in all (the resumed run does the rest).
@@ -19,11 +19,14 @@ SAVED_AT, TOTAL = 2, 4
 
 def _parallelize(name: str, pins: dict, data, bucket_mb: float, checkpoint: str | None = None):
     # resuming from a checkpoint: built on meta, no weights anywhere but the checkpoint's
-    model, loss_fn = make_model(name, "meta" if checkpoint else "cpu")
-    return autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                               loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                               bucket_mb=bucket_mb, checkpoint=checkpoint,
-                               optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+    device = "meta" if checkpoint else "cpu"
+    model, loss_fn = make_model(name, device)
+    with shared_captures(name, device):
+        return autopar.parallelize(model, example_inputs=data[0][0],
+                                   example_targets=data[0][1], loss_fn=loss_fn, plan=dict(pins),
+                                   tp_cost=TINY_COST, bucket_mb=bucket_mb, checkpoint=checkpoint,
+                                   optimizer=functools.partial(torch.optim.AdamW, lr=LR,
+                                                               eps=EPS))
 
 
 def train_and_save(configs, root: str):

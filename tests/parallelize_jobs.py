@@ -3,9 +3,11 @@ and the single-process references they are compared with."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import time
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,39 @@ def make_model(name: str, device: str = "cpu"):
     family, _, attention = name.partition("_")
     zm = build_tiny(family, attention=attention or "sdpa", device=device, vocab=vocab)
     return zm.model, zm.loss_fn
+
+
+#: This process's captures by (model name, device, mixed precision, example shapes): a rank
+#: runs many plans of the same few tiny models, and torch.export was ~70% of each parallelize.
+_CAPTURES: dict[tuple, Any] = {}
+
+
+@contextlib.contextmanager
+def shared_captures(name: str, device: str) -> Iterator[None]:
+    """``parallelize`` inside reuses this process's capture of the same model (built by
+    :func:`make_model` the same way, so the same graph), bound to the model it is given now: a
+    capture is a value no phase mutates (autopar/captured.py), and a plan that wrote into one
+    or read another model's weights through it would fail the comparison with one process."""
+    import autopar.api as api
+
+    original = api._capture
+
+    def capture(model, example_inputs, loss_fn, example_targets, mixed_precision):
+        shapes = tuple(tuple(t.shape) for t in (*example_inputs, *example_targets)
+                       if isinstance(t, torch.Tensor))
+        key = (name, device, bool(mixed_precision), shapes)
+        hit = _CAPTURES.get(key)
+        if hit is None:
+            hit = _CAPTURES[key] = original(model, example_inputs, loss_fn, example_targets,
+                                            mixed_precision)
+            return hit
+        return dataclasses.replace(hit, model=model)
+
+    api._capture = capture
+    try:
+        yield
+    finally:
+        api._capture = original
 
 
 def recomputed_regions(pm) -> int:
@@ -142,13 +177,15 @@ def train(configs, steps: int = 3):
         # with a checkpoint, built on meta: every weight comes from the checkpoint
         model, loss_fn = make_model(name, "meta" if checkpoint is not None else "cpu")
         data = batches(name, steps)
-        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                                 optimizer=recipe if options.get("recipe") else
-                                 functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
-                                 mixed_precision=options.get("mixed_precision", False),
-                                 max_grad_norm=options.get("max_grad_norm"),
-                                 checkpoint=checkpoint)
+        with shared_captures(name, "meta" if checkpoint is not None else "cpu"):
+            pm = autopar.parallelize(model, example_inputs=data[0][0],
+                                     example_targets=data[0][1], loss_fn=loss_fn,
+                                     plan=dict(pins), tp_cost=TINY_COST,
+                                     optimizer=recipe if options.get("recipe") else
+                                     functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
+                                     mixed_precision=options.get("mixed_precision", False),
+                                     max_grad_norm=options.get("max_grad_norm"),
+                                     checkpoint=checkpoint)
         # what this rank allocated for its stages' tensors, against what its program says it holds
         held_bytes = (pm.program.held_bytes(),
                       sum(t.numel() * t.element_size() for t in
