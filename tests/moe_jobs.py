@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from parallelize_jobs import shared_captures
 from tp_helpers import TINY_COST
 
 LR = 1e-3
@@ -89,10 +90,12 @@ def train(configs, steps: int = 2):
         try:
             model, loss_fn = make_model(name)
             data = batches(steps)
-            pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                                     loss_fn=loss_fn, plan=dict(plan), tp_cost=TINY_COST,
-                                     timeout_s=TIMEOUT_S, optimizer=functools.partial(
-                                         torch.optim.AdamW, lr=LR, eps=EPS))
+            with shared_captures(f"moe:{name}", "cpu"):  # this module's own models
+                pm = autopar.parallelize(model, example_inputs=data[0][0],
+                                         example_targets=data[0][1], loss_fn=loss_fn,
+                                         plan=dict(plan), tp_cost=TINY_COST, timeout_s=TIMEOUT_S,
+                                         optimizer=functools.partial(torch.optim.AdamW, lr=LR,
+                                                                     eps=EPS))
             losses = [pm.train_step(inputs, targets) for inputs, targets in data]
             state = pm.state_dict()
             result = dict(losses=losses, state=state if dist.get_rank() == 0 else None,
