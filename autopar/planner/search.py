@@ -22,7 +22,10 @@ per pair on the captured graph, :mod:`autopar.planner.tp_layout`), and it is pri
    (``m * sum(F + B + W) / pp``; no bubble, communication or recompute can make a step
    shorter). Groups are visited by increasing bound and skipped once the bound reaches the
    ``k``-th best step found, so the top ``k`` equal those of exhaustive enumeration
-   (``exhaustive=True``, which the tests compare against).
+   (``exhaustive=True``, which the tests compare against). A large space is priced on a forked
+   process per core, each taking every n-th group in that order and pruning against its own
+   ``k``-th best (never better than the union's: still exact; and independent of the other
+   processes' timing, so the result is the same on every run).
 2. **Finalists** (the first pass's top ``refine``, :meth:`CostModel.refine`): the stage ILP
    cuts the stages (its objective and LP bound go into the prediction), the runtime's simulator
    runs the executor's action lists, and the finalists are re-ranked by that price. A finalist
@@ -299,7 +302,8 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
     pruned = {"structure": 0, "memory": 0, "bound": 0}
     examples: list[tuple[str, str]] = []
     groups: dict[tuple, list[Candidate]] = {}
-    _prepare_layouts(cm, candidates)
+    workers = _workers(workers, len(candidates))
+    _prepare_layouts(cm, candidates, workers)
     for c in candidates:
         problem = cm.check(c)
         if problem:
@@ -313,8 +317,7 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
     order = sorted(groups, key=lambda g: (bounds[g], g))
     k = max(top_k, refine, 1)
     pricing = _Pricing(cm, space, groups, order, bounds, k, exhaustive)
-    size = sum(len(cs) for cs in groups.values())
-    workers = _workers(workers, size)
+    workers = max(1, min(workers, len(order)))
     show = progress if progress is not None else (len(candidates) > 20000 and sys.stderr.isatty())
     found = (pricing.parallel(workers, show) if workers > 1
              else pricing.share(0, 1, _progress(len(order)) if show else None))
@@ -335,8 +338,8 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
                         time_s=time.perf_counter() - start, components=dict(COMPONENTS))
 
 
-#: The smallest space (well-formed candidates) priced on several processes by default: below
-#: it, forking and sending the results back cost more than they save.
+#: The smallest space (candidates) searched on several processes by default: below it, forking
+#: and sending the results back cost more than they save.
 PARALLEL_MIN_CANDIDATES = 4000
 
 
@@ -499,23 +502,25 @@ def _price_share(index: int, workers: int) -> _Found:
     return pricing.share(index, workers, done=done)
 
 
-def _prepare_layouts(cm: CostModel, candidates: Sequence[Candidate]) -> None:
-    """Every tensor-parallel layout the candidates need, one (tp, SP) family per task, on a
-    forked process per core (each family's layouts come back pickled), or on threads where
-    processes cannot be forked (HiGHS releases the interpreter while it solves, so one
-    family's solve overlaps another's Python). GPT-3 175B's 30 layouts: 2.6 s on one thread,
-    1.7 s on two; see benchmarks/README.md, "Planning time", for processes."""
+def _prepare_layouts(cm: CostModel, candidates: Sequence[Candidate], workers: int) -> None:
+    """Every tensor-parallel layout the candidates need, one (tp, SP) family per task: on
+    ``workers`` forked processes when the search runs on several (each family's layouts come
+    back pickled), else on a thread per core (HiGHS releases the interpreter while it solves,
+    so one family's solve overlaps another's Python). GPT-3 175B's 30 layouts: 2.6 s on one
+    thread, 1.7 s on two, 1.8-2.1 s on two processes where two threads took 2.8 s the same
+    day (benchmarks/README.md, "Planning time")."""
     sizes: dict[tuple[int, bool], set[int]] = {}
     for c in candidates:
         if c.tp > 1 and cm.well_formed_but_for_layout(c):
             sizes.setdefault((c.tp, c.sequence_parallel), set()).add(c.micro_batch_size)
     families = [(tp, sp, sorted(mbs)) for (tp, sp), mbs in sorted(sizes.items())]
-    workers = min(len(families), _cores())
-    if workers <= 1:
+    threads = min(len(families), _cores())
+    if threads <= 1:
         for tp, sp, mbs in families:
             cm.prepare_layouts(tp, sp, mbs)
         return
-    if "fork" in multiprocessing.get_all_start_methods():
+    workers = min(len(families), workers)
+    if workers > 1:  # _workers says fork is available
         global _LAYOUTS
         _LAYOUTS = cm
         try:
@@ -526,7 +531,7 @@ def _prepare_layouts(cm: CostModel, candidates: Sequence[Candidate]) -> None:
         finally:
             _LAYOUTS = None
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="autopar-layouts") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="autopar-layouts") as pool:
         for done in [pool.submit(cm.prepare_layouts, tp, sp, mbs) for tp, sp, mbs in families]:
             done.result()
 
