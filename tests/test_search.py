@@ -146,6 +146,26 @@ def test_search_workers_setting(monkeypatch):
     assert search_module._cores() == 1 and search_module._workers(4, 10**6) == 1
 
 
+def _exit_at_two(state, item):
+    import os
+
+    if item == 2:
+        os._exit(3)
+    return state + item
+
+
+def test_forked_workers_answer_in_order_and_a_dead_one_is_an_error():
+    """The search's forked map: answers in the items' order, computed from the inherited
+    state; a worker process that dies raises (BrokenProcessPool), it does not hang."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from autopar.planner.search import _forked_map
+
+    assert _forked_map(_exit_at_two, 10, [0, 1, 3, 5], 2) == [10, 11, 13, 15]
+    with pytest.raises(BrokenProcessPool):
+        _forked_map(_exit_at_two, 10, [0, 1, 2, 3], 2)
+
+
 def test_memory_decides_on_a_small_device(costs):
     cm = CostModel(costs["gpt2-small"], small_gpu(4).with_devices(8), TrainingSetup(128, 1024))
     result = search(cm, exhaustive=True, refine=0)

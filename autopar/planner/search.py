@@ -46,7 +46,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from autopar.errors import InfeasiblePlanError, InvalidInputError
 from autopar.ir import graphs_read_only
@@ -469,36 +469,28 @@ class _Pricing:
         return found
 
     def parallel(self, workers: int, show: bool) -> _Found:
-        """The shares priced by ``workers`` forked processes (they inherit this object: nothing
-        is pickled on the way out, only each share's :class:`_Found` on the way back)."""
-        global _PRICING
-        ctx = multiprocessing.get_context("fork")
-        done = ctx.Value("i", 0)
-        _PRICING = (self, done)
+        """The shares priced by ``workers`` forked processes (:func:`_forked_map`)."""
+        done = multiprocessing.get_context("fork").Value("i", 0)
         bar = None
+
+        def tick() -> None:  # the bar starts after the fork: rich runs a thread
+            nonlocal bar
+            if show and bar is None:
+                bar = _progress(len(self.order))
+            if bar:
+                bar[0].update(bar[1], completed=done.value)
+
         try:
-            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-                futures = [pool.submit(_price_share, i, workers) for i in range(workers)]
-                bar = _progress(len(self.order)) if show else None  # after the fork: rich
-                pending = set(futures)                              # runs a thread
-                while pending:
-                    _, pending = wait(pending, timeout=0.2)
-                    if bar:
-                        bar[0].update(bar[1], completed=done.value)
-                parts = [f.result() for f in futures]
+            parts = _forked_map(_price_share, (self, done, workers), range(workers), workers,
+                                tick)
         finally:
-            _PRICING = None
             if bar:
                 bar[0].stop()
         return _Found.merge(parts, self.k)
 
 
-_PRICING: tuple[_Pricing, Any] | None = None  # what forked pricing workers inherit
-
-
-def _price_share(index: int, workers: int) -> _Found:
-    assert _PRICING is not None, "pricing workers are forked from the searching process"
-    pricing, done = _PRICING
+def _price_share(state: tuple[_Pricing, Any, int], index: int) -> _Found:
+    pricing, done, workers = state
     return pricing.share(index, workers, done=done)
 
 
@@ -521,29 +513,48 @@ def _prepare_layouts(cm: CostModel, candidates: Sequence[Candidate], workers: in
         return
     workers = min(len(families), workers)
     if workers > 1:  # _workers says fork is available
-        global _LAYOUTS
-        _LAYOUTS = cm
-        try:
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")
-                                     ) as pool:
-                for solved in pool.map(_solve_family, families):
-                    cm.model.adopt_layouts(solved)
-        finally:
-            _LAYOUTS = None
+        for solved in _forked_map(_solve_family, cm, families, workers):
+            cm.model.adopt_layouts(solved)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="autopar-layouts") as pool:
         for done in [pool.submit(cm.prepare_layouts, tp, sp, mbs) for tp, sp, mbs in families]:
             done.result()
 
 
-_LAYOUTS: CostModel | None = None  # what forked layout workers inherit
+def _solve_family(cm: CostModel, family: tuple[int, bool, list[int]]) -> dict[tuple, Any]:
+    """The layouts ``cm.prepare_layouts(*family)`` solves (in a forked process)."""
+    before = cm.model.solved_layouts()
+    cm.prepare_layouts(*family)
+    return {k: v for k, v in cm.model.solved_layouts().items() if k not in before}
 
 
-def _solve_family(family: tuple[int, bool, list[int]]) -> dict[tuple, Any]:
-    assert _LAYOUTS is not None, "layout workers are forked from the searching process"
-    before = _LAYOUTS.model.solved_layouts()
-    _LAYOUTS.prepare_layouts(*family)
-    return {k: v for k, v in _LAYOUTS.model.solved_layouts().items() if k not in before}
+#: What the processes :func:`_forked_map` forks inherit (set only while they run).
+_INHERITED: Any = None
+
+
+def _forked_map(fn: Callable[[Any, Any], Any], state: Any, items: Iterable[Any], workers: int,
+                tick: Callable[[], None] | None = None) -> list[Any]:
+    """``[fn(state, item) for item in items]`` on ``workers`` forked processes: they inherit
+    ``state`` (the cost model, its caches and graphs: nothing is pickled on the way out, only
+    each answer on the way back). ``tick`` is called while waiting, after every process has
+    been forked (a progress bar). A process that dies is an error, not a hang."""
+    global _INHERITED
+    _INHERITED = state
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_call_inherited, fn, item) for item in items]
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=0.2)
+                if tick is not None:
+                    tick()
+            return [f.result() for f in futures]
+    finally:
+        _INHERITED = None
+
+
+def _call_inherited(fn: Callable[[Any, Any], Any], item: Any) -> Any:
+    return fn(_INHERITED, item)
 
 
 def _cores() -> int:
@@ -563,7 +574,6 @@ def _refine(cm: CostModel, ranked: list[Evaluation], count: int, pruned: dict[st
     ``workers`` > 1 the finalists are refined on as many forked processes (a stage ILP of 80
     stages can run to its time limit: GPT-3 175B at pp 10 x v 8)."""
     refined: list[Evaluation] = []
-    rest: list[Evaluation] = []
     done = 0
     while done < len(ranked) and len(refined) < count:
         batch = ranked[done:done + count - len(refined)]
@@ -584,26 +594,12 @@ def _refined(cm: CostModel, evs: Sequence[Evaluation], workers: int) -> list[Eva
     """:meth:`CostModel.refine` of each of ``evs``, on up to ``workers`` forked processes (their
     answers kept in ``cm``'s cache as if refined here)."""
     workers = min(workers, len(evs))
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    if workers <= 1:
         return [cm.refine(ev) for ev in evs]
-    global _REFINING
-    _REFINING = cm
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            out = list(pool.map(_refine_one, evs))
-    finally:
-        _REFINING = None
+    out = _forked_map(CostModel.refine, cm, evs, workers)
     for ev in out:
         cm.adopt_refined(ev)
     return out
-
-
-_REFINING: CostModel | None = None  # what forked refining workers inherit
-
-
-def _refine_one(ev: Evaluation) -> Evaluation:
-    assert _REFINING is not None, "refining workers are forked from the searching process"
-    return _REFINING.refine(ev)
 
 
 class _neg(tuple):
