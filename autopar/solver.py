@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -39,6 +40,9 @@ class SolveResult:
 
 
 _HIGHS: Any = None
+#: The first :func:`backend` call swaps file descriptor 1, which the whole process shares: two
+#: threads doing it at once could each save the other's /dev/null and leave stdout silenced.
+_HIGHS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -62,15 +66,16 @@ def _stdout_silenced() -> Iterator[None]:
 def backend() -> str:
     """``"highs"`` when highspy can be imported, else ``"cbc"``."""
     global _HIGHS
-    if _HIGHS is None:
-        try:
-            import highspy
+    with _HIGHS_LOCK:
+        if _HIGHS is None:
+            try:
+                import highspy
 
-            with _stdout_silenced():
-                highspy.Highs()  # the banner, once
-            _HIGHS = True
-        except ImportError:
-            _HIGHS = False
+                with _stdout_silenced():
+                    highspy.Highs()  # the banner, once
+                _HIGHS = True
+            except ImportError:
+                _HIGHS = False
     return "highs" if _HIGHS else "cbc"
 
 

@@ -55,5 +55,5 @@ def test_wheel_contains_every_subpackage_and_data_file(tmp_path):
     for package in ("autopar/commands", "autopar/planner", "autopar/models"):
         assert f"{package}/__init__.py" in names
     assert "autopar/data/clusters/cpu.yaml" in names and "autopar/data/corpus.txt" in names
-    assert "autopar = autopar.cli:main" in entry_points
+    assert "autopar = autopar.cli:entry" in entry_points
     assert not [n for n in names if n.startswith(("passes/", "runtime/", "tests/"))]
