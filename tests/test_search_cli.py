@@ -80,10 +80,13 @@ def test_human_output_tables(planned):
 
 
 def test_explain(plan_file, capsys):
+    from autopar import solver
+
     assert main(["explain", str(plan_file)]) == 0
     out = capsys.readouterr().out
     for part in ("Where the time goes", "Why this plan", "Alternatives", "Search:",
-                 "pp=2 cuts the layers", "the stage ILP (CBC",
+                 "pp=2 cuts the layers",
+                 f"the stage ILP ({ {'highs': 'HiGHS', 'cbc': 'CBC'}[solver.backend()]},",
                  "proven optimal for the stage model", "a looser bound",
                  "simulated pipeline", "from the stage model"):
         assert part in out

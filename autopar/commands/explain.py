@@ -97,14 +97,15 @@ def stage_partition_lines(doc) -> list[str]:
     if method == "ilp":
         solve = doc["prediction"].get("stage_ilp_solve_s")
         took = f"{solve:.2f} s, " if solve is not None else ""
-        out = [f"the stage ILP (CBC, {sp['integer_variables']} integer variables, {took}"
+        solver = {"highs": "HiGHS", "cbc": "CBC"}.get(sp.get("solver", ""), "the solver")
+        out = [f"the stage ILP ({solver}, {sp['integer_variables']} integer variables, {took}"
                f"{sp['status']}) cut the layers as {cuts}",
                (f"modelled pipeline {fmt_seconds(sp['objective_s'])}: proven optimal for the "
-                f"stage model (CBC closed the branch-and-bound gap; the LP relaxation, a looser "
+                f"stage model ({solver} closed the branch-and-bound gap; the LP relaxation, a looser "
                 f"bound, is {fmt_seconds(sp['lp_bound_s'])})" if sp.get("proven_optimal") else
                 f"modelled pipeline {fmt_seconds(sp['objective_s'])}; LP bound "
                 f"{fmt_seconds(sp['lp_bound_s'])}: at most {sp['gap']:.1%} above the optimum of "
-                f"the stage model (CBC stopped at its time limit)"),
+                f"the stage model ({solver} stopped at its time limit)"),
                f"the first pass's min-max cut models at {fmt_seconds(sp['first_pass_objective_s'])}"
                f" ({sp['first_pass_objective_s'] / sp['objective_s'] - 1:+.1%})"]
     elif method == "single stage":

@@ -369,6 +369,7 @@ class CostModel:
                  "gap": gap if gap is not None else (
                      max(0.0, (part.step_time - lp) / part.step_time) if part.step_time else 0.0),
                  "integer_variables": part.num_variables,
+                 "solver": part.extra.get("solver", "none"),
                  "first_pass_objective_s": modeled_step_time(problem, first_cut),
                  "simulated_pipeline_s": pipe.total_s, "chosen": chosen,
                  **({"first_pass_simulated_s": first_sim} if first_sim is not None else {})}

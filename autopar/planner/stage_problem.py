@@ -151,7 +151,7 @@ class StagePartition:
 
     @property
     def proven_optimal(self) -> bool:
-        """CBC closed the branch-and-bound gap (``gapRel=0``): no partition models faster."""
+        """The solver closed the branch-and-bound gap (``gapRel=0``): no partition models faster."""
         return self.status in ("optimal", "trivial")
 
     @property
