@@ -61,6 +61,62 @@ def _node(t: torch.Tensor) -> Node | None:
     return get_gradient_edge(t).node if t.requires_grad else None
 
 
+def _input_side(parents: dict[Node, list[Node]], seeds: list[Node]) -> set[Node]:
+    """``seeds`` and every node above them (with a path down to one)."""
+    side = set(seeds)
+    queue = deque(seeds)
+    while queue:
+        for parent in parents.get(queue.popleft(), ()):
+            if parent not in side:
+                side.add(parent)
+                queue.append(parent)
+    return side
+
+
+def _chain(root_nodes: Sequence[Node | None], params: Sequence[torch.Tensor],
+           seen: set[Node]) -> set[Node]:
+    """A stage without inputs to differentiate: the nodes with a path down to two or more of
+    ``params``. What hangs below them reaches one weight each, so the weight gradients split
+    into per-layer groups as in any other stage; without this the first stage would be one group
+    whose ``W`` is its whole backward (ZeRO-3 then gathered the whole stage for it)."""
+    owner: dict[Node, Any] = {}  # node -> the one weight below it, or _MANY
+    for p in params:
+        n = _node(p)
+        if n is not None and n in seen:
+            owner[n] = id(p)
+    # children before parents: an iterative post-order from the roots
+    stack = [(n, False) for n in root_nodes if n is not None]
+    done: set[Node] = set()
+    while stack:
+        node, expanded = stack.pop()
+        if node in done:
+            continue
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((c, False) for c, _ in node.next_functions
+                         if c is not None and c not in done)
+            continue
+        done.add(node)
+        if node in owner:
+            continue
+        below = {owner[c] for c, _ in node.next_functions if c is not None and c in owner}
+        if len(below) == 1:
+            owner[node] = below.pop()
+        elif below:
+            owner[node] = _MANY
+    return {n for n, o in owner.items() if o is _MANY}
+
+
+_MANY = object()
+
+
+def _num_inputs(node: Node) -> int:
+    """How many gradients arrive at ``node`` (its forward's outputs): ``Node._input_metadata``,
+    declared by ``torch.autograd.graph.Node`` and read by ``torch.autograd.grad`` itself for a
+    ``GradientEdge``."""
+    return len(node._input_metadata)
+
+
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
                    ) -> tuple[list[torch.Tensor | None], PendingWeightGradients]:
@@ -82,15 +138,11 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
             if child not in seen:
                 seen.add(child)
                 queue.append(child)
-    # the input side: every node with a path down to an input (what I runs)
-    input_side: set[Node] = set()
-    queue = deque(n for n in map(_node, inputs) if n is not None and n in seen)
-    input_side.update(queue)
-    while queue:
-        for parent in parents.get(queue.popleft(), ()):
-            if parent not in input_side:
-                input_side.add(parent)
-                queue.append(parent)
+    wanted = [x for x in inputs if x.requires_grad]
+    # the input side: every node with a path down to an input (what I runs); in a stage without
+    # one (the first), the nodes with a path down to two or more weights: the activations' chain
+    input_side = (_input_side(parents, [n for n in map(_node, wanted) if n in seen]) if wanted
+                  else _chain(root_nodes, params, seen))
     # each weight's cut: the input-side nodes its weight-only subgraph hangs from, and the
     # roots reached without crossing the input side
     by_cut: dict[Any, _Group] = {}
@@ -141,21 +193,29 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
             by_cut[k] = group
     # capture the gradient arriving at every cut node while the input gradients go through
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    handles = []
-    for group in groups:
-        for node in group.cut:
+    found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+    cuts = list(dict.fromkeys(n for group in groups for n in group.cut))
+    if wanted:
+        handles = []
+        for node in cuts:
             def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
                 captured[node] = tuple(grad_outputs)
             handles.append(node.register_prehook(hook))
-    wanted = [x for x in inputs if x.requires_grad]
-    try:
-        found: Sequence[torch.Tensor | None] = [None] * len(wanted)
-        if wanted and roots:
-            found = torch.autograd.grad(roots, wanted, grads, retain_graph=True,
-                                        allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
+        try:
+            if roots:
+                found = torch.autograd.grad(roots, wanted, grads, retain_graph=True,
+                                            allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+    elif cuts and roots:
+        # no input to differentiate: ask for the gradients arriving at the cut nodes themselves
+        # (autograd captures them without running those nodes, so a pre-hook would not fire)
+        edges = [GradientEdge(n, i) for n in cuts for i in range(_num_inputs(n))]
+        got = iter(torch.autograd.grad(roots, edges, grads, retain_graph=True,
+                                       allow_unused=True))
+        for n in cuts:
+            captured[n] = tuple(next(got) for _ in range(_num_inputs(n)))
     for group in groups:
         group.captured = [captured.get(n) for n in group.cut]
     it = iter(found)

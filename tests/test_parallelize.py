@@ -254,15 +254,15 @@ def test_zero3_gathers_one_layer_at_a_time():
         assert 2 * block <= r["peak"] <= 2 * block + layers["pre"] + layers["post"], r
         assert r["peak"] < 0.4 * r["stage"], r
     # kept gathered from forward to backward: the whole stage at once, and no backward gathers;
-    # under ZB-H1 (8 blocks: 4 per stage) the last stage's input-gradient actions free each layer
-    # once its input side has run and its weight-gradient actions gather layer by layer. (The
-    # first stage has no input gradient: its weight-gradient action is its whole backward, one
-    # autograd call over all its weights, which gathers the stage.)
+    # under ZB-H1 (8 blocks: 4 per stage) the input-gradient actions free each layer once its
+    # input side has run and the weight-gradient actions gather layer by layer, on both stages:
+    # the first, with no input gradient, splits at the chain above two or more weights
+    # (runtime/split_backward.py; it gathered its whole stage for one autograd call before)
     with LocalPool(2, timeout_s=300) as pool:
         kept = pool.run(jobs.zero_memory, 6,
                         _pins(2, 1, 1, "1f1b", 1, 2, False, 3, reshard_after_forward=False))
         split = pool.run(jobs.zero_memory, 8, _pins(1, 2, 1, "zb-h1", 1, 4, False, 3))
-    for r in split[1:]:
+    for r in split:
         layers = r["layers"]
         block = max(v for k, v in layers.items() if k.startswith("blocks."))
         ends = layers.get("pre", 0) + layers.get("post", 0)

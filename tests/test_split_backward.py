@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.runtime.split_backward import backward_input, backward_weight
+from autopar.runtime.split_backward import backward_input, backward_weight, weight_groups
 
 
 class _Counted(torch.autograd.Function):
@@ -61,10 +61,11 @@ def test_split_equals_full_backward_and_runs_the_input_side_once(with_input):
     weights = dict((id(t), g) for t, g in backward_weight(pending))
     # I runs every input-side node once; W none of them again, except the one between the two
     # uses of the twice-used weight (its first use needs the gradient through it). Without an
-    # input that needs a gradient, I runs nothing and W the whole backward (the two counted
-    # nodes downstream of x).
-    assert after_input == (3 if with_input else 0)
-    assert _Counted.calls - after_input == (1 if with_input else 2)
+    # input that needs a gradient (a first stage), the input side is the chain of nodes above
+    # two or more weights: I runs it (the two counted nodes downstream of x) and W the same one
+    # again, not the whole backward.
+    assert after_input == (3 if with_input else 2)
+    assert _Counted.calls - after_input == 1
     if with_input:
         torch.testing.assert_close(found[0], ref[0], rtol=0, atol=1e-12)
     got = [weights[id(p[n])] for n in names]
@@ -131,3 +132,39 @@ def test_only_a_sequence_parallel_gather_needs_the_saved_tensor_hooks():
     assert keeps_gather_as_shard(by_keyword) and keeps_gather_as_shard(by_position)
     assert not keeps_gather_as_shard(sliced) and not keeps_gather_as_shard(other)
     assert not keeps_gather_as_shard(x)
+
+
+def test_a_stage_without_inputs_splits_its_weight_gradients_by_layer():
+    """A first stage (token ids in, nothing to differentiate) keeps the zero-bubble split: I runs
+    the chain of nodes above two or more weights, and W computes the weights in groups of one
+    layer each (so ZeRO-3 gathers one layer at a time for W), not in one call over the stage.
+    The embedding's weight and the first layer norm's gain hang from the same node (the norm's
+    backward), so they share a group: W runs a node once for all the weights below it."""
+    gen = torch.Generator().manual_seed(2)
+    emb = (torch.randn(10, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
+    layers = [{"w": (torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_(),
+               "b": torch.zeros(6, dtype=torch.float64, requires_grad=True),
+               "g": torch.ones(6, dtype=torch.float64, requires_grad=True)} for _ in range(4)]
+    ids = torch.randint(0, 10, (2, 5), generator=gen)
+    grad = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64)
+
+    def stage():
+        h = torch.nn.functional.embedding(ids, emb)
+        for layer in layers:
+            h = h + torch.nn.functional.linear(
+                torch.nn.functional.layer_norm(h, (6,), layer["g"]), layer["w"], layer["b"]).tanh()
+        return h
+
+    params = [emb] + [t for layer in layers for t in layer.values()]
+    ref = torch.autograd.grad(stage(), params, grad)
+    found, pending = backward_input([stage()], [grad], [], params)
+    assert found == []
+    groups = weight_groups(pending)
+    assert len(groups) >= len(layers)
+    layer_of = {id(t): i for i, layer in enumerate(layers) for t in layer.values()}
+    for group in groups:  # one layer's weights; the embedding shares the first norm's node
+        owners = sorted({layer_of.get(id(t), -1) for t in group})
+        assert owners in ([i] for i in range(-1, len(layers))) or owners == [-1, 0], owners
+    weights = dict((id(t), g) for t, g in backward_weight(pending))
+    for t, r in zip(params, ref):
+        torch.testing.assert_close(weights[id(t)], r, rtol=0, atol=1e-12)
