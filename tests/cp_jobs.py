@@ -49,15 +49,18 @@ def attention_errors(cases):
     return out
 
 
-def _runs(build, data, pins_list, optimizer, **kwargs):
+def _runs(name, build, data, pins_list, optimizer, **kwargs):
     """``build()`` a fresh (model, loss_fn), parallelize it under each plan and train on
-    ``data``: per plan, the losses and rank 0's final state."""
+    ``data``: per plan, the losses and rank 0's final state. The plans share one capture per
+    process of the model ``name`` (jobs.shared_captures)."""
     out = []
     for pins in pins_list:
         model, loss_fn = build()
-        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                                 optimizer=optimizer, **kwargs)
+        with jobs.shared_captures(name, "cpu"):
+            pm = autopar.parallelize(model, example_inputs=data[0][0],
+                                     example_targets=data[0][1], loss_fn=loss_fn,
+                                     plan=dict(pins), tp_cost=TINY_COST, optimizer=optimizer,
+                                     **kwargs)
         losses = [pm.train_step(*d) for d in data]
         state = pm.state_dict()
         pm.close()
@@ -77,7 +80,7 @@ def dropout_runs(pins_list, steps: int = 2):
     """GPT with hidden dropout 0.1 (attention dropout 0: refused under cp) under each plan, seed
     5: losses and rank 0's final state. Masks are a function of (seed, step, sample, element),
     never of the plan, so every plan must give the same numbers."""
-    return _runs(_gpt_with_dropout, jobs.batches("gpt", steps), pins_list,
+    return _runs("gpt with dropout", _gpt_with_dropout, jobs.batches("gpt", steps), pins_list,
                  functools.partial(torch.optim.AdamW, lr=jobs.LR, eps=jobs.EPS), seed=5)
 
 
@@ -85,9 +88,10 @@ def bad_sequence(pins, seq: int):
     """Parallelize LLaMA under ``pins`` and train on sequences of ``seq`` tokens: the error."""
     model, loss_fn = jobs.make_model("llama")
     data = jobs.batches("llama", 1)
-    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                             loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
-                             optimizer=functools.partial(torch.optim.SGD, lr=jobs.LR))
+    with jobs.shared_captures("llama", "cpu"):
+        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=jobs.LR))
     tokens = torch.randint(0, 128, (8, seq + 1))
     try:
         pm.train_step((tokens[:, :-1],), (tokens[:, 1:],))
@@ -111,7 +115,7 @@ def ignored_batches(steps: int = 2):
 
 def ignored_targets(pins_list):
     """LLaMA trained on :func:`ignored_batches` under each plan: losses, rank 0's state."""
-    return _runs(lambda: jobs.make_model("llama"), ignored_batches(), pins_list,
+    return _runs("llama", lambda: jobs.make_model("llama"), ignored_batches(), pins_list,
                  functools.partial(torch.optim.SGD, lr=0.1))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import time
 from typing import Any, Iterator, Mapping
 
@@ -65,6 +66,11 @@ def shared_captures(name: str, device: str) -> Iterator[None]:
         if hit is None:
             hit = _CAPTURES[key] = original(model, example_inputs, loss_fn, example_targets,
                                             mixed_precision)
+            # the kept captures are long-lived: out of the collector's way (gc.freeze), so the
+            # full collection each parallelize makes stays cheap (0.64 s each on a rank that
+            # had kept five, 11 s of a 17-plan job)
+            gc.collect()
+            gc.freeze()
             return hit
         return dataclasses.replace(hit, model=model)
 
