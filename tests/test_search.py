@@ -87,6 +87,11 @@ def test_the_first_pass_on_several_processes_equals_one(costs, name, cluster, n,
                    workers=2)
     assert [e.candidate for e in again.best_per_mesh] == [e.candidate for e in two.best_per_mesh]
     assert again.evaluated == two.evaluated
+    # the plan document says how many processes priced (the counts depend on it)
+    from autopar.planner import search as search_module
+
+    assert one.processes == 1 and one.to_json()["processes"] == 1
+    assert two.processes == search_module._workers(2, two.candidates)
     full = search(CostModel(costs[name], cluster.with_devices(n), setup), top_k=5, refine=0,
                   exhaustive=True, workers=2)
     assert _top(one) == _top(two) == _top(full)

@@ -73,7 +73,9 @@ def explain_lines(doc) -> list[str]:
                          f": {fmt_seconds(alt['prediction']['step_time_s'])} "
                          f"(+{alt['slower_than_best']:.1%}); {_diff(plan, pred, alt)}")
     s = doc["search"]
-    lines += ["", f"Search: {s['candidates']} candidates, {s['candidates_evaluated']} priced; "
+    on = s.get("processes", 1)
+    lines += ["", f"Search: {s['candidates']} candidates, {s['candidates_evaluated']} priced"
+                  f"{f' on {on} processes' if on > 1 else ''}; "
                   f"rejected as malformed {s['pruned']['structure']}, not fitting memory "
                   f"{s['pruned']['memory']}, bounded out {s['pruned']['bound']} (their compute "
                   f"alone exceeds the best plans)."]

@@ -192,6 +192,8 @@ def print_plan(doc) -> None:
                         fmt_bytes(p["peak_memory_bytes"]), f"+{a['slower_than_best']:.1%}")
         out.print(alt)
     s = doc["search"]
-    out.print(f"searched {s['candidates']} candidates ({s['candidates_evaluated']} priced; "
+    on = s.get("processes", 1)
+    out.print(f"searched {s['candidates']} candidates ({s['candidates_evaluated']} priced"
+              f"{f' on {on} processes' if on > 1 else ''}; "
               f"pruned: {s['pruned']}) in {s['search_s']:.1f} s; total {s['time_s']:.1f} s "
               f"(capture {s['capture_s']:.1f} s)")

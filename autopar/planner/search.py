@@ -130,9 +130,13 @@ class SearchResult:
     infeasible_examples: tuple[tuple[str, str], ...]
     time_s: float
     components: Mapping[str, str] = field(default_factory=dict)
+    #: Processes that priced the first pass. ``evaluated`` and ``pruned["bound"]`` depend on it
+    #: (each prunes against its own k-th best); the plan and its alternatives do not.
+    processes: int = 1
 
     def to_json(self) -> dict[str, object]:
         return {"time_s": round(self.time_s, 3), "candidates": self.candidates,
+                "processes": self.processes,
                 "candidates_evaluated": self.evaluated, "pruned": dict(self.pruned),
                 "infeasible_examples": [{"candidate": c, "reason": r}
                                         for c, r in self.infeasible_examples],
@@ -335,7 +339,8 @@ def _search(cm: CostModel, space: SearchSpace, *, top_k: int, exhaustive: bool,
                         best_per_mesh=tuple(meshes), candidates=len(candidates),
                         evaluated=found.evaluated, pruned=pruned,
                         infeasible_examples=tuple(examples),
-                        time_s=time.perf_counter() - start, components=dict(COMPONENTS))
+                        time_s=time.perf_counter() - start, components=dict(COMPONENTS),
+                        processes=workers)
 
 
 #: The smallest space (candidates) searched on several processes by default: below it, forking
