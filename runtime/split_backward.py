@@ -16,8 +16,10 @@ the weights need. Weights are grouped by the cut nodes they hang from; one ``aut
 per group, so that a group's call reaches only its own weights. Within a group several cut
 nodes may lie on one path (a weight used twice in a row): their captured gradients are pinned
 with a pre-hook during ``W``, so a gradient is never counted twice. A weight whose gradient
-path reaches the stage's outputs without crossing the input side (or a stage without inputs
-that need a gradient, the first stage) is computed in ``W`` from the outputs themselves.
+path reaches the stage's outputs without crossing the input side is computed in ``W`` from the
+outputs themselves. A stage without inputs that need a gradient (the first) takes as its input
+side the nodes with a path to two or more weights (:func:`_chain`), so that its ``W`` too goes
+one layer's weights at a time.
 
 Public autograd API only (``torch.autograd.graph``: ``Node``, ``GradientEdge``,
 ``get_gradient_edge``, node pre-hooks); the same construction as
