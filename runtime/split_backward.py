@@ -4,8 +4,8 @@ later (``W``), with nothing computed twice.
 ``backward_input(roots, grads, inputs, params)`` computes the gradients of the stage's inputs
 (what the previous stage waits for) and keeps what the weight gradients still need: the
 gradient arriving at each autograd node that computes both an input-side gradient and a
-weight-side one (a linear's ``AddmmBackward``, a layer norm's backward), captured with a node
-pre-hook while the input gradients pass through it. ``backward_weight(pending)`` later runs
+weight-side one (a linear's ``AddmmBackward``, a layer norm's backward), asked of the same
+``autograd.grad`` call as a ``GradientEdge`` (autograd captures it where it arrives). ``backward_weight(pending)`` later runs
 those nodes again from the captured gradients, asking autograd for the weights only, so each
 node computes just its weight-side outputs (autograd skips the outputs no requested gradient
 needs). The input-gradient chain is not re-run: ``W`` costs the weight-gradient GEMMs and
@@ -21,8 +21,10 @@ outputs themselves. A stage without inputs that need a gradient (the first) take
 side the nodes with a path to two or more weights (:func:`_chain`), so that its ``W`` too goes
 one layer's weights at a time.
 
-Public autograd API only (``torch.autograd.graph``: ``Node``, ``GradientEdge``,
-``get_gradient_edge``, node pre-hooks); the same construction as
+Public autograd API (``torch.autograd.graph``: ``Node``, ``GradientEdge``,
+``get_gradient_edge``, node pre-hooks), but for ``Node._input_metadata`` (how many gradients
+arrive at a node, which ``torch.autograd.grad`` itself reads for a ``GradientEdge``); the same
+construction as
 ``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``, which
 drop the gradient of a weight not reached through the input side.
 """
@@ -193,31 +195,20 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
                 group.outputs.append(pair)
         for k in keys:
             by_cut[k] = group
-    # capture the gradient arriving at every cut node while the input gradients go through
-    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+    # the gradient arriving at every cut node, asked of autograd as a GradientEdge beside the
+    # inputs: captured where it arrives, without running the cut node for it
     cuts = list(dict.fromkeys(n for group in groups for n in group.cut))
-    if wanted:
-        handles = []
-        for node in cuts:
-            def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
-                captured[node] = tuple(grad_outputs)
-            handles.append(node.register_prehook(hook))
-        try:
-            if roots:
-                found = torch.autograd.grad(roots, wanted, grads, retain_graph=True,
-                                            allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
-    elif cuts and roots:
-        # no input to differentiate: ask for the gradients arriving at the cut nodes themselves
-        # (autograd captures them without running those nodes, so a pre-hook would not fire)
-        edges = [GradientEdge(n, i) for n in cuts for i in range(_num_inputs(n))]
-        got = iter(torch.autograd.grad(roots, edges, grads, retain_graph=True,
-                                       allow_unused=True))
-        for n in cuts:
-            captured[n] = tuple(next(got) for _ in range(_num_inputs(n)))
+    widths = [_num_inputs(n) for n in cuts]
+    edges = [GradientEdge(n, i) for n, w in zip(cuts, widths) for i in range(w)]
+    found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    if roots and (wanted or edges):
+        got = torch.autograd.grad(roots, [*wanted, *edges], grads, retain_graph=True,
+                                  allow_unused=True)
+        found = got[:len(wanted)]
+        rest = iter(got[len(wanted):])
+        for n, w in zip(cuts, widths):
+            captured[n] = tuple(next(rest) for _ in range(w))
     for group in groups:
         group.captured = [captured.get(n) for n in group.cut]
     it = iter(found)
