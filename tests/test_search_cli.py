@@ -177,8 +177,13 @@ def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):
     assert 0 <= cluster.collective_latency_s < 0.05
     # a CPU GEMM's bias broadcast, priced per output element (forward, backward)
     assert all(t > 0 for t in cluster.device.op_table["linear.bias"])
-    # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic
-    assert 28 / cluster.device.memory_bandwidth < cluster.device.optimizer_s_per_param < 1e-7
+    # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic at the
+    # host's memory bandwidth. The probe prices a copy as 2 transfers per byte (read + write);
+    # a write-allocate cache also reads the destination first (3 transfers), so the true
+    # bandwidth may be up to 1.5x the reported one, while AdamW's in-place updates pay no such
+    # read (on CI's VM: 9.2 GB/s reported, AdamW at 10.5 GB/s of its 28 bytes).
+    floor = 28 / (1.5 * cluster.device.memory_bandwidth)
+    assert floor < cluster.device.optimizer_s_per_param < 1e-7
     # and a fixed cost per tensor: its ~10 ops each cost at least a kernel's floor
     assert 10 * cluster.device.kernel_floor_s < cluster.device.optimizer_s_per_tensor < 1e-2
     raw = json.loads(out.with_suffix(".raw.json").read_text())
