@@ -21,7 +21,6 @@ import torch
 
 import autopar
 from autopar import InvalidInputError, OffloadError
-from autopar.runtime.local_pool import LocalPool
 
 import offload_jobs as jobs
 from parallelize_jobs import EPS, LR, batches, make_model
@@ -31,7 +30,7 @@ SHAPES = [(2, 1, 0, False), (2, 1, 1, True), (2, 1, 2, False), (2, 1, 3, True), 
 
 
 @pytest.mark.distributed
-def test_offloaded_training_equals_the_step_in_memory(tmp_path):
+def test_offloaded_training_equals_the_step_in_memory(tmp_path, shared_pool2):
     # "optimizer" on a CPU process is the in-memory step (the device is the host): its plumbing
     # is run once, in bf16 under ZeRO-3, where the master weights are a tensor of their own
     configs, compared = [], []
@@ -42,8 +41,7 @@ def test_offloaded_training_equals_the_step_in_memory(tmp_path):
             pins = dict(dp=dp, pp=pp, tp=1, num_micro_batches=2, zero=zero, offload=offload)
             configs.append(("gpt", pins, mixed))
         compared += [(base, base + j, offload) for j, offload in enumerate(modes) if j]
-    with LocalPool(2, timeout_s=300) as pool:
-        per_rank = pool.run(jobs.train, configs, str(tmp_path), timeout_s=600)
+    per_rank = shared_pool2.run(jobs.train, configs, str(tmp_path), timeout_s=600)
     assert {offload for _, _, offload in compared} == {"disk", "optimizer"}
     for i, k, offload in compared:
         base = per_rank[0][i]

@@ -60,6 +60,10 @@ TABLE_MAX_MACS = 2**31
 ATTENTION_SEQ = (64, 256, 1024, 4096)
 ATTENTION_HEAD = (32, 64, 128)
 ATTENTION_OPERAND_BYTES = 2 * 2**20
+#: ``--quick`` stops the attention table at ATTENTION_QUICK_MAX_SEQ: the 4096 row alone is
+#: ~70% of its time (its forward and backward are ~15x the 1024 row's FLOPs), and longer
+#: sequences price at the longest measured row's rate (the table is flat outside its range).
+ATTENTION_QUICK_MAX_SEQ = 1024
 AR_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 #: Operand bytes the GEMM table's measurements cycle through (beyond a core's L2 cache), so
 #: that they read their operands cold, as a training step does; a GEMM re-reading the same
@@ -191,9 +195,15 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
                 table.append([m, n, k, 2 * m * n * k / t])
     out["gemm_table"] = table
     # fused attention by sequence and head size, forward and backward
-    att = measure_attention_table(ATTENTION_SEQ, ATTENTION_HEAD, repeat)
+    att = measure_attention_table(attention_seqs(quick), ATTENTION_HEAD, repeat)
     out["attention_table"] = att
     return out
+
+
+def attention_seqs(quick: bool) -> tuple[int, ...]:
+    """The attention table's sequence lengths: all of ``ATTENTION_SEQ``, or up to
+    ``ATTENTION_QUICK_MAX_SEQ`` with ``--quick``."""
+    return tuple(s for s in ATTENTION_SEQ if not quick or s <= ATTENTION_QUICK_MAX_SEQ)
 
 
 def measure_attention_table(seqs: Sequence[int], heads: Sequence[int], repeat: int
@@ -518,7 +528,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                                  f"{COLD_BYTES >> 20} MiB (cold caches); {where}",
             "device.attention_table": f"causal scaled_dot_product_attention, batch x heads = "
                                       f"max(8, {ATTENTION_OPERAND_BYTES >> 20} MiB / "
-                                      f"(4 s d)), s in {list(ATTENTION_SEQ)}, d in "
+                                      f"(4 s d)), s in {list(attention_seqs(quick))}, d in "
                                       f"{list(ATTENTION_HEAD)}, forward and backward; {where}",
         },
     })
