@@ -80,11 +80,16 @@ def _destroy_groups_since(before: set[Any]) -> None:
     PipelineExecutor without closing it). Every rank runs the same jobs, so every rank destroys
     the same groups. On gloo each group keeps a loop thread per peer and two work threads: a
     pool running a hundred jobs otherwise reaches ~1000 threads per rank."""
+    import gc
+
     import torch.distributed as dist
 
-    for group in _live_groups() - before:
-        if group is not dist.group.WORLD:
-            dist.destroy_process_group(group)
+    left = [g for g in _live_groups() - before if g is not dist.group.WORLD]
+    for group in left:
+        dist.destroy_process_group(group)
+    if left:  # a group's threads end with its last reference, often in a model's cycles
+        del group
+        gc.collect()
 
 
 class LocalPool:
