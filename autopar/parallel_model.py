@@ -451,12 +451,9 @@ class ParallelModel(ModelState):
         return h.hexdigest()[:16]
 
     def close(self) -> None:
-        """Release the data-parallel engine's hooks and every process group the model created:
-        the engine's, the pipeline executor's and the mesh's (collective). ZeRO-3 parameters are
-        not gathered first: the model is done."""
+        """Release the data-parallel engine's hooks and groups (collective). ZeRO-3 parameters
+        are not gathered first: the model is done."""
         self.data_parallel.close(gather=False)
-        self.executor.close()
-        self.mesh.destroy()
 
 
 def _check_compilable(plan: Plan) -> None:

@@ -55,41 +55,13 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout_
         if task is None:
             break
         task_id, fn, args, kwargs = pickle.loads(task)
-        before = _live_groups()
         try:
             out = fn(*args, **kwargs)
-            _destroy_groups_since(before)
             results.put((task_id, rank, "ok", out))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             results.put((task_id, rank, "error",
                          f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
-
-
-def _live_groups() -> set[Any]:
-    """The process groups alive in this process (torch keeps them in the private
-    ``distributed_c10d._world.pg_map``; empty if a torch release moves it)."""
-    from torch.distributed import distributed_c10d
-
-    world = getattr(distributed_c10d, "_world", None)
-    return set(getattr(world, "pg_map", {}) or {})
-
-
-def _destroy_groups_since(before: set[Any]) -> None:
-    """Destroy the groups a job created and left alive (a harness that built a DataParallel or a
-    PipelineExecutor without closing it). Every rank runs the same jobs, so every rank destroys
-    the same groups. On gloo each group keeps a loop thread per peer and two work threads: a
-    pool running a hundred jobs otherwise reaches ~1000 threads per rank."""
-    import gc
-
-    import torch.distributed as dist
-
-    left = [g for g in _live_groups() - before if g is not dist.group.WORLD]
-    for group in left:
-        dist.destroy_process_group(group)
-    if left:  # a group's threads end with its last reference, often in a model's cycles
-        del group
-        gc.collect()
 
 
 class LocalPool:

@@ -236,25 +236,6 @@ class ParallelMesh:
         under context parallelism) whose groups this mesh uses."""
         return self._device_mesh
 
-    def destroy(self) -> None:
-        """Destroy the process groups this mesh created (its DeviceMesh's and the expert
-        groups), never the default group. Called by every rank when the model built on the mesh
-        is closed: on gloo each group holds a connection loop thread per peer, so a process that
-        parallelizes one model after another (a notebook, a test pool, ``verify`` across plans)
-        would otherwise pile up threads and sockets. The mesh is unusable afterwards."""
-        mesh = self._device_mesh
-        names = list(mesh.mesh_dim_names or ()) + (["dp_cp"] if self.cp > 1 else [])
-        # the DeviceMesh's dims of size 1 have groups too (one rank each), in no axis
-        groups = [mesh.get_group(name) for name in names]
-        groups += [axis.group for axis in self.axes.values()]
-        seen: set[int] = set()
-        for group in groups:
-            if group is None or group is dist.group.WORLD or id(group) in seen:
-                continue
-            seen.add(id(group))
-            dist.destroy_process_group(group)
-        self.axes = {}
-
     def __repr__(self) -> str:
         cp = f", cp={self.cp}" if self.cp > 1 else ""
         at = f" cp={self.cp_rank}" if self.cp > 1 else ""

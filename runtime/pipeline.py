@@ -269,15 +269,6 @@ class PipelineExecutor:
                     mine = group
         return mine
 
-    def close(self) -> None:
-        """Destroy this executor's own groups (the point-to-point column, the tied-weight
-        groups). Every rank calls it when the model is closed; the executor is unusable after."""
-        groups = [g for _, g in self._tied] + ([self._p2p] if self._p2p is not None else [])
-        self._tied, self._p2p = [], None
-        self._broken = "closed by ParallelModel.close()"
-        for group in groups:
-            dist.destroy_process_group(group)
-
     def _shut_down(self, exc: BaseException) -> None:
         """After a failure: drop the point-to-point group (on gloo the last reference going
         closes its connections, so the neighbours' pending receives fail now rather than at the

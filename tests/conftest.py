@@ -84,28 +84,13 @@ def full_size():
     return out
 
 
-def _shared_pool(world: int):
-    from autopar.runtime.local_pool import LocalPool
-
-    # collectives time out well inside pytest's 600 s per test, so a hang is a named error
-    with LocalPool(world, timeout_s=900, collective_timeout_s=300) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="session")
-def shared_pool2():
-    """One LocalPool(2) for every test whose ranks only train and compare: started once per
-    session. Starting a pool and its ranks' first imports (torch, transformers, autopar) cost
-    ~5-10 s; ~25 tests used to pay it each. Tests that measure a process's resident memory
-    (its high-water mark is per process), inject faults or need short collective timeouts start
-    their own."""
-    yield from _shared_pool(2)
-
-
 @pytest.fixture(scope="session")
 def shared_pool4():
-    """One LocalPool(4), as :func:`shared_pool2`."""
-    yield from _shared_pool(4)
+    """One LocalPool(4) for the reliability and property tests: started once (seconds each)."""
+    from autopar.runtime.local_pool import LocalPool
+
+    with LocalPool(4, timeout_s=900) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")

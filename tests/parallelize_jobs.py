@@ -236,21 +236,6 @@ def train(configs, steps: int = 3):
     return out
 
 
-def threads_after_close(configs) -> list[int]:
-    """This process's native threads (``/proc/self/task``) after each of ``configs`` trained one
-    step and was closed, the first entry before any: on gloo every process group keeps a
-    connection loop thread per peer, so groups a closed model leaves behind show up here."""
-    import gc
-    import os
-
-    counts = [len(os.listdir("/proc/self/task"))]
-    for config in configs:
-        train([config], steps=1)
-        gc.collect()
-        counts.append(len(os.listdir("/proc/self/task")))
-    return counts
-
-
 def _init_of(name: str):
     """The initializer a test passes: the project's own GPT's ``_init``; None (the model's own:
     transformers' ``init_weights``) for the transformers families."""

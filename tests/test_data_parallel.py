@@ -30,14 +30,16 @@ from dp_toy3d import train_toy
 FAMILIES = ["own_gpt", "gpt", "llama"]
 
 
-@pytest.fixture
-def pool2(shared_pool2):
-    return shared_pool2
+@pytest.fixture(scope="module")
+def pool2():
+    with LocalPool(2, timeout_s=120) as pool:
+        yield pool
 
 
-@pytest.fixture
-def pool4(shared_pool4):
-    return shared_pool4
+@pytest.fixture(scope="module")
+def pool4():
+    with LocalPool(4, timeout_s=120) as pool:
+        yield pool
 
 
 # -- numerics on real models ----------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -54,31 +53,6 @@ def test_jobs_share_one_group():
         pids = pool._procs[0].pid
         assert pool.run(_all_reduce_rank) == [1.0, 1.0]
         assert pool._procs[0].pid == pids
-
-
-def _threads():
-    return len(os.listdir("/proc/self/task"))
-
-
-def _leave_groups(n):
-    """Groups a job never destroys, held in a reference cycle (as a model holds its mesh)."""
-    holder = {"groups": [dist.new_group([0, 1]) for _ in range(n)]}
-    holder["self"] = holder
-    for g in holder["groups"]:
-        dist.all_reduce(torch.ones(1), group=g)
-    return _threads()
-
-
-def test_groups_a_job_leaves_are_destroyed_after_it():
-    """A pool runs many jobs in the same processes: the process groups one leaves alive are
-    destroyed when it ends (on gloo each keeps a loop thread per peer and two work threads), so
-    the next job starts with the threads the first one had."""
-    with LocalPool(2, timeout_s=60) as pool:
-        base = pool.run(_threads)
-        during = pool.run(_leave_groups, 5)
-        after = pool.run(_threads)
-    assert all(d >= b + 5 for d, b in zip(during, base)), (base, during)
-    assert after == base, (base, during, after)
 
 
 def test_mesh_layout_tp_innermost():

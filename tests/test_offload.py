@@ -21,6 +21,7 @@ import torch
 
 import autopar
 from autopar import InvalidInputError, OffloadError
+from autopar.runtime.local_pool import LocalPool
 
 import offload_jobs as jobs
 from parallelize_jobs import EPS, LR, batches, make_model
@@ -30,7 +31,7 @@ SHAPES = [(2, 1, 0, False), (2, 1, 1, True), (2, 1, 2, False), (2, 1, 3, True), 
 
 
 @pytest.mark.distributed
-def test_offloaded_training_equals_the_step_in_memory(tmp_path, shared_pool2):
+def test_offloaded_training_equals_the_step_in_memory(tmp_path):
     # "optimizer" on a CPU process is the in-memory step (the device is the host): its plumbing
     # is run once, in bf16 under ZeRO-3, where the master weights are a tensor of their own
     configs, compared = [], []
@@ -41,7 +42,8 @@ def test_offloaded_training_equals_the_step_in_memory(tmp_path, shared_pool2):
             pins = dict(dp=dp, pp=pp, tp=1, num_micro_batches=2, zero=zero, offload=offload)
             configs.append(("gpt", pins, mixed))
         compared += [(base, base + j, offload) for j, offload in enumerate(modes) if j]
-    per_rank = shared_pool2.run(jobs.train, configs, str(tmp_path), timeout_s=600)
+    with LocalPool(2, timeout_s=300) as pool:
+        per_rank = pool.run(jobs.train, configs, str(tmp_path), timeout_s=600)
     assert {offload for _, _, offload in compared} == {"disk", "optimizer"}
     for i, k, offload in compared:
         base = per_rank[0][i]

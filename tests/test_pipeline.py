@@ -19,6 +19,7 @@ import torch.distributed as dist
 from autopar import capture
 from autopar.passes.split_stages import split_into_stages
 from autopar.plan_types import ScheduleKind
+from autopar.runtime.local_pool import LocalPool
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.runtime.schedules import build_schedule
@@ -172,9 +173,10 @@ def _configs(cases, p):
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_matches_single_process_pp2(cases, shared_pool2):
+def test_pipeline_matches_single_process_pp2(cases):
     configs = _configs(cases, 2)
-    per_rank = shared_pool2.run(train_pipelines, configs)
+    with LocalPool(2, timeout_s=240, collective_timeout_s=60) as pool:
+        per_rank = pool.run(train_pipelines, configs)
     _check(cases, configs, per_rank, "pp=2")
     # every configuration overlapped some receive with the compute before it (gloo)
     for i, config in enumerate(configs):
@@ -187,14 +189,15 @@ def test_pipeline_matches_single_process_pp2(cases, shared_pool2):
 
 
 @pytest.mark.timeout(400)
-def test_pipeline_matches_single_process_pp4(cases, shared_pool4):
+def test_pipeline_matches_single_process_pp4(cases):
     configs = _configs(cases, 4)
-    per_rank = shared_pool4.run(train_pipelines, configs)
-    _check(cases, configs, per_rank, "pp=4")
-    # a 2 x 2 mesh (pp=2, tp=2): pipeline peers stride by tp; each tp column runs the
-    # (unsharded) stages, so both columns must reproduce the reference
-    mesh_configs = [c for c in _configs(cases, 2) if c[0] == "own-gpt" and c[6] == 2]
-    per_rank = shared_pool4.run(train_pipelines, mesh_configs, dp=1, pp=2, tp=2)
+    with LocalPool(4, timeout_s=360, collective_timeout_s=60) as pool:
+        per_rank = pool.run(train_pipelines, configs)
+        _check(cases, configs, per_rank, "pp=4")
+        # a 2 x 2 mesh (pp=2, tp=2): pipeline peers stride by tp; each tp column runs the
+        # (unsharded) stages, so both columns must reproduce the reference
+        mesh_configs = [c for c in _configs(cases, 2) if c[0] == "own-gpt" and c[6] == 2]
+        per_rank = pool.run(train_pipelines, mesh_configs, dp=1, pp=2, tp=2)
     for column in ((0, 2), (1, 3)):
         _check(cases, mesh_configs, [per_rank[r] for r in column], f"tp column {column}")
     split8 = cases["hf-gpt"]["splits"][(4, 2)]

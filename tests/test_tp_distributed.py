@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.runtime.local_pool import LocalPool
 from autopar.ir import info, op_name
 from autopar.sharding import Collective
 from autopar.tensor_parallel import Direction, tensor_parallelize
@@ -28,14 +29,16 @@ from tp_helpers import (TINY_COST, block_layers, build_cumsum_mlp, build_rms_gpt
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture
-def pool2(shared_pool2):
-    return shared_pool2
+@pytest.fixture(scope="module")
+def pool2():
+    with LocalPool(2, timeout_s=300) as pool:
+        yield pool
 
 
-@pytest.fixture
-def pool4(shared_pool4):
-    return shared_pool4
+@pytest.fixture(scope="module")
+def pool4():
+    with LocalPool(4, timeout_s=300) as pool:
+        yield pool
 
 ABS = 1e-5
 REL = 1e-4
