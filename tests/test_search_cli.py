@@ -9,6 +9,7 @@ import pytest
 
 from autopar import Cluster
 from autopar.cli import main
+from autopar.planner import calibration
 from autopar.planner.calibration import fit_ring
 
 PLAN_KEYS = {"dp", "tp", "pp", "virtual_stages", "micro_batch_size", "num_micro_batches",
@@ -175,6 +176,12 @@ def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):
     for spec in cluster.collectives.values():
         assert 0 < spec.latency_s < 0.1 and spec.bus_bandwidth > 1e7
     assert 0 <= cluster.collective_latency_s < 0.05
+    # --quick stops the attention table at ATTENTION_QUICK_MAX_SEQ (every head size measured),
+    # and the file's source says which rows it holds
+    rows = {(r[0], r[1]) for r in cluster.device.attention_table}
+    assert rows == {(s, d) for s in calibration.ATTENTION_SEQ
+                    if s <= calibration.ATTENTION_QUICK_MAX_SEQ for d in calibration.ATTENTION_HEAD}
+    assert str(sorted({int(s) for s, _ in rows})) in cluster.sources["device.attention_table"]
     # a CPU GEMM's bias broadcast, priced per output element (forward, backward)
     assert all(t > 0 for t in cluster.device.op_table["linear.bias"])
     # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic at the
