@@ -28,12 +28,24 @@ from typing import Any, Callable, Iterator
 from autopar.errors import CommunicationTimeoutError
 
 __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default_timeout",
-           "default_timeout", "DEFAULT_TIMEOUT_S"]
+           "default_timeout", "DEFAULT_TIMEOUT_S", "note_failure", "failure_count"]
 
 #: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 300.0
 
-_state: dict[str, Any] = {"rank": "", "activity": "", "timeout": None}
+_state: dict[str, Any] = {"rank": "", "activity": "", "timeout": None, "failures": 0}
+
+
+def note_failure() -> None:
+    """Count a failed transfer or collective of this process (a wait that timed out or lost a
+    peer, an executor shut down): a group that saw one may hold a half-finished operation, so
+    the shared groups (runtime/groups.py) are not reused after it."""
+    _state["failures"] += 1
+
+
+def failure_count() -> int:
+    """Failed transfers and collectives this process has seen (:func:`note_failure`)."""
+    return int(_state["failures"])
 
 
 def default_timeout() -> timedelta:
@@ -93,6 +105,7 @@ def wait_work(work: Any, what: str, timeout: timedelta | float | None = None) ->
     try:
         work.wait(limit)
     except RuntimeError as exc:  # DistBackendError is a RuntimeError
+        note_failure()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         timed_out = "timed out" in first.lower() or "timeout" in first.lower()
         during = f" during {_state['activity']}" if _state["activity"] else ""

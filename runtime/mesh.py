@@ -36,12 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanMismatchError
 from autopar.runtime.comm import DEFAULT_TIMEOUT_S, default_timeout, set_rank_label
+from autopar.runtime.groups import shared
 
 __all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4",
            "rank_grid"]
@@ -114,8 +116,11 @@ class ParallelMesh:
         grid = rank_grid(dp, cp, pp, tp, self.cp_innermost)  # [d, c, p, t] -> global rank
         self._grid = grid.reshape(dp * cp, pp, tp)  # [replica, p, t] -> global rank
         # collective: every rank creates every group
-        self._device_mesh = _device_mesh(self.device_type, dp, cp, pp, tp, self.cp_innermost,
-                                         self.timeout)
+        # one DeviceMesh per layout in a process, reused by every model of it (runtime/groups.py)
+        layout = (self.device_type, dp, cp, pp, tp, self.cp_innermost,
+                  self.timeout.total_seconds())
+        self._device_mesh = shared(("mesh", *layout), lambda: _device_mesh(
+            self.device_type, dp, cp, pp, tp, self.cp_innermost, self.timeout), self.timeout)
         d, c, p, t = self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank
         r = self.replica_rank
         axes = [("dp", "dp", grid[:, c, p, t]), ("pp", "pp", grid[d, c, :, t]),
@@ -152,16 +157,19 @@ class ParallelMesh:
             return
         blocks = {"ep": [[d for d in range(dp) if d // ep == g] for g in range(dp // ep)],
                   "expert_replica": [[d for d in range(dp) if d % ep == e] for e in range(ep)]}
-        for name, lists in blocks.items():
-            for p in range(self.pp):
-                for t in range(self.tp):
-                    for ds in lists:
-                        ranks = tuple(int(grid[d, 0, p, t]) for d in ds)
-                        group = dist.new_group(list(ranks), timeout=self.timeout) \
-                            if len(ranks) > 1 else None
-                        if self.rank in ranks:
-                            self.axes[name] = _Axis(name, len(ranks), group, ranks,
-                                                    ranks.index(self.rank))
+        lists = [(name, tuple(int(grid[d, 0, p, t]) for d in ds))
+                 for name, of_name in blocks.items() for p in range(self.pp)
+                 for t in range(self.tp) for ds in of_name]
+
+        def make() -> list[Any]:
+            return [dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
+                    for _, ranks in lists]
+
+        groups = shared(("expert", self.device_type, dp, self.pp, self.tp, ep,
+                         self.timeout.total_seconds()), make, self.timeout)
+        for (name, ranks), group in zip(lists, groups):
+            if self.rank in ranks:
+                self.axes[name] = _Axis(name, len(ranks), group, ranks, ranks.index(self.rank))
 
     def _axis(self, name: str, ranks: tuple[int, ...], dim: str | None = None) -> _Axis:
         group = self._device_mesh.get_group(dim or name) if len(ranks) > 1 else None

@@ -62,7 +62,8 @@ from autopar.errors import (
 )
 from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
-from autopar.runtime.comm import wait_work
+from autopar.runtime.comm import note_failure, wait_work
+from autopar.runtime.groups import forget, shared
 from autopar.runtime.schedules import (
     Action,
     ActionKind,
@@ -260,14 +261,13 @@ class PipelineExecutor:
         mesh = self.mesh
         if mesh.pp == 1:
             return None
-        mine = None
-        for d in range(mesh.replicas):
-            for t in range(mesh.tp):
-                ranks = [mesh.rank_at(d, q, t) for q in range(mesh.pp)]
-                group = dist.new_group(ranks, timeout=self.timeout)
-                if mesh.rank in ranks:
-                    mine = group
-        return mine
+        columns = [tuple(mesh.rank_at(d, q, t) for q in range(mesh.pp))
+                   for d in range(mesh.replicas) for t in range(mesh.tp)]
+        # kept for the process's next model of this layout (runtime/groups.py)
+        groups = shared(("p2p", tuple(columns), self.timeout.total_seconds()),
+                        lambda: [dist.new_group(list(ranks), timeout=self.timeout)
+                                 for ranks in columns], self.timeout)
+        return next(g for ranks, g in zip(columns, groups) if mesh.rank in ranks)
 
     def _shut_down(self, exc: BaseException) -> None:
         """After a failure: drop the point-to-point group (on gloo the last reference going
@@ -276,8 +276,10 @@ class PipelineExecutor:
         text = str(exc)
         self._broken = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
         self._pending_sends = []
+        note_failure()  # the shared groups are created anew for the next model
         group, self._p2p = self._p2p, None
         if group is not None:
+            forget(group)
             try:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001 - best effort; the original error matters
@@ -301,16 +303,17 @@ class PipelineExecutor:
             if len(ranks) > 1:
                 by_ranks.setdefault(ranks, []).append(fqn)
         mesh = self.mesh
-        mine = []
-        for pp_ranks, fqns in sorted(by_ranks.items()):
-            for d in range(mesh.replicas):
-                for t in range(mesh.tp):
-                    ranks = [mesh.rank_at(d, q, t) for q in pp_ranks]
-                    group = dist.new_group(ranks, timeout=self.timeout)
-                    if mesh.rank in ranks:
-                        assert mesh.pp_rank in pp_ranks
-                        mine.append((tuple(f for f in fqns if f in self.params), group))
-        return mine
+        sets = [(fqns, tuple(mesh.rank_at(d, q, t) for q in pp_ranks))
+                for pp_ranks, fqns in sorted(by_ranks.items())
+                for d in range(mesh.replicas) for t in range(mesh.tp)]
+        if not sets:
+            return []
+        groups = shared(("tied", tuple(ranks for _, ranks in sets),
+                         self.timeout.total_seconds()),
+                        lambda: [dist.new_group(list(ranks), timeout=self.timeout)
+                                 for _, ranks in sets], self.timeout)
+        return [(tuple(f for f in fqns if f in self.params), group)
+                for (fqns, ranks), group in zip(sets, groups) if mesh.rank in ranks]
 
     def _sync_tied_gradients(self) -> None:
         for fqns, group in self._tied:
