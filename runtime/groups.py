@@ -26,6 +26,7 @@ them), so a process leaks groups only after failures.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from autopar.runtime.comm import collective, failure_count
 
-__all__ = ["shared", "shared_keys", "forget"]
+__all__ = ["shared", "shared_keys", "forget", "forgotten"]
 
 T = TypeVar("T")
 
@@ -51,6 +52,8 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+#: Groups dropped by :func:`forget` (and destroyed by the executor that failed).
+_FORGOTTEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def shared_keys() -> list[Hashable]:
@@ -98,7 +101,15 @@ def forget(group: Any) -> None:
     """Drop this process's reference to ``group`` (an executor that failed destroys its
     point-to-point group, and on gloo the last reference going is what closes the connections,
     so that its neighbours fail now rather than at their timeout). Local: the failure it follows
-    has made every rank drop its set at the next :func:`shared`."""
+    has made every rank drop its set at the next :func:`shared`. Another live model of the same
+    layout that shares the group sees :func:`forgotten` and refuses its next step by name."""
     reg = _REGISTRY
     reg.entries = {k: v for k, v in reg.entries.items()
                    if not (v is group or (isinstance(v, list) and any(g is group for g in v)))}
+    _FORGOTTEN.add(group)
+
+
+def forgotten(group: Any) -> bool:
+    """Whether ``group`` was dropped by :func:`forget`: a model of the same layout that failed
+    closed it, and a model still holding it must be rebuilt."""
+    return group is not None and group in _FORGOTTEN

@@ -63,7 +63,7 @@ from autopar.errors import (
 from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import note_failure, wait_work
-from autopar.runtime.groups import forget, shared
+from autopar.runtime.groups import forget, forgotten, shared
 from autopar.runtime.schedules import (
     Action,
     ActionKind,
@@ -291,6 +291,12 @@ class PipelineExecutor:
         if self._broken is not None:
             raise PlanMismatchError("this pipeline executor failed in an earlier step and was shut "
                                     "down", found=self._broken,
+                                    fix="rebuild the parallel model (autopar.parallelize) to go on")
+        if forgotten(self._p2p):
+            raise PlanMismatchError("this pipeline executor's point-to-point group was closed by "
+                                    "another model of the same layout, which failed",
+                                    expected="groups shared with live models only",
+                                    found="its group destroyed after that model's failure",
                                     fix="rebuild the parallel model (autopar.parallelize) to go on")
 
     # -- tied weights ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.errors import PlanMismatchError
 import parallelize_jobs as jobs
 from autopar.runtime.comm import note_failure
 from autopar.runtime.groups import shared_keys
@@ -43,12 +44,12 @@ def _state(pm):
 
 def models_in_turn(name: str, pins: dict, steps: int = 3) -> dict:
     """Threads and groups across models of one layout closed one after another; two models of
-    that layout alive at once, stepped in turn (their groups are the same ones); a failure
-    counted on rank 0 alone, after which every rank creates its groups anew (else rank 0 would
-    create groups its peers reuse, and all would hang)."""
+    that layout alive at once, stepped in turn (their groups are the same ones), then one of
+    them failing; a failure counted on rank 0 alone, after which every rank creates its groups
+    anew (else rank 0 would create groups its peers reuse, and all would hang)."""
     data = jobs.batches(name, steps)
     out: dict = {"threads": [_threads()], "groups": [_groups()]}
-    for _ in range(3):
+    for _ in range(2):
         pm = _parallelize(name, pins, data)
         pm.train_step(*data[0])
         pm.close()
@@ -58,7 +59,6 @@ def models_in_turn(name: str, pins: dict, steps: int = 3) -> dict:
     keys = shared_keys()
     first, second = _parallelize(name, pins, data), _parallelize(name, pins, data)
     out["same_mesh"] = first.mesh.device_mesh is second.mesh.device_mesh
-    mesh_before = first.mesh.device_mesh
     out["keys_kept"] = shared_keys() == keys
     losses: dict[str, list[float]] = {"first": [], "second": []}
     for inputs, targets in data:
@@ -66,10 +66,24 @@ def models_in_turn(name: str, pins: dict, steps: int = 3) -> dict:
         losses["second"].append(second.train_step(inputs, targets))
     out["two_alive"] = [dict(losses=losses[k], state=_state(pm))
                         for k, pm in (("first", first), ("second", second))]
+    # the first fails (its executor shuts down, destroying the point-to-point group both use):
+    # the second refuses its next step by name, not with torch's unregistered-group error
+    first.executor._shut_down(RuntimeError("a failure for the test"))
+    try:
+        second.train_step(*data[0])
+        out["second_after_failure"] = "trained"
+    except PlanMismatchError as exc:
+        out["second_after_failure"] = str(exc)
+    mesh_before = first.mesh.device_mesh
     first.close()
     second.close()
     del first, second
-    if dist.get_rank() == 0:
+    every = _parallelize(name, pins, data)  # every rank counted the failure: all create anew
+    out["rebuilt_after_all"] = every.mesh.device_mesh is not mesh_before
+    mesh_before = every.mesh.device_mesh
+    every.close()
+    del every
+    if dist.get_rank() == 0:  # rank 0 alone: the agreement makes its peers create anew too
         note_failure()
     after = _parallelize(name, pins, data)
     out["rebuilt"] = after.mesh.device_mesh is not mesh_before
