@@ -451,8 +451,9 @@ class ParallelModel(ModelState):
         return h.hexdigest()[:16]
 
     def close(self) -> None:
-        """Release the data-parallel engine's hooks and groups (collective). ZeRO-3 parameters
-        are not gathered first: the model is done."""
+        """Release the data-parallel engine's hooks (ZeRO-3 parameters are not gathered first:
+        the model is done). The process groups stay for the process's next model of the same
+        layout (runtime/groups.py), which reuses them instead of creating more."""
         self.data_parallel.close(gather=False)
 
 

@@ -719,13 +719,11 @@ class DataParallel:
         self.units = []
 
     def close(self, gather: bool = True) -> None:
-        """Remove the hooks (see :meth:`remove`) and destroy the process groups this object
-        created. Collective."""
+        """Remove the hooks (see :meth:`remove`) and close the offload pager. The process
+        groups stay for the process's next model of this layout (runtime/groups.py)."""
         self.remove(gather)
         if self.pager is not None:
             self.pager.close()
-        self.groups.destroy()
-        self.tied.destroy()
 
     def __repr__(self) -> str:
         return (f"DataParallel(zero={int(self.config.zero)}, buckets={len(self.buckets)}, "

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from autopar.errors import InvalidInputError
 from autopar.runtime.dp_spec import ParamSpec
+from autopar.runtime.groups import shared
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.zero import wait_work
 
@@ -45,7 +46,8 @@ class TiedGroups:
                 declared.setdefault(key, []).append((r, name, shape))
         self.groups: dict[tuple, dist.ProcessGroup] = {}
         self.by_name: dict[str, tuple] = {}
-        for key in sorted(declared):
+        keys = sorted(declared)
+        for key in keys:
             ranks, tie_id = key
             holders = declared[key]
             found = sorted(r for r, _, _ in holders)
@@ -68,16 +70,16 @@ class TiedGroups:
                                         expected="ranks with one data-parallel coordinate",
                                         found=f"dp coordinates {sorted(dps)}",
                                         fix="tie the copies within one replica (one pipeline)")
-            group = dist.new_group(list(ranks), timeout=mesh.timeout)
-            if rank in ranks:
+        # one group per tie, every rank creating every group in one order; kept for the
+        # process's next model with the same ties (runtime/groups.py), not destroyed
+        groups = shared(("tied-dp", tuple(keys), mesh.timeout.total_seconds()),
+                        lambda: [dist.new_group(list(ranks), timeout=mesh.timeout)
+                                 for ranks, _ in keys], mesh.timeout)
+        for key, group in zip(keys, groups):
+            if rank in key[0]:
                 self.groups[key] = group
         for _, name, _ in [m for m in mine]:
             self.by_name[name] = specs[name].tie_key
-
-    def destroy(self) -> None:
-        for g in self.groups.values():
-            dist.destroy_process_group(g)
-        self.groups = {}
 
     def group_of(self, name: str) -> tuple[dist.ProcessGroup, int] | None:
         """(group, source rank) of a tied parameter of this rank, else None."""

@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from autopar.errors import InvalidInputError
 from autopar.runtime.comm import wait_work  # noqa: F401  (re-exported: the shared helper)
+from autopar.runtime.groups import shared
 from autopar.runtime.optim import MixedPrecision
 
 __all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "wait_work",
@@ -95,13 +96,6 @@ class ShardGroups:
                              f"{self.replicate_size} must equal the data-parallel size "
                              f"{self.dp_size}")
 
-    def destroy(self) -> None:
-        """Destroy the hybrid groups this object created (the mesh's dp group is not ours)."""
-        if self.replicate_size > 1:
-            for g in (self.shard_group, self.replicate_group):
-                if g is not None:
-                    dist.destroy_process_group(g)
-
     @classmethod
     def of_group(cls, group: dist.ProcessGroup | None) -> "ShardGroups":
         """One group both reduced and sharded over (no hybrid split): expert weights' ranks."""
@@ -125,17 +119,24 @@ class ShardGroups:
                        mesh.replica_rank, None, 1, 0)
         shard_group = replicate_group = None
         rank = mesh.rank
-        for ranks in mesh.replica_rank_lists():  # every rank creates every group
-            for r in range(replicate):
-                block = ranks[r * shard_size:(r + 1) * shard_size]
-                g = dist.new_group(block, timeout=timeout) if len(block) > 1 else None
-                if rank in block:
-                    shard_group = g
-            for s in range(shard_size):
-                column = ranks[s::shard_size]
-                g = dist.new_group(column, timeout=timeout)
-                if rank in column:
-                    replicate_group = g
+        blocks = [tuple(ranks[r * shard_size:(r + 1) * shard_size])
+                  for ranks in mesh.replica_rank_lists() for r in range(replicate)]
+        columns = [tuple(ranks[s::shard_size])
+                   for ranks in mesh.replica_rank_lists() for s in range(shard_size)]
+
+        def make() -> list[Any]:  # every rank creates every group, in one order
+            return ([dist.new_group(list(b), timeout=timeout) if len(b) > 1 else None
+                     for b in blocks]
+                    + [dist.new_group(list(c), timeout=timeout) for c in columns])
+
+        # kept for the process's next model of this layout (runtime/groups.py), not destroyed
+        groups = shared(("hybrid", tuple(blocks), timeout.total_seconds()), make, timeout)
+        for block, g in zip(blocks, groups[:len(blocks)]):
+            if rank in block:
+                shard_group = g
+        for column, g in zip(columns, groups[len(blocks):]):
+            if rank in column:
+                replicate_group = g
         r = mesh.replica_rank
         return cls(mesh.replica_group, dp, r, shard_group, shard_size, r % shard_size,
                    replicate_group, replicate, r // shard_size)

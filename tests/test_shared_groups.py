@@ -14,8 +14,8 @@ from autopar.runtime.local_pool import LocalPool
 from test_parallelize import _compare
 
 #: dp 2 x pp 2 on a tied GPT: a DeviceMesh (three dims), the pipeline's point-to-point groups and
-#: the data-parallel engine's groups (destroyed at close); 4 gloo groups and 12 threads per model
-#: before the groups were shared.
+#: the data-parallel engine's tie groups (embedding and LM head on two stages); 4 gloo groups and
+#: 12 threads per closed model before the groups were shared.
 PINS = dict(dp=2, pp=2, tp=1, num_micro_batches=2)
 
 
