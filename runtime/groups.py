@@ -30,14 +30,14 @@ import weakref
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from autopar.runtime.comm import collective, failure_count
 
-__all__ = ["shared", "shared_keys", "forget", "forgotten"]
+__all__ = ["shared", "shared_new_groups", "shared_keys", "forget", "forgotten"]
 
 T = TypeVar("T")
 
@@ -95,6 +95,17 @@ def shared(key: Hashable, make: Callable[[], T], timeout: timedelta) -> T:
     if key not in entries:
         entries[key] = make()
     return entries[key]
+
+
+def shared_new_groups(kind: str, rank_lists: Sequence[Sequence[int]], timeout: timedelta
+                      ) -> list[Any]:
+    """One group per rank list (None for a list of one rank), every rank creating every group in
+    list order, through :func:`shared`: created once per process for these lists and this
+    timeout. The result is in the order of ``rank_lists``."""
+    lists = tuple(tuple(int(r) for r in ranks) for ranks in rank_lists)
+    return shared((kind, lists, timeout.total_seconds()),
+                  lambda: [dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1
+                           else None for ranks in lists], timeout)
 
 
 def forget(group: Any) -> None:

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanMismatchError
 from autopar.runtime.comm import DEFAULT_TIMEOUT_S, default_timeout, set_rank_label
-from autopar.runtime.groups import shared
+from autopar.runtime.groups import shared, shared_new_groups
 
 __all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4",
            "rank_grid"]
@@ -160,13 +159,7 @@ class ParallelMesh:
         lists = [(name, tuple(int(grid[d, 0, p, t]) for d in ds))
                  for name, of_name in blocks.items() for p in range(self.pp)
                  for t in range(self.tp) for ds in of_name]
-
-        def make() -> list[Any]:
-            return [dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
-                    for _, ranks in lists]
-
-        groups = shared(("expert", self.device_type, dp, self.pp, self.tp, ep,
-                         self.timeout.total_seconds()), make, self.timeout)
+        groups = shared_new_groups("expert", [ranks for _, ranks in lists], self.timeout)
         for (name, ranks), group in zip(lists, groups):
             if self.rank in ranks:
                 self.axes[name] = _Axis(name, len(ranks), group, ranks, ranks.index(self.rank))

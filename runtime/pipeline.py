@@ -63,7 +63,7 @@ from autopar.errors import (
 from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import note_failure, wait_work
-from autopar.runtime.groups import forget, forgotten, shared
+from autopar.runtime.groups import forget, forgotten, shared_new_groups
 from autopar.runtime.schedules import (
     Action,
     ActionKind,
@@ -264,9 +264,7 @@ class PipelineExecutor:
         columns = [tuple(mesh.rank_at(d, q, t) for q in range(mesh.pp))
                    for d in range(mesh.replicas) for t in range(mesh.tp)]
         # kept for the process's next model of this layout (runtime/groups.py)
-        groups = shared(("p2p", tuple(columns), self.timeout.total_seconds()),
-                        lambda: [dist.new_group(list(ranks), timeout=self.timeout)
-                                 for ranks in columns], self.timeout)
+        groups = shared_new_groups("p2p", columns, self.timeout)
         return next(g for ranks, g in zip(columns, groups) if mesh.rank in ranks)
 
     def _shut_down(self, exc: BaseException) -> None:
@@ -314,10 +312,7 @@ class PipelineExecutor:
                 for d in range(mesh.replicas) for t in range(mesh.tp)]
         if not sets:
             return []
-        groups = shared(("tied", tuple(ranks for _, ranks in sets),
-                         self.timeout.total_seconds()),
-                        lambda: [dist.new_group(list(ranks), timeout=self.timeout)
-                                 for _, ranks in sets], self.timeout)
+        groups = shared_new_groups("tied", [ranks for _, ranks in sets], self.timeout)
         return [(tuple(f for f in fqns if f in self.params), group)
                 for (fqns, ranks), group in zip(sets, groups) if mesh.rank in ranks]
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from autopar.errors import InvalidInputError
 from autopar.runtime.dp_spec import ParamSpec
-from autopar.runtime.groups import shared
+from autopar.runtime.groups import shared_new_groups
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.zero import wait_work
 
@@ -72,9 +72,7 @@ class TiedGroups:
                                         fix="tie the copies within one replica (one pipeline)")
         # one group per tie, every rank creating every group in one order; kept for the
         # process's next model with the same ties (runtime/groups.py), not destroyed
-        groups = shared(("tied-dp", tuple(keys), mesh.timeout.total_seconds()),
-                        lambda: [dist.new_group(list(ranks), timeout=mesh.timeout)
-                                 for ranks, _ in keys], mesh.timeout)
+        groups = shared_new_groups("tied-dp", [ranks for ranks, _ in keys], mesh.timeout)
         for key, group in zip(keys, groups):
             if rank in key[0]:
                 self.groups[key] = group

@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from autopar.errors import InvalidInputError
 from autopar.runtime.comm import wait_work  # noqa: F401  (re-exported: the shared helper)
-from autopar.runtime.groups import shared
+from autopar.runtime.groups import shared_new_groups
 from autopar.runtime.optim import MixedPrecision
 
 __all__ = ["ZeroStage", "ShardGroups", "ParamSlot", "FlatBucket", "wait_work",
@@ -123,14 +123,8 @@ class ShardGroups:
                   for ranks in mesh.replica_rank_lists() for r in range(replicate)]
         columns = [tuple(ranks[s::shard_size])
                    for ranks in mesh.replica_rank_lists() for s in range(shard_size)]
-
-        def make() -> list[Any]:  # every rank creates every group, in one order
-            return ([dist.new_group(list(b), timeout=timeout) if len(b) > 1 else None
-                     for b in blocks]
-                    + [dist.new_group(list(c), timeout=timeout) for c in columns])
-
         # kept for the process's next model of this layout (runtime/groups.py), not destroyed
-        groups = shared(("hybrid", tuple(blocks), timeout.total_seconds()), make, timeout)
+        groups = shared_new_groups("hybrid", blocks + columns, timeout)
         for block, g in zip(blocks, groups[:len(blocks)]):
             if rank in block:
                 shard_group = g
