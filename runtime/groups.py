@@ -1,7 +1,8 @@
 """Process groups shared by the models of one process: created once per layout, reused after.
 
 A parallel model needs groups: its DeviceMesh's (one per mesh dimension, size-1 dimensions
-included), the pipeline's point-to-point groups, its tied-weight groups. On gloo each group keeps
+included), the pipeline's point-to-point groups, its tied-weight groups, the expert-parallel
+groups, the data-parallel engine's hybrid-shard and tie groups. On gloo each group keeps
 a thread per peer and two work threads until it is destroyed, and torch keeps every group in its
 registry until then; a process that parallelizes one model after another (a notebook, ``autopar
 verify`` across plans, a test pool) would gather them without bound (12 threads per closed dp 2 x
