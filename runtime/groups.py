@@ -27,6 +27,8 @@ them), so a process leaks groups only after failures.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -55,6 +57,19 @@ class _Registry:
 _REGISTRY = _Registry()
 #: Groups dropped by :func:`forget` (and destroyed by the executor that failed).
 _FORGOTTEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _release_at_exit() -> None:
+    """Drop the held groups while the interpreter is still whole: a group whose last reference
+    goes during the interpreter's teardown (a module global outliving ``destroy_process_group``)
+    can end with its threads still joinable, which aborts the process ("terminate called
+    without an active exception", seen once in a restarted ``autopar run`` job)."""
+    _REGISTRY.entries = {}
+    _REGISTRY.world = None
+    gc.collect()
+
+
+atexit.register(_release_at_exit)
 
 
 def shared_keys() -> list[Hashable]:
