@@ -1,7 +1,7 @@
 """A pool of local processes sharing one process group, for tests, benchmarks and verification.
 
 Starting a process group costs seconds (interpreter, torch import, rendezvous); tests run dozens of
-configurations. ``LocalPool(world_size)`` spawns the processes once (gloo by default, ``file://``
+configurations. ``LocalPool(world_size)`` starts the processes once (gloo by default, ``file://``
 rendezvous, one CPU thread each) and runs many jobs in them::
 
     with LocalPool(4) as pool:
@@ -14,6 +14,13 @@ rank's exception) raised here. When a worker dies mid-job, the survivors get ``d
 to report what they saw (their own errors, e.g. a CommunicationTimeoutError naming the lost
 peer), which the raised :class:`RemoteError` carries. The pool then restarts on its next job.
 Never a hang.
+
+The workers are forked from Python's forkserver, which imports torch and autopar once per parent
+process (:data:`PRELOAD`): a new pool of 4 starts in ~0.1 s instead of ~4.5 s of four spawned
+interpreters each importing torch on two cores, so tests can give each configuration family its
+own pool. A worker still starts clean: the server only imported (forking after ``import torch`` is
+what DataLoader's workers do) and never touched CUDA or a process group, the parent's main module
+is imported anew in each worker, and the parent's environment is copied in.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -45,6 +46,29 @@ def _hang():
     if dist.get_rank() == 0:
         time.sleep(60)
     return dist.get_rank()
+
+
+def _environment(name):
+    return os.environ.get(name), torch.get_num_threads()
+
+
+def test_pools_start_in_a_blink_and_see_the_parents_environment_of_their_start(monkeypatch):
+    """Workers are forked from a server that imported torch and autopar once: a pool of 4
+    starts and closes in well under a second once the server runs (spawned interpreters took
+    ~6 s on two cores). Each sees the parent's environment as it was when its pool started,
+    not the server's (started earlier, under other variables)."""
+    with LocalPool(2, timeout_s=60) as pool:  # the server is running from here on
+        pool.run(_environment, "HOME")
+    monkeypatch.setenv("AUTOPAR_POOL_PROBE", "one")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    start = time.perf_counter()
+    with LocalPool(4, timeout_s=60) as pool:
+        seen = pool.run(_environment, "AUTOPAR_POOL_PROBE")
+    assert time.perf_counter() - start < 3.0  # generous: ~0.1 s measured, 6.3 s spawned
+    assert seen == [("one", 1)] * 4  # one thread each, whatever OMP_NUM_THREADS says
+    monkeypatch.delenv("AUTOPAR_POOL_PROBE")
+    with LocalPool(2, timeout_s=60) as pool:
+        assert pool.run(_environment, "AUTOPAR_POOL_PROBE") == [(None, 1)] * 2
 
 
 def test_jobs_share_one_group():
