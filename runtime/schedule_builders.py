@@ -125,13 +125,74 @@ def zb_v(p: int, m: int) -> PipelineSchedule:
     (p - 1) F, half of ZB-H1's at the same peak memory: 2p stage-micro-batches in flight, 1F1B's
     first rank's p micro-batches.
 
-    The lists come from list scheduling at unit times (F = I = W = 1, the case the paper's
-    hand-made schedule is built for): every rank, when free, runs the first ready action of
-    chunk 1's forward, chunk 0's input gradient, chunk 0's forward (at most 2p chunk-micro-batches
-    in flight), chunk 1's input gradient, the oldest weight gradient; while forwards remain, an
-    input gradient is followed by its weight gradient (the steady state F-I-W of the paper, which
-    keeps the lists robust when I and W differ). The resulting order is deadlock-free for any
-    durations (it is a topological order of the dependencies); the simulator checks it."""
+    From m = 2p - 1 micro-batches on, the paper's hand-made lists (:func:`_zb_v_paper`), which
+    need that many to fill the V; below, lists from list scheduling (:func:`_zb_v_listed`).
+    Both are deadlock-free for any durations (topological orders of the dependencies; the
+    simulator checks them). Where both exist, the paper's were never slower in the simulator
+    (7 duration profiles, p = 2..8, m = 2p - 1..8p: up to 5% faster when the last stage or I
+    is heavier) and measured 1-3% faster on gloo (benchmarks/README.md, "Pipeline")."""
+    check_counts(p, m)
+    return _zb_v_paper(p, m) if m >= 2 * p - 1 else _zb_v_listed(p, m)
+
+
+def _zb_v_paper(p: int, m: int) -> PipelineSchedule:
+    """The paper's ZB-V lists (Qi et al. 2024, section 6 and its figure of ZB-V), for
+    m >= 2p - 1. Rank r, with chunk a = stage r (down the V) and chunk b = stage 2p - 1 - r (up):
+
+    - warm-up: 2(p - r) - 1 forwards of a; r pairs (F of b, F of a); p - r triples (F, I, W of
+      b), which start b's backwards as soon as its forwards reach the bottom of the V;
+    - steady state: F of a (while a has forwards left), I and W of a, then F, I and W of b,
+      until both chunks have run every forward;
+    - cool-down: r pairs of input gradients (I of a, I of b), then p - r pairs (I of a, the
+      oldest W of a), then the weight gradients left, b's before a's (the W's fill the drain).
+    """
+    stages = 2 * p
+    ranks = []
+    for r in range(p):
+        a, b = r, stages - 1 - r
+        done = {(s, kind): 0 for s in (a, b) for kind in ActionKind}  # next micro-batch
+        out: list[Action] = []
+
+        def run(s: int, kind: ActionKind) -> None:
+            k = done[(s, kind)]
+            done[(s, kind)] = k + 1
+            out.append(Action(s, kind, k))
+
+        F, I, W = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+        for _ in range(2 * (p - r) - 1):
+            run(a, F)
+        for _ in range(r):
+            run(b, F)
+            run(a, F)
+        for _ in range(p - r):
+            for kind in (F, I, W):
+                run(b, kind)
+        while done[(a, F)] < m or done[(b, F)] < done[(a, F)]:
+            if done[(a, F)] < m:
+                run(a, F)
+            for s, kind in ((a, I), (a, W), (b, F), (b, I), (b, W)):
+                run(s, kind)
+        for _ in range(r):
+            run(a, I)
+            run(b, I)
+        for _ in range(p - r):
+            run(a, I)
+            run(a, W)
+        for s in (b, a):
+            while done[(s, W)] < m:
+                run(s, W)
+        assert all(done[(s, kind)] == m for s in (a, b) for kind in (F, I, W)), (p, m, r)
+        ranks.append(tuple(out))
+    return PipelineSchedule(tuple(ranks), m, ScheduleKind.ZB_V)
+
+
+def _zb_v_listed(p: int, m: int) -> PipelineSchedule:
+    """ZB-V lists from list scheduling at unit times (F = I = W = 1): every rank, when free,
+    runs the first ready action of chunk 1's forward, chunk 0's input gradient, chunk 0's
+    forward (at most 2p chunk-micro-batches in flight), chunk 1's input gradient, the oldest
+    weight gradient; while forwards remain, an input gradient is followed by its weight gradient
+    (the steady state F-I-W of the paper, which keeps the lists robust when I and W differ).
+    For any m; :func:`zb_v` uses it below 2p - 1, where the paper's lists do not fill the V."""
     check_counts(p, m)
     stages = 2 * p
     cap = 2 * p

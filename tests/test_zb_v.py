@@ -104,21 +104,23 @@ def test_bubble_is_the_papers_and_half_of_zb_h1(p):
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
-def test_as_fast_as_torchs_zb_v_at_the_same_memory(p):
-    """torch's hand-made ZB-V lists through the same simulator: ours are as fast when F = I = W
-    (torch assumes m >= 2p - 1), within 2% when I and W differ or transfers cost (measured: at
-    most 1.6% slower, often faster), and hold the same peak."""
+def test_the_papers_lists_from_2p_minus_1_micro_batches_and_never_slower_below(p):
+    """From m = 2p - 1 on, the lists are the paper's hand-made ones: torch's implementation of
+    them (``ScheduleZBVZeroBubble``) gives the same actions in the same order on every rank.
+    Below, where the paper's lists are cut short (torch drops the micro-batches past m), the
+    lists come from list scheduling at unit times: at F = I = W never slower than torch's, at
+    no higher peak. (With I and W unequal neither dominates there: from 11% faster to 15%
+    slower over p = 2..8 in the simulator; from 2p - 1 on the paper's were never slower.)"""
     for m in (2 * p - 1, 2 * p, 3 * p + 1):
+        ours, theirs = build_schedule(ZB_V, p, m, 2, communication=False), _torch_zb_v(p, m)
+        assert ours.ranks == theirs.ranks
+    for m in range(1, 2 * p - 1):
         ours, theirs = build_schedule(ZB_V, p, m, 2), add_communication(_torch_zb_v(p, m))
         assert theirs.stage_to_rank == ours.stage_to_rank
-        assert max(ours.peak_in_flight(r) for r in range(p)) == \
+        assert max(ours.peak_in_flight(r) for r in range(p)) <= \
             max(theirs.peak_in_flight(r) for r in range(p))
-        for durations, slack in ((_uniform(p), 0.0), (_uniform(p, 1.0, 1.5, 0.5), 0.02),
-                                 (_uniform(p, 1.0, 1.2, 0.8, tau=0.2), 0.02),
-                                 (_uniform(p, 1.0, 0.8, 1.2), 0.02)):
-            mine = simulate(ours, durations).step_time
-            ref = simulate(theirs, durations).step_time
-            assert mine <= ref * (1 + slack) + 1e-9, (m, durations.backward_input[0], mine, ref)
+        mine = simulate(ours, _uniform(p)).step_time
+        assert mine <= simulate(theirs, _uniform(p)).step_time + 1e-9, (m, mine)
 
 
 def test_closed_form_equals_the_simulator_on_equal_stages():
