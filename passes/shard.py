@@ -507,7 +507,7 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
     n_constraints = 0
     for v in nodes:
         i = index[v]
-        x[v] = [pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for j in range(len(strategies[v]))]
+        x[v] = [prob.add_variable(f"x_{i}_{j}", cat=pulp.LpBinary) for j in range(len(strategies[v]))]
         prob += pulp.lpSum(x[v]) == 1, f"one_{i}"
         n_constraints += 1
         meta = info(v)
@@ -579,7 +579,7 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
     d: dict[tuple[torch.fx.Node, Any], Any] = {}
     keys = sorted(demand_users, key=lambda k: (index[k[0]], str(k[1][0]), k[1][1]))
     for q_i, (u, (req, partial)) in enumerate(keys):
-        var = pulp.LpVariable(f"d_{index[u]}_{q_i}", cat="Binary")
+        var = prob.add_variable(f"d_{index[u]}_{q_i}", cat=pulp.LpBinary)
         d[(u, (req, partial))] = var
         for v, js in sorted(demand_users[(u, (req, partial))].items(), key=lambda kv: index[kv[0]]):
             prob += var >= pulp.lpSum(x[v][j] for j in js), f"need_{q_i}_{index[v]}"
@@ -608,7 +608,7 @@ def _build_ilp(gm, nodes, rep, strategies, tp, cost: TPCostSpec, sizes, extra=("
             if partial:
                 c -= _steps_time(redistribution(s.output, req, False), nbytes, tp, cost)
             if c > 1e-15:
-                m = pulp.LpVariable(f"m_{q_i}_{j}", lowBound=0, upBound=1)
+                m = prob.add_variable(f"m_{q_i}_{j}", lowBound=0, upBound=1)
                 prob += m >= x[u][j] + var - 1, f"and_{q_i}_{j}"
                 n_constraints += 1
                 objective.append(count[u] * c * us * m)

@@ -145,14 +145,14 @@ class _Model:
         cat_bin = pulp.LpContinuous if relaxed else pulp.LpBinary
         cat_int = pulp.LpContinuous if relaxed else pulp.LpInteger
         n_cuts = problem.num_stages - 1
-        self.u = {(s, g): pulp.LpVariable(f"u_{s}_{g}", 0, 1, cat_bin)
+        self.u = {(s, g): self.lp.add_variable(f"u_{s}_{g}", 0, 1, cat_bin)
                   for s in range(n_cuts) for g in range(len(self.segments))}
-        self.k = {(s, g): pulp.LpVariable(f"k_{s}_{g}", 0, None, cat_int)
+        self.k = {(s, g): self.lp.add_variable(f"k_{s}_{g}", 0, None, cat_int)
                   for s in range(n_cuts) for g in range(len(self.segments))}
-        self.Y = pulp.LpVariable("Y", 0)
-        self.Y_F = pulp.LpVariable("Y_F", 0)
-        self.Y_B = pulp.LpVariable("Y_B", 0)
-        self.Z = pulp.LpVariable("Z", 0)
+        self.Y = self.lp.add_variable("Y", 0)
+        self.Y_F = self.lp.add_variable("Y_F", 0)
+        self.Y_B = self.lp.add_variable("Y_B", 0)
+        self.Z = self.lp.add_variable("Z", 0)
         self.num_layers = L
         # prefix sums at segment starts
         self.prefix: dict[str, list[float]] = {}
@@ -294,7 +294,7 @@ def _add_loops(model: _Model, stage, transfer, prefix_at) -> None:
         return
     tail = {S - 1: 0.0}
     for i in range(S - 2, -1, -1):
-        var = pulp.LpVariable(f"R_{i}", 0)
+        var = model.lp.add_variable(f"R_{i}", 0)
         model.lp += var == transfer(i) + tail[i + 1], f"R_{i}"
         tail[i] = var
     total_w = model.prefix["weight_grad"][-1]
