@@ -15,8 +15,8 @@ to report what they saw (their own errors, e.g. a CommunicationTimeoutError nami
 peer), which the raised :class:`RemoteError` carries. The pool then restarts on its next job.
 Never a hang.
 
-The workers are forked from Python's forkserver, which imports torch, autopar and the zoo's
-transformers models once per parent process (:data:`PRELOAD`): a new pool of 4 starts in ~0.1 s instead of ~4.5 s of four spawned
+The workers are forked from Python's forkserver, which imports torch and autopar once per parent
+process (:data:`PRELOAD`): a new pool of 4 starts in ~0.1 s instead of ~4.5 s of four spawned
 interpreters each importing torch on two cores, so tests can give each configuration family its
 own pool. A worker still starts clean: the server only imported (forking after ``import torch`` is
 what DataLoader's workers do) and never touched CUDA or a process group, the parent's main module
@@ -76,12 +76,8 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout_
 
 #: What a pool's processes are forked with already imported (the forkserver imports them once per
 #: parent process): torch and autopar take ~2 s of CPU to import, which each spawned worker
-#: repeated, 4.5 s to start a pool of 4 on two cores; the transformers models autopar's zoo
-#: builds (GPT-2, LLaMA, BERT) ~1.8 s more, which a job building one paid per worker (3.7 s
-#: for a pool of 4, 0.1 s preloaded; the server takes 1.7 s longer to start, once). A module
-#: that is not installed is skipped.
-PRELOAD = ["torch", "torch.distributed", "autopar", "transformers.models.gpt2.modeling_gpt2",
-           "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert"]
+#: repeated, 4.5 s to start a pool of 4 on two cores.
+PRELOAD = ["torch", "torch.distributed", "autopar"]
 
 
 def _context() -> Any:
