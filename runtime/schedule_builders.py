@@ -147,6 +147,7 @@ def _zb_v_paper(p: int, m: int) -> PipelineSchedule:
       oldest W of a), then the weight gradients left, b's before a's (the W's fill the drain).
     """
     stages = 2 * p
+    F, I, W = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
     ranks = []
     for r in range(p):
         a, b = r, stages - 1 - r
@@ -158,7 +159,6 @@ def _zb_v_paper(p: int, m: int) -> PipelineSchedule:
             done[(s, kind)] = k + 1
             out.append(Action(s, kind, k))
 
-        F, I, W = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
         for _ in range(2 * (p - r) - 1):
             run(a, F)
         for _ in range(r):
@@ -193,7 +193,6 @@ def _zb_v_listed(p: int, m: int) -> PipelineSchedule:
     weight gradient; while forwards remain, an input gradient is followed by its weight gradient
     (the steady state F-I-W of the paper, which keeps the lists robust when I and W differ).
     For any m; :func:`zb_v` uses it below 2p - 1, where the paper's lists do not fill the V."""
-    check_counts(p, m)
     stages = 2 * p
     cap = 2 * p
     forward_done: dict[tuple[int, int], int] = {}
