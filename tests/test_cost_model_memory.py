@@ -359,3 +359,40 @@ def test_the_stage_ilp_bounds_the_step_temporary():
     got = partition_stages(tight)
     assert got.ranges == brute_force_partition(tight).ranges == ((0, 1), (2, 3))
     assert max(got.rank_memory) <= tight.device_memory
+
+
+def test_the_searchs_memory_screen_reads_the_peak_of_every_rank(gpt2_small):
+    """The search screens memory first (``evaluate(memory_first=True)``) with the busiest rank
+    only; reference: the full evaluation's per-rank memory (``rank_memory``). Over ZeRO
+    stages, resharding, offload, schedules and pipeline depths on a device made small enough
+    that most do not fit: an over-memory candidate is returned with the same peak (exactly:
+    the same sums), the same busiest rank and reason, and the least any rank needs without
+    its optimizer state; one that fits is the full evaluation."""
+    import dataclasses
+
+    _, _, costs = gpt2_small
+    small = dataclasses.replace(A100.device, memory_bytes=3 * 2**30)
+    cluster = dataclasses.replace(A100, device=small).with_devices(8)
+    cm = CostModel(costs, cluster, TrainingSetup(64, 1024))
+    seen = {True: 0, False: 0}
+    for pp, v, schedule in ((1, 1, ScheduleKind.ONE_F_ONE_B), (4, 1, ScheduleKind.ONE_F_ONE_B),
+                            (2, 2, ScheduleKind.INTERLEAVED_1F1B), (4, 1, ScheduleKind.ZB_H1)):
+        for zero in (0, 1, 2, 3):
+            for reshard in ((True, False) if zero == 3 else (True,)):
+                for offload in ("none", "optimizer"):
+                    for recompute in (RecomputeKind.NONE, RecomputeKind.FULL):
+                        c = Candidate(8 // pp, 1, pp, v, 1, schedule, recompute, zero, False,
+                                      reshard_after_forward=reshard, offload=offload)
+                        full = cm.evaluate(c)
+                        screened = cm.evaluate(c, memory_first=True)
+                        seen[full.feasible] += 1
+                        if full.feasible:
+                            assert screened == full
+                            continue
+                        peak = max(full.ranks, key=lambda r: r.total)
+                        assert screened.ranks == (peak,)
+                        assert screened.infeasible == full.infeasible
+                        assert screened.extra["peak_memory_bytes"] == peak.total
+                        assert screened.extra["least_without_optimizer_bytes"] == min(
+                            r.total - r.optimizer for r in full.ranks)
+    assert seen[True] >= 5 and seen[False] >= 20, seen

@@ -63,7 +63,7 @@ from autopar.planner.candidates import (Candidate, Evaluation, Staging, StageCos
                                         TrainingSetup)
 from autopar.planner.host import Host
 from autopar.planner.memory import (STATE_BYTES, RankMemory, offloaded_state_bytes,
-                                    optimizer_step_bytes, rank_memory)
+                                    optimizer_step_bytes, peak_rank_memory, rank_memory)
 from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
@@ -287,22 +287,27 @@ class CostModel:
     def evaluate(self, c: Candidate, *, memory_first: bool = False) -> Evaluation:
         """The first pass: min-max stage split and closed-form pipeline time (fast).
 
-        ``memory_first``: a candidate over the device's memory is returned with its memory
-        (``ranks``) and the reason only, without pricing its time (the search's screen: most
-        of a large space does not fit)."""
+        ``memory_first``: a candidate over the device's memory is returned with the reason,
+        its busiest rank's memory (``ranks``: that one rank) and, in ``extra``, the peak and
+        the least any rank would need without its optimizer state (what offloading could
+        bring down to), without pricing its time: the search's screen, over a space most of
+        which does not fit."""
         problem = self.check(c)
         if problem:
             return Evaluation(c, problem)
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         st = self.sums.staging(c)
         if memory_first:
-            ranks = self._rank_memory(c, m, st)
-            reason = self._out_of_memory(ranks)
+            peak, least = peak_rank_memory(c, st.ranks, self._rank_activations(c, m, st),
+                                           self.setup.dtype,
+                                           self.cluster.host_link_bandwidth > 0)
+            reason = self._out_of_memory((peak,))
             if reason is not None:
-                return Evaluation(c, reason, ranks=tuple(ranks), stages=st.stages,
+                return Evaluation(c, reason, ranks=(peak,), stages=st.stages,
                                   extra={"memory_limit_bytes":
                                          self.cluster.device.usable_memory_bytes,
-                                         "peak_memory_bytes": max(r.total for r in ranks)})
+                                         "peak_memory_bytes": peak.total,
+                                         "least_without_optimizer_bytes": least})
         return self._finish(c, m, st, closed_form_pipeline_time(self._work(c, m, st)))
 
     def lower_bound(self, c: Candidate) -> float:
@@ -598,15 +603,20 @@ class CostModel:
         the activations of the micro-batches the schedule keeps in flight (``rank_acts`` when
         the caller counted them)."""
         if rank_acts is None:
-            key = (c.schedule, c.pp, c.virtual_stages, m)
-            flight = self._in_flight_cache.get(key)
-            if flight is None:
-                flight = self._in_flight_cache[key] = [
-                    in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r)
-                    for r in range(c.pp)]
-            rank_acts = [rs.activations * f + rs.working for rs, f in zip(st.ranks, flight)]
+            rank_acts = self._rank_activations(c, m, st)
         return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
                            self.cluster.host_link_bandwidth > 0)
+
+    def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
+        """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in
+        flight, and the working memory of its largest layer's backward."""
+        key = (c.schedule, c.pp, c.virtual_stages, m)
+        flight = self._in_flight_cache.get(key)
+        if flight is None:
+            flight = self._in_flight_cache[key] = [
+                in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r)
+                for r in range(c.pp)]
+        return [rs.activations * f + rs.working for rs, f in zip(st.ranks, flight)]
 
     def _out_of_memory(self, ranks: Sequence[RankMemory]) -> str | None:
         """Why the busiest rank does not fit the device (None when every rank does)."""

@@ -47,14 +47,15 @@ temporary, where the activations alone would have been 1.7 GiB.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
 
 __all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "offloaded_state_bytes",
-           "optimizer_step_bytes", "RankMemory", "rank_memory"]
+           "optimizer_step_bytes", "RankMemory", "rank_memory", "peak_rank_memory"]
 
 #: bytes per parameter (weights, gradients, optimizer states) by training precision (bf16: the
 #: gradients in fp32, as the runtime keeps them; see the module docstring).
@@ -157,6 +158,36 @@ class RankMemory:
                 "total": int(self.total)}
 
 
+def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
+                 dtype: str, separate_host: bool) -> Iterator[tuple[float, ...]]:
+    """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
+    bytes, as :func:`rank_memory` documents them."""
+    w_bytes, g_bytes, full_o_bytes = STATE_BYTES[dtype]
+    o_bytes = offloaded_state_bytes(full_o_bytes, c.offload, separate_host)
+    n = c.dp * c.cp  # replicas
+    zero = c.zero
+    w_per = w_bytes / (n if zero >= 3 else 1)
+    g_per = g_bytes / (n if zero >= 2 else 1)
+    o_per = o_bytes / (n if zero >= 1 else 1)
+    ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
+    w_ex = w_bytes / (ne if zero >= 3 else 1)
+    g_ex = g_bytes / (ne if zero >= 2 else 1)
+    o_ex = o_bytes / (ne if zero >= 1 else 1)
+    gathered = zero == 3 and not c.reshard_after_forward
+    for rs, acts in zip(ranks, activations):
+        if gathered:
+            buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
+        elif zero == 3:
+            buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes)
+        else:
+            buffers = 0.0
+        ex = rs.expert_params
+        dense = rs.params - ex
+        stepped = dense / n + ex / ne if zero >= 1 else rs.params
+        yield (w_per * dense + w_ex * ex, g_per * dense + g_ex * ex, o_per * dense + o_ex * ex,
+               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host))
+
+
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                 dtype: str, separate_host: bool) -> list[RankMemory]:
     """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
@@ -168,23 +199,25 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     the layer computed and of the one reduce-scattered; kept gathered between forward and
     backward (``reshard_after_forward=False``), the whole stage's weights; and the optimizer
     step's temporary over the parameters the rank steps (:func:`optimizer_step_bytes`)."""
-    w_bytes, g_bytes, full_o_bytes = STATE_BYTES[dtype]
-    o_bytes = offloaded_state_bytes(full_o_bytes, c.offload, separate_host)
-    n = c.dp * c.cp  # replicas
-    w_per = w_bytes / (n if c.zero >= 3 else 1)
-    g_per = g_bytes / (n if c.zero >= 2 else 1)
-    o_per = o_bytes / (n if c.zero >= 1 else 1)
-    ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
-    out: list[RankMemory] = []
-    for r, (rs, acts) in enumerate(zip(ranks, activations)):
-        buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes) if c.zero == 3 else 0.0
-        if c.zero == 3 and not c.reshard_after_forward:
-            buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
-        dense, ex = rs.params - rs.expert_params, rs.expert_params
-        stepped = dense / n + ex / ne if c.zero >= 1 else rs.params
-        out.append(RankMemory(
-            r, w_per * dense + w_bytes / (ne if c.zero >= 3 else 1) * ex,
-            g_per * dense + g_bytes / (ne if c.zero >= 2 else 1) * ex,
-            o_per * dense + o_bytes / (ne if c.zero >= 1 else 1) * ex, acts, buffers,
-            optimizer_step_bytes(stepped, c.offload, separate_host)))
-    return out
+    return [RankMemory(r, *fields)
+            for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host))]
+
+
+def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
+                     dtype: str, separate_host: bool) -> tuple[RankMemory, float]:
+    """The rank of :func:`rank_memory` with the highest total (the first of equals) and the
+    least total without the optimizer state over all ranks, without a :class:`RankMemory` per
+    rank: the search's memory screen asks this of every candidate, most of which do not fit
+    (GPT-3 175B on 1024 GPUs: 14,000 candidates of up to 64 ranks)."""
+    peak = -1.0
+    best: tuple[int, tuple[float, ...]] | None = None
+    least = math.inf
+    for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host)):
+        w, g, o, acts, buffers, step = f
+        total = w + g + o + max(acts + buffers, step)  # RankMemory.total
+        if total > peak:
+            peak, best = total, (r, f)
+        least = min(least, total - o)
+    if best is None:
+        raise ValueError("a candidate has at least one pipeline rank")
+    return RankMemory(best[0], *best[1]), least

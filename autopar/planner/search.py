@@ -231,8 +231,7 @@ def _offloaded(cm: CostModel, c: Candidate, ev: Evaluation,
         return ev
     # offload removes at most the optimizer state: skip the candidates it cannot bring under
     # the device's memory (most of them; pricing each again would double the search)
-    usable = cm.cluster.device.usable_memory_bytes
-    if all(r.total - r.optimizer > usable for r in ev.ranks):
+    if ev.extra["least_without_optimizer_bytes"] > cm.cluster.device.usable_memory_bytes:
         return ev
     for where in OFFLOAD_ORDER[1:]:
         if where in choices and cm.offload_problem(where) is None:
