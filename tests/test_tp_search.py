@@ -511,3 +511,31 @@ def test_layouts_shared_across_micro_batches_are_optimal_at_each(full_size, sp):
         best = ref.solution.objective_at(ref.solution)
         assert ref.solution.objective_at(mine.solution) == pytest.approx(best, rel=1e-9), sz
     assert solved < len(sizes)
+
+
+def test_layouts_shared_from_the_larger_end_are_optimal_at_each():
+    """The bisection of ModelCosts.prepare_layouts also shares the larger end's point when it
+    is optimal at the smaller end (the chord argument is symmetric). GPT-3 175B at tp 2 with
+    sequence parallelism, the planner's micro-batches at s = 2048: b = 2, 3, 4 take b = 6's
+    point (b = 1's is not optimal at 6). Reference: the ILP solved directly at every
+    micro-batch, as in the test above."""
+    from autopar.cluster import Cluster
+    from autopar.planner.model_costs import ModelCosts
+    from autopar.planner.planning import capture_model_costs
+    from autopar.planner.tp_layout import tp_cost_spec
+
+    captured = capture_model_costs("gpt3-175b")[0].captured
+    cost = tp_cost_spec(Cluster.load("a100-80g"), "bf16")
+    sizes = [{"b": b, "s": 2048} for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+    shared = ModelCosts(captured, depth=96)
+    shared.prepare_layouts(2, True, cost=cost, sizes=sizes)
+    direct = ModelCosts(captured, depth=96)
+    from_above = 0
+    for sz in sizes:
+        mine = shared.layout(2, True, cost=cost, sizes=sz)
+        ref = direct.layout(2, True, cost=cost, sizes=sz)
+        if mine.solved_at is not None and mine.solved_at["b"] > sz["b"]:
+            from_above += 1
+        best = ref.solution.objective_at(ref.solution)
+        assert ref.solution.objective_at(mine.solution) == pytest.approx(best, rel=1e-9), sz
+    assert from_above >= 1

@@ -390,10 +390,10 @@ class ModelCosts:
         and traffic grow with b, a collective's latency and the parameters' state do not). The
         optimum g(b) = min_x f_b(x) is then concave, so a placement x* optimal at b1 and at b2
         has f_b(x*) = g(b) on [b1, b2]: the chord of a concave function lies below it, and
-        f_b(x*) is that chord. Hence: solve the smallest and largest b; when the smallest's
-        solved point, priced in the largest's program, is optimal there too (the
-        constraints do not depend on b) and every GEMM keeps its roofline regime, every b
-        between takes that point; otherwise bisect. Ties are common (a cast placed sharded or
+        f_b(x*) is that chord. Hence: solve the smallest and largest b; when either one's
+        solved point, priced in the other's program, is optimal there too (the constraints
+        do not depend on b) and every GEMM keeps its roofline regime, every b between takes
+        that point; otherwise bisect. Ties are common (a cast placed sharded or
         replicated at equal cost), so the test is on the objective, not on the placements.
         A memory limit in the ILP makes the feasible set depend on b: then every size is
         solved."""
@@ -412,11 +412,15 @@ class ModelCosts:
             a, b = solved(lo), solved(hi)  # the ends of a bisection's halves too (cached)
             if hi - lo < 2:
                 return
-            if a is not None and b is not None and a.optimal_at(b):
+            # either end's point, optimal at the other end too, is optimal between them
+            shared = None if a is None or b is None else (
+                a if a.optimal_at(b) else b if b.optimal_at(a) else None)
+            if shared is not None:
                 for i in range(lo + 1, hi):
                     key = (tp, sequence_parallel, cost, tuple(sorted(points[i].items())))
                     self._layouts.setdefault(key, dataclasses.replace(
-                        a, sizes=dict(points[i]), solve_s=0.0, solved_at=dict(a.sizes)))
+                        shared, sizes=dict(points[i]), solve_s=0.0,
+                        solved_at=dict(shared.sizes)))
                 return
             mid = (lo + hi) // 2
             fill(lo, mid)
