@@ -149,13 +149,21 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.states + max(self.activations + self.buffers, self.optimizer_step)
+        return _peak_bytes(self.weights, self.gradients, self.optimizer, self.activations,
+                           self.buffers, self.optimizer_step)
 
     def to_json(self) -> dict[str, int]:
         return {"weights": int(self.weights), "gradients": int(self.gradients),
                 "optimizer": int(self.optimizer), "activations": int(self.activations),
                 "buffers": int(self.buffers), "optimizer_step": int(self.optimizer_step),
                 "total": int(self.total)}
+
+
+def _peak_bytes(weights: float, gradients: float, optimizer: float, activations: float,
+                buffers: float, optimizer_step: float) -> float:
+    """A rank's peak: its states, and the larger of its activations with the buffers and the
+    optimizer step's temporary (allocated once those are freed)."""
+    return weights + gradients + optimizer + max(activations + buffers, optimizer_step)
 
 
 def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
@@ -213,11 +221,10 @@ def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: S
     best: tuple[int, tuple[float, ...]] | None = None
     least = math.inf
     for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host)):
-        w, g, o, acts, buffers, step = f
-        total = w + g + o + max(acts + buffers, step)  # RankMemory.total
+        total = _peak_bytes(*f)
         if total > peak:
             peak, best = total, (r, f)
-        least = min(least, total - o)
+        least = min(least, total - f[2])  # without the optimizer state
     if best is None:
         raise ValueError("a candidate has at least one pipeline rank")
     return RankMemory(best[0], *best[1]), least
