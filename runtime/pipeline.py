@@ -154,6 +154,9 @@ class PipelineExecutor:
         #: its backward (runtime/layer_recompute.py; a stage without blocks, or under ZeRO-3 or
         #: compile, is checkpointed whole).
         self.recompute = recompute
+        #: ZeRO-3's gather units: a first stage's weight gradients then go one layer at a time
+        #: (runtime/split_backward.py), else in one call
+        self.layer_units = layer_units
         self.sync_tied = sync_tied
         self.hooks = hooks
         self.bindings = dict(bindings or {})
@@ -494,7 +497,8 @@ class PipelineExecutor:
                 pending = None
                 if roots:
                     found, pending = backward_input(roots, grads, wanted,
-                                                    self._trained_params(stage))
+                                                    self._trained_params(stage),
+                                                    by_layer=self.layer_units)
                 input_grads = [g if g is not None else torch.zeros_like(x)
                                for x, g in zip(wanted, found)]
                 self._weight_todo[(s, mb)] = pending

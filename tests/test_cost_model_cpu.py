@@ -75,24 +75,32 @@ def test_a_layer_waits_for_its_launches_where_they_take_longer_than_its_kernels(
             assert b == a
 
 
-def test_the_split_backwards_host_time_is_charged_to_the_weight_action_of_split_schedules(costs):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_split_backwards_host_time_is_charged_to_the_weight_action_of_split_schedules(
+        costs, zero):
     """``split_backward_overhead_s`` per autograd node: a zero-bubble schedule's weight-gradient
     actions take ``grad_nodes x`` that much more per layer (summed over each stage's layers),
-    its forward and input-gradient actions and every non-split schedule nothing."""
+    its forward and input-gradient actions and every non-split schedule nothing. The first stage
+    (nothing to differentiate at its input) pays it only under ZeRO-3, where its weight
+    gradients go one layer at a time; below, its W is one autograd call
+    (runtime/split_backward.py, ``by_layer``)."""
     setup = TrainingSetup(8, SHAPE["seq"], "fp32")
     base = _host(devices=2)
     per_node = 1e-3
     device = dataclasses.replace(base.device, split_backward_overhead_s=per_node)
     plain = CostModel(costs, base, setup)
     split = CostModel(costs, dataclasses.replace(base, device=device), setup)
-    for schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1):
-        c = _candidate(pp=2, schedule=schedule)
+    for schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1, ScheduleKind.ZB_V):
+        c = _candidate(pp=2, schedule=schedule)._replace(
+            zero=zero, virtual_stages=2 if schedule is ScheduleKind.ZB_V else 1)
         a, b = plain.sums.staging(c), split.sums.staging(c)
         assert a.cuts == b.cuts and a.forward == b.forward and a.backward == b.backward
-        for (first, last), wa, wb in zip(a.cuts, a.weight, b.weight):
+        for s, ((first, last), wa, wb) in enumerate(zip(a.cuts, a.weight, b.weight)):
             extra = sum(costs.template(i).grad_nodes for i in range(first, last + 1)) * per_node
-            if schedule.spec.splits_backward:
+            if schedule.spec.splits_backward and (s > 0 or zero == 3):
                 assert wb - wa == pytest.approx(extra)
+            elif schedule.spec.splits_backward:
+                assert wb == pytest.approx(wa, rel=1e-9) and wa > 0.0
             else:
                 assert wb == wa == 0.0
         assert [lc.split_s for lc in split.layer_costs(1, False, 2)] == pytest.approx(

@@ -168,3 +168,46 @@ def test_a_stage_without_inputs_splits_its_weight_gradients_by_layer():
     weights = dict((id(t), g) for t, g in backward_weight(pending))
     for t, r in zip(params, ref):
         torch.testing.assert_close(weights[id(t)], r, rtol=0, atol=1e-12)
+
+
+def test_a_first_stage_without_zero3_computes_its_weights_in_one_call_at_w(monkeypatch):
+    """``by_layer=False`` (no ZeRO-3 gathers to pace): a stage without inputs to differentiate
+    runs nothing at I and its whole backward in one autograd call at W, with the gradients of
+    one plain backward; a weight the outputs do not reach gets None."""
+    gen = torch.Generator().manual_seed(3)
+    emb = (torch.randn(10, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
+    ws = [(torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
+          for _ in range(3)]
+    unused = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 10, (2, 5), generator=gen)
+    grad = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64)
+
+    def stage():
+        h = torch.nn.functional.embedding(ids, emb)
+        for w in ws:
+            h = h + (h @ w).tanh()
+        return h
+
+    params = [emb, *ws, unused]
+    ref = torch.autograd.grad(stage(), params[:-1], grad)
+    out = stage()
+    calls = []
+    real = torch.autograd.grad
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("retain_graph"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    found, pending = backward_input([out], [grad], [], params, by_layer=False)
+    assert found == [] and calls == []
+    assert weight_groups(pending) == [params]
+    weights = dict((id(t), g) for t, g in backward_weight(pending))
+    assert len(calls) == 1
+    for t, r in zip(params, ref):
+        torch.testing.assert_close(weights[id(t)], r, rtol=0, atol=0)
+    assert weights[id(unused)] is None
+    # with an input that needs a gradient, by_layer changes nothing: I computes it
+    x = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64).requires_grad_()
+    found, pending = backward_input([(x @ ws[0]).tanh()], [grad], [x], ws[:1], by_layer=False)
+    assert found[0] is not None and len(calls) == 2

@@ -134,6 +134,36 @@ def test_the_papers_lists_from_2p_minus_1_micro_batches_and_never_slower_below(p
         assert mine <= simulate(theirs, _uniform(p)).step_time + 1e-9, (m, mine)
 
 
+@pytest.mark.parametrize("kind", [ZB_V, ScheduleKind.ZB_H1])
+def test_where_the_first_stage_runs_its_backward_does_not_move_the_step(kind):
+    """The runtime runs a first stage's whole backward in its W (no input to differentiate:
+    runtime/split_backward.py, ``by_layer=False``); the cost model keeps I and W at their
+    halves (planner/stage_sums.py). Neither action has a dependent, so on the paper's lists
+    (ZB-V from m = 2p - 1 on) and ZB-H1's the simulated step is the same either way, and the
+    same with the whole backward at I (torch's choice), on unequal random stages, dedicated
+    or shared cores."""
+    from autopar.runtime.simulator import SharedCores
+
+    rng = random.Random(7)
+    v = 2 if kind is ZB_V else 1
+    for p in (2, 3, 4, 8):
+        for m in ((2 * p - 1, 2 * p, 3 * p + 1) if kind is ZB_V else (1, p - 1, p, 2 * p + 1)):
+            schedule = build_schedule(kind, p, max(m, 1), v)
+            n = p * v
+            for _ in range(3):
+                f = [rng.uniform(0.5, 2) for _ in range(n)]
+                i = [rng.uniform(0.5, 2) for _ in range(n)]
+                w = [rng.uniform(0.3, 2) for _ in range(n)]
+                steps = []
+                for i0, w0 in ((i[0], w[0]), (0.0, i[0] + w[0]), (i[0] + w[0], 0.0)):
+                    ii, ww = [i0, *i[1:]], [w0, *w[1:]]
+                    d = Durations(f, [a + b for a, b in zip(ii, ww)], ii, ww, (0.05,) * (n - 1))
+                    steps.append([simulate(schedule, d, processors=proc).step_time
+                                  for proc in (None, SharedCores(2.0, 1, 1.0))])
+                assert steps[1] == pytest.approx(steps[0], rel=1e-12), (p, m)
+                assert steps[2] == pytest.approx(steps[0], rel=1e-12), (p, m)
+
+
 def test_closed_form_equals_the_simulator_on_equal_stages():
     for p in (2, 4, 8):
         for m in (2 * p, 3 * p):

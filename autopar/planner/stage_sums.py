@@ -46,6 +46,8 @@ class LayerTable:
     working: tuple[float, ...]
     #: FLOPs recomputed per micro-batch over the whole model
     recompute_flops: float
+    #: whether the weight column includes the split backward's host time (``LayerCosts.split_s``)
+    split: bool = False
 
 
 class StageSums:
@@ -143,7 +145,8 @@ class StageSums:
             columns: list[list[float]] = [[t[j] for t in times] for j in range(5)]
             columns += [acts, f_calls, b_calls]
             hit = LayerTable(costs, times, tuple(tuple(itertools.accumulate(col, initial=0.0))
-                                                 for col in columns), tuple(working), rec_flops)
+                                                 for col in columns), tuple(working), rec_flops,
+                             split)
             self._table_cache[key] = hit
         return hit
 
@@ -157,7 +160,10 @@ class StageSums:
         table = self.table(c)
         # the table stands for the per-layer prices (so for tp, cp, ep, SP, the micro-batch, the
         # recompute setting and each axis's span); the data-parallel degree enters no sum
-        key = (id(table), c.pp, c.virtual_stages, zero_bubble, spec.placement,
+        # the first stage's weight gradients go one layer at a time under ZeRO-3 only; else its
+        # whole backward is one call in its W (runtime/split_backward.py: by_layer)
+        by_layer = zero_bubble and c.zero >= 3
+        key = (id(table), c.pp, c.virtual_stages, zero_bubble, by_layer, spec.placement,
                tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
         if hit is not None:
@@ -187,6 +193,12 @@ class StageSums:
             f, b, w = F[hi] - F[lo], B[hi] - B[lo], W[hi] - W[lo]
             if not zero_bubble:
                 b, w = b + w, 0.0
+            elif s == 0 and not by_layer and table.split:
+                # no input to differentiate: the runtime's W runs the whole backward in one call,
+                # without the split's host time (the table added it per layer). I and W keep
+                # their halves here: neither has a dependent, and the simulator's step is the
+                # same whichever of the two runs the work (tests/test_zb_v.py)
+                w = max(w - sum(costs[i].split_s for i in range(lo, hi)), 0.0)
             p2p = p2ps[s] if s < len(cuts) - 1 else 0.0
             if host_copies:
                 copies = p2p + (p2ps[s - 1] if s > 0 else 0.0)
