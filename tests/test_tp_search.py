@@ -541,7 +541,13 @@ def test_layouts_shared_from_the_larger_end_are_optimal_at_each():
     assert from_above >= 1
 
 
-def test_the_sharding_ilp_is_the_optimum_of_brute_force(monkeypatch):
+#: Links far cheaper than compute: sharding pays, so an optimum turns a sharded activation into a
+#: replicated input with a partial gradient (gathered forward, reduce-scattered backward).
+CHEAP_LINKS = TPCostSpec(peak_flops=1e6, hbm_bandwidth=1e8, link_bandwidth=1e10, link_latency=1e-7)
+
+
+@pytest.mark.parametrize("widths,cost", [((8, 16, 8), TINY_COST), ((8, 2, 128), CHEAP_LINKS)])
+def test_the_sharding_ilp_is_the_optimum_of_brute_force(monkeypatch, widths, cost):
     """The sharding ILP's optimum against every assignment of strategies, priced directly. A
     two-layer MLP with a mean-squared loss at tp 2: 14 nodes, 46,656 assignments. Each is
     priced without the ILP's demand and product variables: its nodes' own terms (the ILP's
@@ -549,7 +555,10 @@ def test_the_sharding_ilp_is_the_optimum_of_brute_force(monkeypatch):
     placement its consumers (and the graph's outputs) require of it, the redistribution's
     forward and backward collectives, the partial-gradient one where any consumer of that
     placement has a partial gradient; an impossible redistribution makes the assignment
-    infeasible. The ILP's objective equals the brute-force minimum (rel 1e-9)."""
+    infeasible. The ILP's objective equals the brute-force minimum (rel 1e-9). With
+    ``CHEAP_LINKS`` the optimum gathers a sharded activation for a consumer whose gradient is
+    partial: an ILP without ``d[u,(R,partial)] <= d[u,(R,full)]`` would skip the gather's
+    price there (3e-5 below the minimum)."""
     import functools
     import itertools
     import math
@@ -574,15 +583,16 @@ def test_the_sharding_ilp_is_the_optimum_of_brute_force(monkeypatch):
     class MLP(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.a, self.b = nn.Linear(*widths[:2]), nn.Linear(*widths[1:])
 
         def forward(self, x):
             return self.b(torch.nn.functional.gelu(self.a(x)))
 
     torch.manual_seed(0)
-    captured = autopar.capture(MLP(), (torch.randn(4, 8),), lambda out, t: ((out - t) ** 2).mean(),
-                               example_targets=(torch.randn(4, 8),))
-    solution = tensor_parallelize(captured, 2, cost=TINY_COST).solution
+    captured = autopar.capture(MLP(), (torch.randn(4, widths[0]),),
+                               lambda out, t: ((out - t) ** 2).mean(),
+                               example_targets=(torch.randn(4, widths[2]),))
+    solution = tensor_parallelize(captured, 2, cost=cost).solution
     gm, nodes, rep, strategies, tp, cost, sizes, _ = seen["args"]
     assert all(rep[n] is n for n in gm.graph.nodes)  # no repeated blocks: every count is 1
     index = {v: i for i, v in enumerate(nodes)}
