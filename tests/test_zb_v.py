@@ -137,11 +137,12 @@ def test_the_papers_lists_from_2p_minus_1_micro_batches_and_never_slower_below(p
 @pytest.mark.parametrize("kind", [ZB_V, ScheduleKind.ZB_H1])
 def test_where_the_first_stage_runs_its_backward_does_not_move_the_step(kind):
     """The runtime runs a first stage's whole backward in its W (no input to differentiate:
-    runtime/split_backward.py, ``by_layer=False``); the cost model keeps I and W at their
+    runtime/split_backward.py, ``by_layer=False``); the closed form keeps I and W at their
     halves (planner/stage_sums.py). Neither action has a dependent, so on the paper's lists
     (ZB-V from m = 2p - 1 on) and ZB-H1's the simulated step is the same either way, and the
     same with the whole backward at I (torch's choice), on unequal random stages, dedicated
-    or shared cores."""
+    or shared cores. (Below 2p - 1 micro-batches, where ZB-V's lists come from list
+    scheduling, it is not: the simulator places the work where the runtime runs it.)"""
     from autopar.runtime.simulator import SharedCores
 
     rng = random.Random(7)

@@ -38,7 +38,8 @@ def simulate_document(doc):
                         cores=float(doc["cluster"].get("cores_per_node", 0)
                                     * doc["cluster"]["nodes"]),
                         replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
-                        efficiency=doc["cluster"].get("oversubscription_efficiency", 1.0))
+                        efficiency=doc["cluster"].get("oversubscription_efficiency", 1.0),
+                        first_backward_in_weight=plan.get("zero", 0) < 3)
     return simulate_pipeline(work), stages
 
 

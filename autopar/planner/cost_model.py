@@ -452,7 +452,8 @@ class CostModel:
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=cores, replicas=c.dp * c.cp * c.tp,
                             efficiency=efficiency,
-                            forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait)
+                            forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait,
+                            first_backward_in_weight=c.zero < 3)
 
     def _tied_sum_time(self, c: Candidate, st: Staging) -> float:
         """Seconds of summing the gradients of weights tied across pipeline ranks (a GPT's

@@ -71,6 +71,10 @@ class PipelineWork:
     #: them. Empty: none.
     forward_wait_s: tuple[float, ...] = ()
     backward_wait_s: tuple[float, ...] = ()
+    #: A zero-bubble schedule's first stage runs its whole backward in its W, none in its I
+    #: (below ZeRO-3: runtime/split_backward.py, ``by_layer``). The simulator places it so; the
+    #: closed form keeps the halves (the paper's lists step the same either way).
+    first_backward_in_weight: bool = False
 
     def __post_init__(self) -> None:
         n = self.pp * self.virtual_stages
@@ -174,7 +178,14 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     full = tuple(b + w for b, w in zip(work.backward_s, work.weight_s))
     transfers = work.p2p_s if p2p and work.p2p_s else (0.0,) * (n - 1)
     waits = dict(forward_wait=work.forward_wait_s, backward_wait=work.backward_wait_s)
-    if zero_bubble:
+    if zero_bubble and work.first_backward_in_weight:
+        # stage 0's I computes nothing; its tensor-parallel collectives run in its W, whose
+        # time the simulator counts as the core's
+        inputs, weights = (0.0, *work.backward_s[1:]), (full[0], *work.weight_s[1:])
+        if work.backward_wait_s:
+            waits["backward_wait"] = (0.0, *work.backward_wait_s[1:])
+        durations = Durations(work.forward_s, full, inputs, weights, transfers, **waits)
+    elif zero_bubble:
         durations = Durations(work.forward_s, full, work.backward_s, work.weight_s, transfers,
                               **waits)
     else:

@@ -196,8 +196,9 @@ class StageSums:
             elif s == 0 and not by_layer and table.split:
                 # no input to differentiate: the runtime's W runs the whole backward in one call,
                 # without the split's host time (the table added it per layer). I and W keep
-                # their halves here: neither has a dependent, and the simulator's step is the
-                # same whichever of the two runs the work (tests/test_zb_v.py)
+                # their halves here, for the closed form (the paper's lists step the same
+                # whichever of the two runs the work: tests/test_zb_v.py); the simulator moves
+                # it all to W (PipelineWork.first_backward_in_weight)
                 w = max(w - sum(costs[i].split_s for i in range(lo, hi)), 0.0)
             p2p = p2ps[s] if s < len(cuts) - 1 else 0.0
             if host_copies:
