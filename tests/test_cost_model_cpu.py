@@ -83,7 +83,7 @@ def test_the_split_backwards_host_time_is_charged_to_the_weight_action_of_split_
     its forward and input-gradient actions and every non-split schedule nothing. The first stage
     (nothing to differentiate at its input) pays it only under ZeRO-3, where its weight
     gradients go one layer at a time; below, its W is one autograd call
-    (runtime/split_backward.py, ``by_layer``)."""
+    (runtime/split_backward.py, ``by_layer``), which the simulator's work says."""
     setup = TrainingSetup(8, SHAPE["seq"], "fp32")
     base = _host(devices=2)
     per_node = 1e-3
@@ -103,6 +103,8 @@ def test_the_split_backwards_host_time_is_charged_to_the_weight_action_of_split_
                 assert wb == pytest.approx(wa, rel=1e-9) and wa > 0.0
             else:
                 assert wb == wa == 0.0
+        # the simulator runs the first stage's backward in its W where the runtime does
+        assert split._work(c, 4, b).first_backward_in_weight is (zero < 3)
         assert [lc.split_s for lc in split.layer_costs(1, False, 2)] == pytest.approx(
             [costs.template(i).grad_nodes * per_node for i in range(costs.num_layers)])
 

@@ -121,8 +121,8 @@ def test_the_simulator_runs_a_first_stages_whole_backward_in_its_weight_action()
     """``first_backward_in_weight`` (the runtime below ZeRO-3: runtime/split_backward.py,
     ``by_layer``): the simulated timeline gives stage 0's I no time and its W the whole
     backward, the other stages their halves; where the lists come from list scheduling (ZB-V
-    with m < 2p - 1) that moves the step, so the flag is not a no-op. The cost model sets it
-    below ZeRO-3 only."""
+    with m < 2p - 1) that moves the step, so the flag is not a no-op. (The cost model sets it
+    below ZeRO-3 only: tests/test_cost_model_cpu.py.)"""
     from autopar.runtime.schedules import ActionKind
     from autopar.runtime.simulator import Durations, simulate
 
@@ -143,14 +143,3 @@ def test_the_simulator_runs_a_first_stages_whole_backward_in_its_weight_action()
     assert spans[(0, ActionKind.BACKWARD_WEIGHT)] == pytest.approx(b[0] + w[0])
     assert spans[(1, ActionKind.BACKWARD_INPUT)] == pytest.approx(b[1])
     assert simulate_pipeline(halves).step_time != pytest.approx(sim.step_time, rel=1e-6)
-    # the cost model's pipeline work: the flag below ZeRO-3, not at ZeRO-3
-    from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
-    from autopar.planner.planning import capture_model_costs
-    from autopar import Cluster
-    from autopar.plan_types import RecomputeKind
-
-    costs = capture_model_costs("gpt", layers=2, hidden=64, heads=4, vocab=256, seq=32)[0]
-    cm = CostModel(costs, Cluster.load("cpu").with_devices(2), TrainingSetup(8, 32, "fp32"))
-    for zero in (0, 1, 2, 3):
-        c = Candidate(1, 1, 2, 1, 2, S.ZB_H1, RecomputeKind.NONE, zero, False)
-        assert cm._work(c, 4, cm.sums.staging(c)).first_backward_in_weight is (zero < 3)
