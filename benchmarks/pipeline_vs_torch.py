@@ -13,6 +13,9 @@ no weight sharing), the same stages (the blocks divided evenly; embeddings with 
 final norm and LM head with the last), the same micro-batches and initial weights, gloo on CPU.
 Steps alternate between the two implementations (A B A B ...) so that machine noise hits both
 alike; the step time is the median over the timed steps of forward + backward (no optimizer).
+The CPU ratio compares the CPU seconds all ranks spent per step (summed step by step, median):
+the work done, which the sharing of the cores moves far less than the wall time (gloo waits
+sleep).
 The losses and every parameter's gradient of the two are checked equal (the same computation).
 
     .venv/bin/python benchmarks/pipeline_vs_torch.py [--ranks 2] [--schedule all] [--steps 10]
@@ -120,15 +123,18 @@ def bench_job(model, split, kind, tokens, targets, microbatches, steps, warmup):
         return None
 
     times: dict[str, list[float]] = {"autopar": [], "torch": []}
+    cpu: dict[str, list[float]] = {"autopar": [], "torch": []}
     losses: dict[str, float | None] = {}
     for i in range(warmup + steps):
         for name, fn in (("autopar", run_ours), ("torch", run_theirs)):
             dist.barrier(group=mesh.pp_group)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = fn()
+            spent = time.process_time() - start_cpu
             dist.barrier(group=mesh.pp_group)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(spent)
             losses[name] = loss
     # The last torch step left its gradients on the model's own parameters; run ours once more
     # and compare every local parameter's gradient.
@@ -139,7 +145,7 @@ def bench_job(model, split, kind, tokens, targets, microbatches, steps, warmup):
         for param in module.parameters():
             mine_grad = ours.params[names[id(param)]].grad
             worst = max(worst, float((mine_grad - param.grad).abs().max()))
-    return times, losses, worst
+    return times, losses, worst, cpu
 
 
 def run(kind: str, args: argparse.Namespace) -> str:
@@ -173,6 +179,10 @@ def run(kind: str, args: argparse.Namespace) -> str:
     worst_grad = max(r[2] for r in results)
     ours = statistics.median(times["autopar"])
     theirs = statistics.median(times["torch"])
+    # CPU seconds of all ranks per step (their sum, step by step; median over the steps): the
+    # work each implementation does, which the cores' sharing hardly moves (wall time does)
+    cpu_ours, cpu_theirs = (statistics.median(map(sum, zip(*(r[3][name] for r in results))))
+                            for name in ("autopar", "torch"))
     assert abs(loss["autopar"] - loss["torch"]) < 1e-4 * abs(loss["torch"]), loss
     assert worst_grad < 1e-4, f"gradients differ by {worst_grad}"
     params = sum(p.numel() for p in model.parameters())
@@ -180,6 +190,7 @@ def run(kind: str, args: argparse.Namespace) -> str:
             f"({params / 1e6:.1f} M params) | {kind} vs {PAIRS[kind][0]}, pp={args.ranks}, "
             f"{num_stages} stages, m={args.microbatches} x {args.microbatch_size} | "
             f"{ours * 1e3:.1f} ms | {theirs * 1e3:.1f} ms | **{ours / theirs:.2f}** | "
+            f"{cpu_ours / cpu_theirs:.2f} | "
             f"loss {loss['autopar']:.5f} = {loss['torch']:.5f}, gradients within "
             f"{worst_grad:.0e} |")
 
@@ -198,8 +209,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=2)
     args = parser.parse_args()
-    print("| model | schedule | autopar step | torch step | ratio autopar / torch | check |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | schedule | autopar step | torch step | ratio autopar / torch | CPU ratio "
+          "| check |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for kind in PAIRS if args.schedule == "all" else [args.schedule]:
         print(run(kind, args), flush=True)
 
