@@ -27,7 +27,8 @@ def simulate_document(doc):
     (``runtime/schedules.py``), with the plan's per-stage costs, as the planner priced it."""
     from autopar.plan_types import ScheduleKind
     from autopar.planner.cost_model import StageCost
-    from autopar.planner.schedule_model import PipelineWork, simulate_pipeline
+    from autopar.planner.schedule_model import (PipelineWork, first_backward_in_weight,
+                                                simulate_pipeline)
 
     plan = doc["plan"]
     stages = [StageCost.from_json(s) for s in doc["stage_costs"]]
@@ -39,7 +40,7 @@ def simulate_document(doc):
                                     * doc["cluster"]["nodes"]),
                         replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
                         efficiency=doc["cluster"].get("oversubscription_efficiency", 1.0),
-                        first_backward_in_weight=plan.get("zero", 0) < 3)
+                        first_backward_in_weight=first_backward_in_weight(plan.get("zero", 0)))
     return simulate_pipeline(work), stages
 
 

@@ -66,7 +66,7 @@ from autopar.planner.memory import (STATE_BYTES, RankMemory, offloaded_state_byt
                                     optimizer_step_bytes, peak_rank_memory, rank_memory)
 from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
-from autopar.planner.schedule_model import (PipelineTime, PipelineWork,
+from autopar.planner.schedule_model import (PipelineTime, PipelineWork, first_backward_in_weight,
                                             closed_form_pipeline_time, in_flight_micro_batches,
                                             simulate_pipeline, simulated_pipeline_time)
 from autopar.planner.tp_layout import TPLayout, tp_cost_spec
@@ -453,7 +453,7 @@ class CostModel:
                             st.weight, st.p2p, cores=cores, replicas=c.dp * c.cp * c.tp,
                             efficiency=efficiency,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait,
-                            first_backward_in_weight=c.zero < 3)
+                            first_backward_in_weight=first_backward_in_weight(c.zero))
 
     def _tied_sum_time(self, c: Candidate, st: Staging) -> float:
         """Seconds of summing the gradients of weights tied across pipeline ranks (a GPT's

@@ -43,7 +43,15 @@ from typing import Any
 from autopar.plan_types import ScheduleKind
 
 __all__ = ["PipelineWork", "PipelineTime", "closed_form_pipeline_time", "simulate_pipeline",
-           "simulated_pipeline_time", "in_flight_micro_batches"]
+           "simulated_pipeline_time", "in_flight_micro_batches", "first_backward_in_weight"]
+
+
+def first_backward_in_weight(zero: int) -> bool:
+    """Whether a zero-bubble schedule's first stage runs its whole backward in one call in its
+    W (its I computing nothing): below ZeRO-3, whose layer-by-layer gathers need the per-layer
+    weight groups instead (runtime/split_backward.py, ``by_layer``; the executor's
+    ``layer_units``)."""
+    return zero < 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +80,8 @@ class PipelineWork:
     forward_wait_s: tuple[float, ...] = ()
     backward_wait_s: tuple[float, ...] = ()
     #: A zero-bubble schedule's first stage runs its whole backward in its W, none in its I
-    #: (below ZeRO-3: runtime/split_backward.py, ``by_layer``). The simulator places it so; the
-    #: closed form keeps the halves (the paper's lists step the same either way).
+    #: (:func:`first_backward_in_weight`). The simulator places it so; the closed form keeps
+    #: the halves (the paper's lists step the same either way).
     first_backward_in_weight: bool = False
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from autopar.planner.comm import mesh_span, p2p_time
 from autopar.planner.host import Host
 from autopar.planner.layer_costs import LayerCosts
 from autopar.planner.model_costs import ModelCosts
+from autopar.planner.schedule_model import first_backward_in_weight
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.tp_layout import TPLayout
 
@@ -161,8 +162,8 @@ class StageSums:
         # the table stands for the per-layer prices (so for tp, cp, ep, SP, the micro-batch, the
         # recompute setting and each axis's span); the data-parallel degree enters no sum
         # the first stage's weight gradients go one layer at a time under ZeRO-3 only; else its
-        # whole backward is one call in its W (runtime/split_backward.py: by_layer)
-        by_layer = zero_bubble and c.zero >= 3
+        # whole backward is one call in its W
+        by_layer = zero_bubble and not first_backward_in_weight(c.zero)
         key = (id(table), c.pp, c.virtual_stages, zero_bubble, by_layer, spec.placement,
                tuple(cuts) if cuts else None)
         hit = self._staging_cache.get(key)
