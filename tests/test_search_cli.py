@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -157,6 +158,32 @@ def test_ring_fit_recovers_latency_and_bandwidth():
     times = [150e-6 + 2 * 3 / 4 * s / 1.5e9 for s in sizes]
     lat, bw = fit_ring(sizes, times, 2 * 3 / 4)
     assert lat == pytest.approx(150e-6) and bw == pytest.approx(1.5e9)
+
+
+def test_ring_fit_in_absolute_error_for_noise_of_one_size():
+    """Collectives after compute are differences of two ~13 ms timings: their noise is the same
+    at every size. There the unweighted fit prices a step's 3.2 MB collective closer than the
+    relative one, whose 1 / t^2 weights hand the slope to the noisiest (smallest) points; over
+    200 seeded draws of a quick calibration's sizes, with +-1 ms of noise. A fit with no
+    positive slope is noise only: an infinite bandwidth and the mean as latency."""
+    import random
+    import statistics
+
+    sizes = [2**k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB
+    a, bw, steps, size = 2.5e-3, 0.5e9, 0.5, 3.2e6
+    true = a + steps * size / bw
+    rng = random.Random(0)
+    errors: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(200):
+        times = [max(a + steps * s / bw + rng.gauss(0, 1e-3), 1e-4) for s in sizes]
+        for relative in (True, False):
+            lat, b = fit_ring(sizes, times, steps, relative=relative)
+            errors[relative].append(abs((lat + steps * size / b) / true - 1)
+                                    if math.isfinite(b) else 1.0)
+    assert statistics.fmean(errors[False]) < 0.85 * statistics.fmean(errors[True])
+    assert sum(e > 0.3 for e in errors[False]) < sum(e > 0.3 for e in errors[True]) / 2
+    lat, b = fit_ring(sizes, [4e-3, 3e-3, 3e-3, 2.5e-3, 2.5e-3, 2e-3], steps, relative=False)
+    assert math.isinf(b) and lat == pytest.approx(17e-3 / 6)
 
 
 @pytest.mark.distributed

@@ -18,6 +18,7 @@ preset (one device measures no link).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -339,20 +340,31 @@ def measure_oversubscription(cores: int, iters: int = 8, rounds: int = 3) -> dic
             "efficiency": min(1.0, statistics.median(ratios))}
 
 
-def fit_ring(sizes: list[int], times: list[float], steps_factor: float) -> tuple[float, float]:
-    """Least squares ``t = a + steps_factor * S / B`` in relative error (each point weighted by
-    ``1 / t^2``): (latency a, bandwidth B). Relative, because the sizes span four orders of
-    magnitude: in absolute error the 16 MiB point decides alone and the latency, which is what
-    the small messages of tensor and pipeline parallelism pay, comes out as noise (it did:
-    0 one day, 0.7 ms the next, against ~0.45 ms measured at 4-256 KiB)."""
+def fit_ring(sizes: list[int], times: list[float], steps_factor: float, *,
+             relative: bool = True) -> tuple[float, float]:
+    """Least squares ``t = a + steps_factor * S / B``: (latency a, bandwidth B).
+
+    ``relative`` (each point weighted by ``1 / t^2``) for times whose noise grows with them,
+    back-to-back calls: the sizes span four orders of magnitude, and in absolute error the
+    16 MiB point decides alone and the latency, which is what the small messages of tensor and
+    pipeline parallelism pay, comes out as noise (it did: 0 one day, 0.7 ms the next, against
+    ~0.45 ms measured at 4-256 KiB). Absolute (unweighted) for times whose noise is the same at
+    every size, collectives after compute: each is a difference of two ~13 ms timings, whose
+    jitter (+-1-2 ms on the development VM) swamps the small sizes; weighted by ``1 / t^2``
+    those noisy small points set the slope, and a quick calibration's reduce-scatter once came
+    out with no slope at all (docs/cost-model.md, "Collectives after compute").
+
+    A fit whose slope is not positive (noise only) returns an infinite bandwidth; the caller
+    decides what stands in for it."""
     xs = [steps_factor * s for s in sizes]
-    ws = [1.0 / max(t, 1e-12) ** 2 for t in times]
+    ws = [1.0 / max(t, 1e-12) ** 2 if relative else 1.0 for t in times]
     sw = sum(ws)
     mx = sum(w * x for w, x in zip(ws, xs)) / sw
     my = sum(w * y for w, y in zip(ws, times)) / sw
     sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, times)) / sxx
-    slope = max(slope, 1e-15)
+    if slope <= 0:
+        return max(my, 0.0), math.inf
     return max(my - slope * mx, 0.0), 1.0 / slope
 
 
@@ -377,12 +389,18 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     extra = []
     for op, factor in steps.items():
         latency, b2b_bw = fit_ring(list(sizes), per_size[op], factor)
-        paced, bw = fit_ring(list(sizes), per_size[f"{op}_after_compute"], factor)
+        paced, bw = fit_ring(list(sizes), per_size[f"{op}_after_compute"], factor,
+                             relative=False)
+        if math.isinf(bw):  # noise only: the back-to-back bandwidth, else the largest size's
+            bw = b2b_bw if math.isfinite(b2b_bw) else \
+                factor * sizes[-1] / max(per_size[f"{op}_after_compute"][-1], 1e-9)
         fits[op] = {"latency_s": latency, "bus_bandwidth": bw,
                     "back_to_back_bus_bandwidth": b2b_bw, "after_compute_latency_s": paced}
         extra.append(paced - latency)
     fits["arrival"] = {"latency_s": max(statistics.median(extra), 0.0), "samples": len(extra)}
     p2p_lat, p2p_bw = fit_ring(list(sizes), per_size["p2p"], 1.0)
+    if math.isinf(p2p_bw):
+        p2p_bw = sizes[-1] / max(per_size["p2p"][-1], 1e-9)
     merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]
               if not k.endswith("_table")}
     merged["op_table"] = {op: [statistics.fmean(r["op_table"][op][j] for r in compute)

@@ -80,6 +80,17 @@ def _bus(cluster: Cluster, span: GroupSpan) -> float:
     return min(bus, _intra_bw(cluster)) if span.per_node > 1 else bus
 
 
+def _core_share(cluster: Cluster) -> float:
+    """The share of its speed a collective's bandwidth term runs at: on a CPU host gloo's copies
+    and reductions run on the cores the processes compute on, and with more processes than
+    cores each gets its share of them (:meth:`Cluster.compute_share` of the node's processes:
+    in a step they all compute or communicate); 1 on devices with their own compute. The
+    collectives are calibrated with at most one process per core; four processes on two cores
+    took 2.2-2.7x as long as two for the same 3.2 MB (docs/cost-model.md, "Collectives among
+    more processes than cores")."""
+    return cluster.compute_share(cluster.devices_per_node)
+
+
 def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> CollectiveCost:
     n, k = span.size, span.nodes
     bus = _bus(cluster, span)
@@ -87,6 +98,7 @@ def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> C
     measured = cluster.collectives.get(op.value) if k == 1 else None
     if measured is not None:  # inside a node, this backend's own figures for this collective
         bus, hop = measured.bus_bandwidth, measured.latency_s
+    bus *= _core_share(cluster)
     factor = 2 if op is Collective.ALL_REDUCE else 1
     inter_steps = factor * (k - 1)
     intra_steps = factor * (n - 1) - inter_steps
@@ -98,7 +110,7 @@ def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> C
 
 def _tree(cluster: Cluster, nbytes: float, span: GroupSpan) -> CollectiveCost:
     k, g = span.nodes, span.per_node
-    bus = _bus(cluster, span)
+    bus = _bus(cluster, span) * _core_share(cluster)
     latency = (cluster.collective_latency_s
                + 2 * ((g - 1) * cluster.intra_node.latency_s
                       + math.ceil(math.log2(k)) * cluster.inter_node.latency_s))
