@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from autopar import Cluster
+from autopar.cluster import LinkKind, LinkSpec
 from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
@@ -266,6 +267,26 @@ def test_data_parallel_processes_share_the_cores(costs, cores):
         assert b.prediction.step_time_s == pytest.approx(
             a.prediction.step_time_s + (stretch - 1) * (pa["compute_s"] + pa["optimizer_s"])
             + pb["dp_comm_s"] - pa["dp_comm_s"] + pb["loss_comm_s"] - pa["loss_comm_s"])
+
+
+def test_collectives_inside_stages_are_shared_by_the_schedule_not_twice(costs):
+    """A tensor-parallel collective is part of its stage's work, which the schedule model and
+    the simulator stretch by processor sharing with the compute; its price per layer is the
+    same whether the processes share the cores or not (the core share of collective_time is
+    for collectives priced outside the stages: data parallelism's, the loss average)."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    link = LinkSpec(LinkKind.LOOPBACK, bandwidth=1e12, latency_s=1e-7, efficiency=1.0)
+
+    def fast_links(cores):  # collectives far cheaper than this GPT's GEMMs: the layout shards
+        return dataclasses.replace(_host(cores=cores), intra_node=link, inter_node=link,
+                                   collective_latency_s=0.0, collectives={})
+
+    own = CostModel(costs, fast_links(0), setup).layer_costs(4, False, 8)
+    shared = CostModel(costs, fast_links(2), setup).layer_costs(4, False, 8)
+    assert any(a.tp_forward_s > 0 and a.tp_backward_s > 0 for a in own)
+    for a, b in zip(own, shared):
+        assert (b.tp_forward_s, b.tp_backward_s, b.forward_s) == \
+            (a.tp_forward_s, a.tp_backward_s, a.forward_s)
 
 
 def test_enough_cores_change_nothing(costs):

@@ -80,25 +80,15 @@ def _bus(cluster: Cluster, span: GroupSpan) -> float:
     return min(bus, _intra_bw(cluster)) if span.per_node > 1 else bus
 
 
-def _core_share(cluster: Cluster) -> float:
-    """The share of its speed a collective's bandwidth term runs at: on a CPU host gloo's copies
-    and reductions run on the cores the processes compute on, and with more processes than
-    cores each gets its share of them (:meth:`Cluster.compute_share` of the node's processes:
-    in a step they all compute or communicate); 1 on devices with their own compute. The
-    collectives are calibrated with at most one process per core; four processes on two cores
-    took 2.2-2.7x as long as two for the same 3.2 MB (docs/cost-model.md, "Collectives among
-    more processes than cores")."""
-    return cluster.compute_share(cluster.devices_per_node)
-
-
-def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> CollectiveCost:
+def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan,
+          core_share: float = 1.0) -> CollectiveCost:
     n, k = span.size, span.nodes
     bus = _bus(cluster, span)
     hop = cluster.intra_node.latency_s
     measured = cluster.collectives.get(op.value) if k == 1 else None
     if measured is not None:  # inside a node, this backend's own figures for this collective
         bus, hop = measured.bus_bandwidth, measured.latency_s
-    bus *= _core_share(cluster)
+    bus *= core_share
     factor = 2 if op is Collective.ALL_REDUCE else 1
     inter_steps = factor * (k - 1)
     intra_steps = factor * (n - 1) - inter_steps
@@ -108,9 +98,10 @@ def _ring(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan) -> C
     return CollectiveCost(latency + (n - 1) / n * volume / bus, Algorithm.RING, bus)
 
 
-def _tree(cluster: Cluster, nbytes: float, span: GroupSpan) -> CollectiveCost:
+def _tree(cluster: Cluster, nbytes: float, span: GroupSpan,
+          core_share: float = 1.0) -> CollectiveCost:
     k, g = span.nodes, span.per_node
-    bus = _bus(cluster, span) * _core_share(cluster)
+    bus = _bus(cluster, span) * core_share
     latency = (cluster.collective_latency_s
                + 2 * ((g - 1) * cluster.intra_node.latency_s
                       + math.ceil(math.log2(k)) * cluster.inter_node.latency_s))
@@ -118,19 +109,19 @@ def _tree(cluster: Cluster, nbytes: float, span: GroupSpan) -> CollectiveCost:
     return CollectiveCost(latency + 2 * nbytes / bus, Algorithm.TREE, bus)
 
 
-def _hierarchical(cluster: Cluster, op: Collective, nbytes: float,
-                  span: GroupSpan) -> CollectiveCost:
+def _hierarchical(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan,
+                  core_share: float = 1.0) -> CollectiveCost:
     k, g = span.nodes, span.per_node
     intra = GroupSpan(g, 1, g)
     inter = GroupSpan(k, k, 1)
     if op is Collective.ALL_REDUCE:
-        t = (_ring(cluster, Collective.REDUCE_SCATTER, nbytes, intra).seconds
-             + _ring(cluster, Collective.ALL_REDUCE, nbytes / g, inter).seconds
-             + _ring(cluster, Collective.ALL_GATHER, nbytes, intra).seconds)
+        t = (_ring(cluster, Collective.REDUCE_SCATTER, nbytes, intra, core_share).seconds
+             + _ring(cluster, Collective.ALL_REDUCE, nbytes / g, inter, core_share).seconds
+             + _ring(cluster, Collective.ALL_GATHER, nbytes, intra, core_share).seconds)
         factor = 2
     else:  # all-gather: across nodes on 1/g of the data, then inside; reduce-scatter mirrored
-        t = (_ring(cluster, op, nbytes / g, inter).seconds + _ring(cluster, op, nbytes,
-                                                                    intra).seconds)
+        t = (_ring(cluster, op, nbytes / g, inter, core_share).seconds
+             + _ring(cluster, op, nbytes, intra, core_share).seconds)
         factor = 1
     n = span.size
     bus = factor * (n - 1) / n * nbytes / t if t > 0 else float("inf")
@@ -138,19 +129,29 @@ def _hierarchical(cluster: Cluster, op: Collective, nbytes: float,
 
 
 def collective_time(cluster: Cluster, op: Collective, nbytes: float, span: GroupSpan,
-                    algorithm: Algorithm | None = None) -> CollectiveCost:
+                    algorithm: Algorithm | None = None, *,
+                    core_share: float = 1.0) -> CollectiveCost:
     """Seconds for one collective of ``nbytes`` over a group placed as ``span``; the cheapest
-    algorithm unless one is named."""
+    algorithm unless one is named.
+
+    ``core_share``: the share of its cores' speed the collective's bandwidth term runs at (not
+    its latencies). On a CPU host whose processes outnumber its cores, gloo's copies and sums
+    run on the cores the processes share: four processes on two cores took 2-3x as long as two
+    for the same collective after compute, where the ring's (n-1)/n gives 1.5x
+    (``benchmarks/host_collectives.py``). A collective priced on its own (data parallelism's,
+    the loss average) takes :meth:`autopar.planner.host.Host.collective_share`; one inside a
+    stage's work (tensor, context and expert parallelism's) takes 1, since the schedule model
+    and the simulator stretch that work with the compute by processor sharing."""
     if span.size <= 1 or nbytes <= 0:
         return CollectiveCost(0.0, algorithm or Algorithm.RING, float("inf"))
     options: list[CollectiveCost] = []
     if algorithm in (None, Algorithm.RING):
-        options.append(_ring(cluster, op, nbytes, span))
+        options.append(_ring(cluster, op, nbytes, span, core_share))
     if algorithm in (None, Algorithm.TREE) and op is Collective.ALL_REDUCE:
-        options.append(_tree(cluster, nbytes, span))
+        options.append(_tree(cluster, nbytes, span, core_share))
     if algorithm in (None, Algorithm.HIERARCHICAL) and span.nodes > 1 and span.per_node > 1 \
             and op is not Collective.ALL_TO_ALL:
-        options.append(_hierarchical(cluster, op, nbytes, span))
+        options.append(_hierarchical(cluster, op, nbytes, span, core_share))
     if not options:
         raise ValueError(f"{algorithm} does not apply to {op.value} over {span}")
     return min(options, key=lambda c: c.seconds)

@@ -477,7 +477,8 @@ class CostModel:
                            for node in nodes)
             nbytes = numel / (c.tp if fqn in split else 1) * g_bytes
             total += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
-                                     GroupSpan(len(ranks), len(nodes), per_node)).seconds
+                                     GroupSpan(len(ranks), len(nodes), per_node),
+                                     core_share=self.host.collective_share()).seconds
         return total
 
     def _loss_all_reduce_time(self, c: Candidate) -> float:
@@ -489,7 +490,8 @@ class CostModel:
         if hit is None:  # the search's bound asks for every candidate; worlds are few
             per_node = min(world, self.cluster.devices_per_node)
             span = GroupSpan(world, -(-world // per_node), per_node)
-            hit = collective_time(self.cluster, Collective.ALL_REDUCE, 8.0, span).seconds
+            hit = collective_time(self.cluster, Collective.ALL_REDUCE, 8.0, span,
+                                  core_share=self.host.collective_share()).seconds
             self._loss_cache[world] = hit
         return hit
 
@@ -529,8 +531,8 @@ class CostModel:
         interference = self.host.collective_interference
         ranks = self._rank_memory(c, m, st, rank_acts)
         dp_exposed = optimizer_s = slack = 0.0
-        coll = CollectiveTimes(cl, dp_span, self._coll_cache.setdefault(dp_span, {})) \
-            if dp_span is not None else None
+        coll = CollectiveTimes(cl, dp_span, self._coll_cache.setdefault(dp_span, {}),
+                               self.host.collective_share()) if dp_span is not None else None
         for r, rs in enumerate(st.ranks):
             if coll is not None:
                 # rank r's backward ends `slack` before rank 0's (the drain of the pipeline)

@@ -31,14 +31,15 @@ class CollectiveTimes:
     for the same few sizes for every candidate of a mesh."""
 
     def __init__(self, cluster: Cluster, span: GroupSpan,
-                 cache: dict[tuple[Collective, float], float]) -> None:
+                 cache: dict[tuple[Collective, float], float], core_share: float = 1.0) -> None:
         self.cluster, self.span, self.cache = cluster, span, cache
+        self.core_share = core_share  # see collective_time: 1 unless processes share cores
 
     def one(self, op: Collective, nbytes: float) -> float:
         t = self.cache.get((op, nbytes))
         if t is None:
-            t = self.cache[(op, nbytes)] = collective_time(self.cluster, op, nbytes,
-                                                           self.span).seconds
+            t = self.cache[(op, nbytes)] = collective_time(
+                self.cluster, op, nbytes, self.span, core_share=self.core_share).seconds
         return t
 
     def __call__(self, op: Collective, nbytes: float, unit: float) -> float:

@@ -14,6 +14,8 @@ step composition (:mod:`autopar.planner.cost_model`) asks this module, not the l
   spends the time of the transfers it sends and receives (measured, docs/cost-model.md);
 - :attr:`Host.collective_interference` - the share of overlapped collective time that slows the
   compute it hides behind (NCCL's SMs over the device's; 1 for gloo on the compute's cores);
+- :meth:`Host.collective_share` - the speed of a collective priced outside the stages' work
+  (data parallelism's) while the node's processes share its cores;
 - :meth:`Host.optimizer_share` - the speed of each rank's optimizer step while every rank of
   the node steps at once.
 """
@@ -54,6 +56,15 @@ class Host:
             return 1.0  # gloo runs on the cores the compute uses
         d = self.cluster.device
         return d.collective_sms / d.sm_count if d.sm_count else 0.0
+
+    def collective_share(self) -> float:
+        """The speed share of a collective priced outside the stages' work (data parallelism's,
+        the loss average): gloo's copies and sums on cores the node's processes share, all of
+        them in the collective or computing (:func:`autopar.planner.comm.collective_time`'s
+        ``core_share``); 1 with a core per process and on GPUs."""
+        if not self.shares_cores:
+            return 1.0
+        return self.cluster.compute_share(self.cluster.devices_per_node)
 
     def optimizer_share(self) -> float:
         """Each rank's optimizer speed while all ranks of a node step at once."""
