@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/host_collectives.py --worlds 2 4 8 --mib 1 3.1 --calls 30
 
 Each process runs the calibration's pace (two GEMMs of 2048 x 256 -> 1024 on operands cycled
-through 24 MiB, ``autopar.planner.calibration.PACE_*``) and then one collective, ``--calls``
+through 24 MiB, ``autopar.planner.calibration.pace_compute``) and then one collective, ``--calls``
 times; the figure is the slowest rank's mean per call less the pace timed alone just before and
 just after it (the median over ``--rounds``): what a training step pays for the collective. All-reduce, reduce-scatter, all-gather and the
 last two back to back (ZeRO-1/2's pair). Beside each, the cost model's price
@@ -37,20 +37,12 @@ def _worker(sizes: list[int], calls: int, rounds: int) -> dict[tuple[str, int], 
     before and after it), the median over ``rounds``."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from autopar.planner.calibration import PACE_COPIES, PACE_GEMMS, PACE_IN, PACE_OUT, PACE_TOKENS
+    from autopar.planner.calibration import pace_compute
 
     torch.set_num_threads(1)
     n = dist.get_world_size()
-    operands = [(torch.randn(PACE_TOKENS, PACE_IN), torch.randn(PACE_OUT, PACE_IN))
-                for _ in range(PACE_COPIES)]
-    turn = iter(range(10**12))
-
-    def pace() -> None:
-        for _ in range(PACE_GEMMS):
-            x, w = operands[next(turn) % PACE_COPIES]
-            F.linear(x, w)
+    pace = pace_compute()
 
     def timed(fn) -> float:
         fn()

@@ -239,22 +239,13 @@ def _rank_compute(quick: bool) -> dict[str, float]:
     return measure_compute(quick)
 
 
-def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[float]]:
-    """Per size, the mean seconds of each collective, two ways: back to back (``all_reduce``,
-    ...), and as a training step pays it (``all_reduce_after_compute``, ...): every call follows
-    a layer's worth of GEMMs on cold operands on each rank (``PACE_*``), less that compute timed
-    alone. After compute the ranks arrive at slightly different times, the first blocks and
-    sleeps, and the data comes from beyond the caches, which back-to-back ranks in lockstep never
-    see (docs/cost-model.md). Plus a rank 0 <-> 1 send/recv (``p2p``, half a round trip)."""
+def pace_compute() -> Callable[[], None]:
+    """The compute every paced collective follows: ``PACE_GEMMS`` GEMMs of ``PACE_TOKENS x
+    PACE_IN -> PACE_OUT`` per call, the operands cycled through ``PACE_COPIES`` copies so that
+    they come from beyond the caches, as in a step."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
-    ops = ("all_reduce", "all_gather", "reduce_scatter")
-    out: dict[str, list[float]] = {k: [] for op in ops for k in (op, f"{op}_after_compute")}
-    out["p2p"] = []
-    n = dist.get_world_size()
-    rank = dist.get_rank()
     operands = [(torch.randn(PACE_TOKENS, PACE_IN), torch.randn(PACE_OUT, PACE_IN))
                 for _ in range(PACE_COPIES)]
     turn = iter(range(10**12))
@@ -264,6 +255,25 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
             x, w = operands[next(turn) % PACE_COPIES]
             F.linear(x, w)
 
+    return pace
+
+
+def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[float]]:
+    """Per size, the mean seconds of each collective, two ways: back to back (``all_reduce``,
+    ...), and as a training step pays it (``all_reduce_after_compute``, ...): every call follows
+    a layer's worth of GEMMs on cold operands on each rank (``PACE_*``), less that compute timed
+    alone. After compute the ranks arrive at slightly different times, the first blocks and
+    sleeps, and the data comes from beyond the caches, which back-to-back ranks in lockstep never
+    see (docs/cost-model.md). Plus a rank 0 <-> 1 send/recv (``p2p``, half a round trip)."""
+    import torch
+    import torch.distributed as dist
+
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    out: dict[str, list[float]] = {k: [] for op in ops for k in (op, f"{op}_after_compute")}
+    out["p2p"] = []
+    n = dist.get_world_size()
+    rank = dist.get_rank()
+    pace = pace_compute()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     for size in sizes:
@@ -352,7 +362,7 @@ def fit_ring(sizes: list[int], times: list[float], steps_factor: float, *,
     every size, collectives after compute: each is a difference of two ~13 ms timings, whose
     jitter (+-1-2 ms on the development VM) swamps the small sizes; weighted by ``1 / t^2``
     those noisy small points set the slope, and a quick calibration's reduce-scatter once came
-    out with no slope at all (docs/cost-model.md, "Collectives after compute").
+    out with no slope at all (docs/cost-model.md, "Local gloo runs").
 
     A fit whose slope is not positive (noise only) returns an infinite bandwidth; the caller
     decides what stands in for it."""
