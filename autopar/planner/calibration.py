@@ -4,8 +4,9 @@ collectives' latency and bandwidth over the local backend (gloo processes), as a
 Every rank runs the compute microbenchmarks at the same time (as ranks do in a local run, so the
 cores' contention is part of the figure); the collectives are timed over ``LocalPool``. The
 latency and bus bandwidth come from a least-squares fit of the ring model the cost model uses,
-``t(S) = a + 2 (n-1)/n * S / B`` for all-reduce, over message sizes from 4 KiB to 16 MiB (in
-relative error, so that the small messages set the latency). What the host itself costs (a graph
+``t(S) = a + 2 (n-1)/n * S / B`` for all-reduce, over message sizes from 4 KiB to 16 MiB: back
+to back in relative error (the small messages set the latency), after compute unweighted (there
+the noise is the same at every size; :func:`fit_ring`). What the host itself costs (a graph
 node, the optimizer step, the disk, the speed probe) is measured by
 :mod:`autopar.planner.calibration_host`.
 
@@ -388,9 +389,9 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     per_size = {k: [max(r[k][i] for r in coll) for i in range(len(sizes))]
                 for k in coll[0]}
     n = world
-    # Two fits per collective of t = a + steps S / B (relative error): back to back, whose
-    # latency gives the ring's per-hop latency (it grows with the group), and after compute, as a
-    # step pays it, whose bandwidth is the one a step gets and whose latency, less the
+    # Two fits per collective of t = a + steps S / B: back to back (relative error), whose
+    # latency gives the ring's per-hop latency (it grows with the group), and after compute
+    # (unweighted), as a step pays it, whose bandwidth is the one a step gets and whose latency, less the
     # back-to-back one, is the base latency a0 every call pays arriving from compute (one figure:
     # the median over the collectives).
     steps = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
@@ -541,15 +542,16 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                                            f"{where}",
             "device.memory_bytes": "physical memory / processes",
             "intra_node": f"all_reduce times (4 KiB-16 MiB) fitted to the ring model "
-                          f"t = a + 2(n-1)/n S/B in relative error: hop latency a / 2(n-1) "
-                          f"back to back, bandwidth B after {pace}; {where}",
+                          f"t = a + 2(n-1)/n S/B: hop latency a / 2(n-1) back to back "
+                          f"(relative error), bandwidth B after {pace} (unweighted); {where}",
             "collective_latency_s": f"median over all-reduce, all-gather and reduce-scatter "
                                    f"of the ring fit's latency a after {pace} less a back to "
                                    f"back: the ranks' arrival out of step; {where}",
             "inter_node": "single node: same as intra_node",
             "collectives": f"all_gather_single and reduce_scatter_single times (4 KiB-16 "
-                           f"MiB) fitted to t = a + (n-1)/n S/B in relative error: hop latency "
-                           f"a / (n-1) back to back, bandwidth B after {pace}; {where}",
+                           f"MiB) fitted to t = a + (n-1)/n S/B: hop latency a / (n-1) back to "
+                           f"back (relative error), bandwidth B after {pace} (unweighted); "
+                           f"{where}",
             "gemm_efficiency": "1.0: the measured rate is the achievable rate",
             "device.gemm_table": f"F.linear rate for m in {list(TABLE_M)}, n, k in "
                                  f"{list(TABLE_NK)} (m n k <= 2^31), operands cycled through "
