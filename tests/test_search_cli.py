@@ -186,6 +186,43 @@ def test_ring_fit_in_absolute_error_for_noise_of_one_size():
     assert math.isinf(b) and lat == pytest.approx(17e-3 / 6)
 
 
+def test_collective_fits_stand_in_for_a_fit_that_is_noise_only():
+    """calibrate's fits (calibration.fit_collectives): each collective's bus bandwidth comes from
+    its after-compute times; where those show no positive slope (noise only) the back-to-back
+    bandwidth stands in, and where that has none either, the largest size's time as all
+    transfer; never an infinite bandwidth (a quick calibration's reduce-scatter once came out
+    at 10^15 B/s and made ZeRO-1's reduce-scatter free). The arrival a0 is the median of the
+    after-compute latencies less the back-to-back ones."""
+    from autopar.planner.calibration import fit_collectives
+
+    sizes = [2**k for k in range(12, 23, 2)]
+    n = 2
+
+    def ring(a, bw, steps):
+        return [a + steps * s / bw for s in sizes]
+
+    falling = [4e-3, 3.5e-3, 3.2e-3, 3.0e-3, 2.9e-3, 2.8e-3]  # noise only
+    per_size = {"all_reduce": ring(3e-4, 2e9, 1.0), "all_reduce_after_compute": ring(2e-3, 1e9, 1.0),
+                "all_gather": ring(2e-4, 0.8e9, 0.5), "all_gather_after_compute": falling,
+                "reduce_scatter": falling, "reduce_scatter_after_compute": falling,
+                "p2p": ring(5e-5, 4e9, 1.0)}
+    fits = fit_collectives(sizes, per_size, n)
+    assert fits["all_reduce"]["bus_bandwidth"] == pytest.approx(1e9)
+    assert fits["all_reduce"]["back_to_back_bus_bandwidth"] == pytest.approx(2e9)
+    assert fits["all_gather"]["bus_bandwidth"] == pytest.approx(0.8e9)  # back to back's
+    # both noise: the largest size over its time, as all transfer of (n-1)/n of it
+    assert fits["reduce_scatter"]["bus_bandwidth"] == pytest.approx(0.5 * sizes[-1] / 2.8e-3)
+    assert fits["reduce_scatter"]["back_to_back_bus_bandwidth"] is None
+    assert all(math.isfinite(fits[op]["bus_bandwidth"])
+               for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert fits["p2p"]["latency_s"] == pytest.approx(5e-5)
+    assert fits["p2p"]["bandwidth"] == pytest.approx(4e9)
+    assert fits["all_reduce"]["after_compute_latency_s"] == pytest.approx(2e-3)
+    extra = sorted(fits[op]["after_compute_latency_s"] - fits[op]["latency_s"]
+                   for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert fits["arrival"]["latency_s"] == pytest.approx(max(extra[1], 0.0))
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):

@@ -45,7 +45,8 @@ from autopar.planner.calibration_host import (
     split_backward_node_time,
 )
 
-__all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring"]
+__all__ = ["measure_compute", "measure_collectives", "calibrate_cluster", "fit_ring",
+           "fit_collectives"]
 
 GEMM_SIZES = (256, 384, 512, 768, 1024)
 
@@ -379,6 +380,40 @@ def fit_ring(sizes: list[int], times: list[float], steps_factor: float, *,
     return max(my - slope * mx, 0.0), 1.0 / slope
 
 
+def fit_collectives(sizes: list[int], per_size: dict[str, list[float]], n: int
+                    ) -> dict[str, Any]:
+    """The ring fits of :func:`measure_collectives`' times over ``n`` processes.
+
+    Two fits per collective of ``t = a + steps S / B``: back to back (relative error), whose
+    latency gives the ring's per-hop latency (it grows with the group), and after compute
+    (unweighted), as a step pays it, whose bandwidth is the one a step gets and whose latency,
+    less the back-to-back one, is the base latency a0 every call pays arriving from compute
+    (``arrival``: the median over the collectives). An after-compute fit with no positive slope
+    (noise only) takes the back-to-back bandwidth, or, when that has none either, the largest
+    size's time as all transfer; so does the point-to-point fit (``p2p``)."""
+    steps = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+             "reduce_scatter": (n - 1) / n}
+    fits: dict[str, Any] = {}
+    extra = []
+    for op, factor in steps.items():
+        latency, b2b_bw = fit_ring(sizes, per_size[op], factor)
+        paced_times = per_size[f"{op}_after_compute"]
+        paced, bw = fit_ring(sizes, paced_times, factor, relative=False)
+        if math.isinf(bw):
+            bw = b2b_bw if math.isfinite(b2b_bw) else \
+                factor * sizes[-1] / max(paced_times[-1], 1e-9)
+        fits[op] = {"latency_s": latency, "bus_bandwidth": bw,
+                    "back_to_back_bus_bandwidth": b2b_bw if math.isfinite(b2b_bw) else None,
+                    "after_compute_latency_s": paced}
+        extra.append(paced - latency)
+    fits["arrival"] = {"latency_s": max(statistics.median(extra), 0.0), "samples": len(extra)}
+    p2p_lat, p2p_bw = fit_ring(sizes, per_size["p2p"], 1.0)
+    if math.isinf(p2p_bw):
+        p2p_bw = sizes[-1] / max(per_size["p2p"][-1], 1e-9)
+    fits["p2p"] = {"latency_s": p2p_lat, "bandwidth": p2p_bw}
+    return fits
+
+
 def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
     from autopar.runtime.local_pool import LocalPool
 
@@ -388,30 +423,7 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
         coll = pool.run(_rank_collectives, sizes, 10 if quick else 40)
     per_size = {k: [max(r[k][i] for r in coll) for i in range(len(sizes))]
                 for k in coll[0]}
-    n = world
-    # Two fits per collective of t = a + steps S / B: back to back (relative error), whose
-    # latency gives the ring's per-hop latency (it grows with the group), and after compute
-    # (unweighted), as a step pays it, whose bandwidth is the one a step gets and whose latency, less the
-    # back-to-back one, is the base latency a0 every call pays arriving from compute (one figure:
-    # the median over the collectives).
-    steps = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-             "reduce_scatter": (n - 1) / n}
-    fits: dict[str, Any] = {}
-    extra = []
-    for op, factor in steps.items():
-        latency, b2b_bw = fit_ring(list(sizes), per_size[op], factor)
-        paced, bw = fit_ring(list(sizes), per_size[f"{op}_after_compute"], factor,
-                             relative=False)
-        if math.isinf(bw):  # noise only: the back-to-back bandwidth, else the largest size's
-            bw = b2b_bw if math.isfinite(b2b_bw) else \
-                factor * sizes[-1] / max(per_size[f"{op}_after_compute"][-1], 1e-9)
-        fits[op] = {"latency_s": latency, "bus_bandwidth": bw,
-                    "back_to_back_bus_bandwidth": b2b_bw, "after_compute_latency_s": paced}
-        extra.append(paced - latency)
-    fits["arrival"] = {"latency_s": max(statistics.median(extra), 0.0), "samples": len(extra)}
-    p2p_lat, p2p_bw = fit_ring(list(sizes), per_size["p2p"], 1.0)
-    if math.isinf(p2p_bw):
-        p2p_bw = sizes[-1] / max(per_size["p2p"][-1], 1e-9)
+    fits = fit_collectives(list(sizes), per_size, world)
     merged = {k: statistics.fmean(r[k] for r in compute) for k in compute[0]
               if not k.endswith("_table")}
     merged["op_table"] = {op: [statistics.fmean(r["op_table"][op][j] for r in compute)
@@ -422,10 +434,9 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
                                             for j in (-2, -1)]] if key == "attention_table"
                        else [*rows[0][i][:-1], statistics.fmean(rr[i][-1] for rr in rows)]
                        for i in range(len(rows[0]))]
-    return {"world": n, "sizes": list(sizes), "times": per_size, "compute": merged,
+    return {"world": world, "sizes": list(sizes), "times": per_size, "compute": merged,
             "per_rank_compute": compute,
-            **fits,
-            "p2p": {"latency_s": p2p_lat, "bandwidth": p2p_bw}}
+            **fits}
 
 
 def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None = None
