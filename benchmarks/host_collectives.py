@@ -10,7 +10,8 @@ just after it (the median over ``--rounds``): what a training step pays for the 
 last two back to back (ZeRO-1/2's pair). Beside each, the cost model's price
 (:func:`autopar.planner.comm.collective_time`) on a cluster file when ``--cluster`` is given (an
 ``autopar calibrate`` file: calibrated with one process per core, priced at each world with the
-node's processes sharing its cores, ``Cluster.compute_share``).
+node's processes sharing its cores as data parallelism's collectives are priced,
+``Host.collective_share``, and as if each process had a core).
 
 This is the measurement behind pricing a collective's bandwidth term at the processes' share of
 the cores on a CPU host (docs/cost-model.md, "Local gloo runs").
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -87,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from autopar.cluster import Cluster, GroupSpan
     from autopar.planner.comm import Collective, collective_time
+    from autopar.planner.host import Host
     from autopar.runtime.local_pool import LocalPool
 
-    sizes = [int(m * 2**20) // 4 // max(args.worlds) * 4 * max(args.worlds) for m in args.mib]
+    every = math.lcm(*args.worlds)  # a whole number of fp32 elements per rank at every world
+    sizes = [int(m * 2**20) // 4 // every * 4 * every for m in args.mib]
     base = Cluster.load(args.cluster) if args.cluster else None
     print("| processes | bytes | collective | measured | priced | priced as if a core each |")
     print("|---|---|---|---|---|---|")
@@ -105,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                     span = GroupSpan(world, 1, world)
                     kinds = [Collective(k) for k in op.split(" + ")]
 
-                    def price(cl: Cluster) -> str:
-                        t = sum(collective_time(cl, k, size, span).seconds for k in kinds)
+                    def price(cl: Cluster) -> str:  # as the cost model prices data parallelism's
+                        share = Host(cl).collective_share()
+                        t = sum(collective_time(cl, k, size, span, core_share=share).seconds
+                                for k in kinds)
                         return f"{t * 1e3:.1f} ms"
 
                     priced = price(cluster)

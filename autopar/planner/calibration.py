@@ -390,7 +390,7 @@ def fit_collectives(sizes: list[int], per_size: dict[str, list[float]], n: int
     less the back-to-back one, is the base latency a0 every call pays arriving from compute
     (``arrival``: the median over the collectives). An after-compute fit with no positive slope
     (noise only) takes the back-to-back bandwidth, or, when that has none either, the largest
-    size's time as all transfer; so does the point-to-point fit (``p2p``)."""
+    size's time as all transfer; the point-to-point fit (``p2p``, one fit) takes the latter."""
     steps = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
              "reduce_scatter": (n - 1) / n}
     fits: dict[str, Any] = {}

@@ -21,6 +21,8 @@ its halved algorithm bandwidth are NCCL's. The cheapest algorithm is used, as NC
 Inside a node, a collective the cluster describes on its own (``Cluster.collectives``, measured
 by ``autopar calibrate`` on the local backend) takes its hop latency and bus bandwidth from
 there: gloo's reduce-scatter is no ring (two processes took as long for it as for an all-reduce).
+On a CPU host whose processes outnumber its cores, a collective priced on its own runs its
+bandwidth term at their share of the cores (``collective_time(..., core_share=)``).
 
 Groups follow the mesh layout of ``runtime/mesh.py``: rank = (dp_i * pp + pp_i) * tp + tp_i,
 tensor parallel innermost, ranks filling node 0 first.
