@@ -345,6 +345,13 @@ class Cluster:
     #: fair sharing (1.0): time-sliced processes evict each other's caches. autopar calibrate
     #: measures it (``cores`` then ``2 x cores`` processes running the same work).
     oversubscription_efficiency: float = 1.0
+    #: Seconds a rank's compute takes longer when it resumes after waiting, on a node holding
+    #: more processes than cores: the ranks take turns on the cores (a pipeline hands each
+    #: micro-batch on) and each resumes on a core where others ran since, its caches cold.
+    #: autopar calibrate measures it (a transformer layer handed round a ring of ``2 x cores``
+    #: processes, ``cores`` at a time, against ``cores`` processes running it without pause).
+    #: Not paid on a node with a core per process.
+    resume_s: float = 0.0
     #: The training software's data-parallel gradient reduction runs during the backward, bucket
     #: by bucket as gradients are ready (autopar's runtime, PyTorch DDP, FSDP, Megatron-LM's
     #: ``--overlap-grad-reduce`` since 2023): True. False: it follows the whole backward
@@ -410,6 +417,11 @@ class Cluster:
                fix="leave it out (1.0) or take autopar calibrate's figure")
         object.__setattr__(self, "oversubscription_efficiency",
                            float(self.oversubscription_efficiency))
+        object.__setattr__(self, "resume_s", parse_quantity(self.resume_s, "s", what="resume_s"))
+        _check(math.isfinite(self.resume_s) and self.resume_s >= 0,
+               f"cluster {self.name!r}: resume_s must be >= 0 seconds",
+               expected="the seconds a rank's compute loses resuming on shared cores, >= 0",
+               found=repr(self.resume_s), fix="leave it out (0) or take autopar calibrate's figure")
         _check(isinstance(self.overlap_grad_reduce, bool),
                f"cluster {self.name!r}: overlap_grad_reduce must be true or false",
                expected="a boolean", found=repr(self.overlap_grad_reduce),
@@ -512,6 +524,7 @@ class Cluster:
             "backend": self.backend, "collective_latency_s": self.collective_latency_s,
             "cores_per_node": self.cores_per_node,
             "oversubscription_efficiency": self.oversubscription_efficiency,
+            "resume_s": self.resume_s,
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "host_link_bandwidth": self.host_link_bandwidth,
             "host_memory_bandwidth": self.host_memory_bandwidth,

@@ -31,7 +31,10 @@ processors gives (``processors=``, a :class:`Processors`):
   (processor sharing: the kernel's scheduler gives runnable processes of one thread equal
   shares, and time-sliced processes run on colder caches, the measured ``efficiency``; a rank
   waiting on a receive, or on its peers inside a compute (``Durations.forward_wait``), sleeps
-  and takes none). The durations are then times on a processor of one's own.
+  and takes none). The durations are then times on a processor of one's own. On a host
+  holding more processes than cores, a compute its rank begins after waiting (on a receive, on
+  a compute it depends on, or at the start of the step) has ``resume_s`` more work: the
+  process resumes on a core where others ran since, its caches cold.
 
 A receive is posted when its rank reaches it and completes ``send_overhead`` later or when the
 message arrives, whichever is last.
@@ -250,7 +253,11 @@ class _Dependencies:
 
 class Processors(Protocol):
     """How fast a computing rank progresses while ``computing`` of the pipeline's ranks
-    compute (relative to a processor of its own): the simulator's one model of the hardware."""
+    compute (relative to a processor of its own): the simulator's one model of the hardware.
+
+    A model may also give ``resume_s``: seconds of work a compute gains when its rank begins it
+    after waiting (:class:`SharedCores`; 0 when absent).
+    """
 
     def rate(self, computing: int) -> float: ...
 
@@ -271,12 +278,17 @@ class SharedCores:
     cores: float
     replicas: int = 1
     efficiency: float = 1.0
+    #: Seconds of work a compute gains when its rank resumes after waiting (a host holding more
+    #: processes than cores: :attr:`autopar.cluster.Cluster.resume_s`); 0 with a core each.
+    resume_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.cores > 0:
             raise ScheduleError("cores must be positive", found=str(self.cores))
         if self.replicas < 1:
             raise ScheduleError("replicas must be >= 1", found=str(self.replicas))
+        if not self.resume_s >= 0:
+            raise ScheduleError("resume_s must be >= 0", found=str(self.resume_s))
 
     def rate(self, computing: int) -> float:
         return processor_share(computing * self.replicas, self.cores, self.efficiency)
@@ -352,6 +364,8 @@ class _Engine:
         self.finishes: list[tuple[float, int, int]] = []  # (time, rank, version)
         self.version = 0  # finish times of an older version are stale (the rate changed)
         self.rate = processors.rate(0)
+        self.resume_s = float(getattr(processors, "resume_s", 0.0))
+        self.resumes = [True] * p  # whether the rank's next compute begins after a wait
         self.channel_sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
         self.channel_taken: dict[tuple[int, int], int] = {}
         self.events: list[TimelineEvent] = []
@@ -388,6 +402,7 @@ class _Engine:
             else:
                 ready = deps.ready_time(rank, a)
                 if ready is None or ready > now:
+                    self.resumes[rank] = True
                     break
                 if kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
                     woken.append(self.send(rank, a))
@@ -399,6 +414,9 @@ class _Engine:
     def start(self, rank: int, a: Action) -> None:
         kind = a.kind  # a str enum hashes in Python: look it up once
         total, wait = self.compute_time[kind][a.stage], self.wait_time[kind][a.stage]
+        if self.resumes[rank]:
+            total += self.resume_s
+            self.resumes[rank] = False
         self.running[rank] = _Running(a, self.now, total, wait)
         if a.kind is ActionKind.FORWARD:
             self.in_flight[rank] += 1
@@ -425,6 +443,7 @@ class _Engine:
         key = _message_key(a)
         arrival = self.deps.posted.get(key)
         if arrival is None:
+            self.resumes[rank] = True
             return False
         src = self.where[key[0]]
         channel = (src, rank)
@@ -441,6 +460,8 @@ class _Engine:
         self.channel_taken[channel] = order + 1
         start = self.clock[rank]
         end = max(start + self.durations.send_overhead, arrival[0])
+        if arrival[0] > start + self.durations.send_overhead:
+            self.resumes[rank] = True  # it waited for the message
         self.comm[rank] += self.durations.send_overhead
         self.deps.done[(a.stage, a.kind, a.microbatch)] = end
         self.events.append(TimelineEvent(rank, a, start, end))

@@ -112,6 +112,7 @@ def _spec(**changes):
     ({"cores_per_node": 2.5}, "cores_per_node"),
     ({"oversubscription_efficiency": 0}, "oversubscription_efficiency"),
     ({"oversubscription_efficiency": 1.2}, "oversubscription_efficiency"),
+    ({"resume_s": -1e-3}, "resume_s"),
     ({"device.node_overhead_s": -1e-6}, "host time per graph node"),
     ({"device.node_backward_overhead_s": "2 s"}, "host time per graph node"),
     ({"device.optimizer_s_per_param": -1e-9}, "optimizer step's time per parameter"),

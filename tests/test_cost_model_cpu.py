@@ -592,6 +592,50 @@ def test_waiting_on_peers_takes_no_core():
         Durations((1.0,), (2.0,), forward_wait=(1.5,))
 
 
+def test_a_compute_resumed_after_a_wait_pays_the_resume_cost():
+    """GPipe, pp = 4, one micro-batch, on 2 cores: one rank computes at a time, each forward
+    after a wait (rank 0's at the step's start) and each backward but the last stage's (it
+    follows its own forward) after a wait: 7 resumes, closed form ``sum(F + B) + 7 r``. With
+    two micro-batches rank 0's second forward follows its first without a wait. A rank with
+    a core of its own pays none."""
+    r = 0.25
+    work = PipelineWork(ScheduleKind.GPIPE, 4, 1, 1, (1.0,) * 4, (2.0,) * 4, (0.0,) * 4, cores=2,
+                        resume_s=r)
+    t, sim = simulated_pipeline_time(work)
+    assert t.total_s == pytest.approx(12 + 7 * r)
+    assert simulated_pipeline_time(dataclasses.replace(work, resume_s=0.0))[0].total_s == \
+        pytest.approx(12)
+    assert simulated_pipeline_time(dataclasses.replace(work, cores=0))[0].total_s == \
+        pytest.approx(12)
+    first = [e for e in sim.rank_events(0) if e.action.kind.name == "FORWARD"]
+    assert first[0].end - first[0].start == pytest.approx(1 + r)
+    two = simulated_pipeline_time(dataclasses.replace(work, num_micro_batches=2))[1]
+    f0, f1 = [e for e in two.rank_events(0) if e.action.kind.name == "FORWARD"]
+    assert f0.end - f0.start == pytest.approx(1 + r) and f1.start == pytest.approx(f0.end)
+    assert f1.end - f1.start == pytest.approx(1.0)  # no wait before it, on a core of its own
+    # the first pass counts a resume per forward and per input gradient of the bottleneck
+    base = closed_form_pipeline_time(dataclasses.replace(work, resume_s=0.0)).total_s
+    assert closed_form_pipeline_time(work).total_s == pytest.approx(max(base + 2 * r, 12 / 2))
+
+
+def test_the_resume_cost_is_paid_only_on_a_crowded_node(costs):
+    """``resume_s`` prices a pipeline on 4 processes sharing 2 cores, not on 2 processes with a
+    core each (the cost model's host hands it to the schedule model only when crowded)."""
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    for devices, c, crowded in ((4, _candidate(pp=4, mbs=2), True),
+                                (2, _candidate(pp=2, mbs=2), False)):
+        plain = CostModel(costs, _host(cores=2, devices=devices), setup)
+        host = dataclasses.replace(_host(cores=2, devices=devices), resume_s=1e-3)
+        resumed = CostModel(costs, host, setup)
+        assert resumed._work(c, 4, resumed.sums.staging(c)).resume_s == \
+            (1e-3 if crowded else 0.0)
+        a = plain.refine(plain.evaluate(c)).step_time_s
+        b = resumed.refine(resumed.evaluate(c)).step_time_s
+        # at least the first forward's resume on the critical path, at most every compute's
+        # (m = 4 micro-batches, 2 actions each per stage, 4 stages) at half speed
+        assert (a + 1e-3 <= b <= a + 4 * 2 * 4 * 2e-3) if crowded else b == pytest.approx(a)
+
+
 def test_a_stage_waits_a0_per_tensor_parallel_collective(costs):
     """The arrival part of each tensor-parallel collective (the cluster's base latency a0) is
     the stage's wait: a0 x the forward calls of its layers, and x the backward calls."""

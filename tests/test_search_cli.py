@@ -94,6 +94,34 @@ def test_explain(plan_file, capsys):
         assert part in out
 
 
+def test_simulate_prices_a_crowded_cpu_host_as_the_plan(tmp_path, capsys):
+    """Four processes on the `cpu` preset's two cores with a resume cost: `autopar simulate`
+    rebuilds the pipeline the search priced (cores, efficiency and the resume cost from the
+    plan's cluster), and the resume cost is in it."""
+    import dataclasses
+
+    cluster = tmp_path / "crowded.json"
+    spec = dataclasses.replace(Cluster.load("cpu"), cores_per_node=2, resume_s=2e-3)
+    cluster.write_text(json.dumps(spec.to_json()))
+    times = {}
+    for name, path in (("crowded", str(cluster)), ("plain", "cpu")):
+        assert main(["plan", "gpt", "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab",
+                     "256", "--seq", "32", "--global-batch", "8", "--gpus", "4", "--cluster",
+                     path, "--dtype", "fp32", "--pp", "4", "--micro-batch", "2", "--schedule",
+                     "1f1b", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        plan_path = tmp_path / f"{name}.json"
+        plan_path.write_text(json.dumps(doc))
+        trace = tmp_path / f"{name}.trace.json"
+        assert main(["simulate", str(plan_path), "--trace", str(trace)]) == 0
+        capsys.readouterr()
+        simulated = json.loads(trace.read_text())["otherData"]["simulated_pipeline_s"]
+        assert simulated == pytest.approx(
+            doc["prediction"]["stage_partition"]["simulated_pipeline_s"], rel=1e-9)
+        times[name] = simulated
+    assert times["crowded"] >= times["plain"] + 2e-3  # the first forward resumes, at least
+
+
 def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "g.png"
     assert main(["simulate", str(plan_file), "--trace", str(trace), "--png", str(png)]) == 0
@@ -234,6 +262,9 @@ def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):
     assert 0 < cluster.oversubscription_efficiency <= 1
     probed = "2 t(cores)" in cluster.sources["oversubscription_efficiency"]
     assert probed or cluster.cores_per_node > 16
+    # the resume probe: a layer handed round 2 x cores processes costs more than without
+    # pause by a few ms at most on any host (>= 0 by construction)
+    assert 0 <= cluster.resume_s < 0.05 and ("ring" in cluster.sources["resume_s"]) == probed
     # all-gather and reduce-scatter measured on their own; the arrival from compute measured
     # (the median of a difference of two noisy times: >= 0 by construction, < 50 ms sane)
     assert set(cluster.collectives) == {"all-gather", "reduce-scatter"}

@@ -25,21 +25,22 @@ def simulate_document(doc):
     """(simulation, per-stage costs) of the plan document's pipeline: the runtime's simulator
     (``runtime/simulator.py``) over the action lists the executor runs
     (``runtime/schedules.py``), with the plan's per-stage costs, as the planner priced it."""
+    from autopar.cluster import Cluster
     from autopar.plan_types import ScheduleKind
+    from autopar.planner.host import Host
     from autopar.planner.cost_model import StageCost
     from autopar.planner.schedule_model import (PipelineWork, first_backward_in_weight,
                                                 simulate_pipeline)
 
     plan = doc["plan"]
     stages = [StageCost.from_json(s) for s in doc["stage_costs"]]
+    cores, efficiency, resume = Host(Cluster.from_json(doc["cluster"])).pipeline_cores()
     work = PipelineWork(ScheduleKind(plan["schedule"]), plan["pp"], plan["virtual_stages"],
                         plan["num_micro_batches"], tuple(s.forward_s for s in stages),
                         tuple(s.backward_s for s in stages), tuple(s.weight_s for s in stages),
                         tuple(s.p2p_s for s in stages[:-1]),
-                        cores=float(doc["cluster"].get("cores_per_node", 0)
-                                    * doc["cluster"]["nodes"]),
-                        replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
-                        efficiency=doc["cluster"].get("oversubscription_efficiency", 1.0),
+                        cores=cores, replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
+                        efficiency=efficiency, resume_s=resume,
                         first_backward_in_weight=first_backward_in_weight(plan.get("zero", 0)))
     return simulate_pipeline(work), stages
 

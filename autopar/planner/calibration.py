@@ -308,13 +308,11 @@ def _rank_collectives(sizes: tuple[int, ...], repeat: int) -> dict[str, list[flo
     return out
 
 
-def _rank_mlp_block(iters: int) -> float:
-    """Seconds for ``iters`` forward and backward passes of a two-GEMM MLP block (2048 tokens,
-    256 -> 1024 -> 256, GELU, fp32: ~20 MB of weights, activations and gradients, a transformer
-    layer's MLP at the benchmarks' sizes), between two barriers: the pool's ranks run it at
-    once."""
+def _mlp_block() -> Callable[[], None]:
+    """A two-GEMM MLP block's forward and backward (2048 tokens, 256 -> 1024 -> 256, GELU,
+    fp32: ~20 MB of weights, activations and gradients, a transformer layer's MLP at the
+    benchmarks' sizes), warmed once."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
@@ -326,6 +324,15 @@ def _rank_mlp_block(iters: int) -> float:
         F.linear(F.gelu(F.linear(x, w1)), w2).sum().backward()
 
     block()
+    return block
+
+
+def _rank_mlp_block(iters: int) -> float:
+    """Seconds for ``iters`` passes of :func:`_mlp_block`, between two barriers: the pool's ranks
+    run it at once."""
+    import torch.distributed as dist
+
+    block = _mlp_block()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
@@ -334,22 +341,99 @@ def _rank_mlp_block(iters: int) -> float:
     return time.perf_counter() - start
 
 
+#: The work :func:`measure_oversubscription` hands round a ring of processes: a transformer
+#: layer (torch's ``TransformerEncoderLayer``: hidden RESUME_HIDDEN, 4 heads, MLP 4 x hidden)
+#: forward and backward on RESUME_TOKENS tokens, ~7 ms on one core of the development VM, a
+#: pipeline stage's action at the demo's sizes. The cost of resuming is nearly fixed (1-2.5 ms
+#: there, for layers of 5-40 ms), so a short one shows it above the noise.
+RESUME_HIDDEN = 128
+RESUME_TOKENS = (8, 64)
+#: Passes of the layer per rank and round (~0.2 s a round on two cores), and rounds.
+RESUME_VISITS = 12
+RESUME_ROUNDS = 3
+
+
+def _layer_block() -> Callable[[], None]:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(RESUME_HIDDEN, 4, 4 * RESUME_HIDDEN, dropout=0.0,
+                                             batch_first=True)
+    x = torch.randn(*RESUME_TOKENS, RESUME_HIDDEN)
+
+    def block() -> None:
+        layer(x).sum().backward()
+
+    block()
+    return block
+
+
+def _rank_layer_ring(visits: int, tokens: int) -> float:
+    """Mean seconds of one pass of :func:`_layer_block`: without pause when ``tokens`` is 0,
+    else while ``tokens`` tokens go round the pool's ranks (a rank runs the layer when the token
+    from its left neighbour arrives and hands it right, as a pipeline's ranks hand micro-batches
+    on). Only the layer is timed, not the wait; ``visits`` passes, the first left out."""
+    import torch
+    import torch.distributed as dist
+
+    block = _layer_block()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    left, right = (rank - 1) % n, (rank + 1) % n
+    token = torch.zeros(1)
+    holding = initial = sum(1 for k in range(tokens) if k * n // tokens == rank) \
+        if tokens else visits
+    times, sends = [], []
+    dist.barrier()
+    for _ in range(visits):
+        if holding == 0:
+            dist.recv(token, left)
+            holding = 1
+        start = time.perf_counter()
+        block()
+        times.append(time.perf_counter() - start)
+        holding -= 1
+        if tokens:
+            sends.append(dist.isend(token.clone(), right))
+    for _ in range(initial if tokens else 0):  # the tokens that went round after the last visit
+        dist.recv(token, left)
+    for work in sends:
+        work.wait()
+    dist.barrier()
+    return statistics.fmean(times[1:])
+
+
 def measure_oversubscription(cores: int, iters: int = 8, rounds: int = 3) -> dict[str, float]:
-    """The node's compute throughput with two processes per core, relative to fair sharing:
-    ``cores`` processes run the same MLP block at once (one per core), then ``2 x cores``
-    processes; with fair sharing and nothing lost the second takes exactly twice as long, so the
-    efficiency is ``2 t(cores) / t(2 cores)`` (capped at 1), the median over ``rounds``
-    alternations (a shared host drifts between runs)."""
+    """The node's compute with two processes per core, relative to a core each.
+
+    ``efficiency``: the throughput when all compute, relative to fair sharing. ``cores``
+    processes run the same MLP block at once (one per core), then ``2 x cores`` processes; with
+    fair sharing and nothing lost the second takes exactly twice as long, so the efficiency is
+    ``2 t(cores) / t(2 cores)`` (capped at 1).
+
+    ``resume_s``: what a compute gains when the ``2 x cores`` processes take turns, ``cores``
+    computing at a time (:func:`_rank_layer_ring`: ``cores`` tokens going round, RESUME_VISITS
+    visits a rank), over the same layer's time on ``cores`` processes without pause: fair
+    sharing gives 0, but each rank resumes on a core where others ran since (docs/cost-model.md,
+    "Local gloo runs").
+
+    Each the median over ``rounds`` alternations (the resume cost over at least RESUME_ROUNDS:
+    a round is ~0.2 s), as a shared host drifts between runs."""
     from autopar.runtime.local_pool import LocalPool
 
-    ratios, alone, shared = [], [], []
+    ratios, alone, shared, resumes = [], [], [], []
     with LocalPool(cores, timeout_s=300) as one, LocalPool(2 * cores, timeout_s=300) as two:
         for _ in range(rounds):
             alone.append(max(one.run(_rank_mlp_block, iters)))
             shared.append(max(two.run(_rank_mlp_block, iters)))
             ratios.append(2 * alone[-1] / shared[-1])
+        for _ in range(max(rounds, RESUME_ROUNDS)):
+            own = statistics.fmean(one.run(_rank_layer_ring, RESUME_VISITS, 0))
+            turns = statistics.fmean(two.run(_rank_layer_ring, RESUME_VISITS, cores))
+            resumes.append(turns - own)
     return {"alone_s": statistics.median(alone), "oversubscribed_s": statistics.median(shared),
-            "efficiency": min(1.0, statistics.median(ratios))}
+            "efficiency": min(1.0, statistics.median(ratios)),
+            "resume_s": max(0.0, statistics.median(resumes))}
 
 
 def fit_ring(sizes: list[int], times: list[float], steps_factor: float, *,
@@ -455,6 +539,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
     if probed:                                          # to start than the figure is worth
         m["oversubscription"] = measure_oversubscription(cores, 3 if quick else 8, probe_rounds)
     efficiency = m["oversubscription"]["efficiency"] if probed else 1.0
+    resume = m["oversubscription"]["resume_s"] if probed else 0.0
     c = m["compute"]
     n = world
     # Two latencies from two measurements: the ring's per-step latency from the back-to-back
@@ -481,6 +566,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
         "collective_latency_s": arrival, "cores_per_node": cores,
         "disk_bandwidth": measure_disk_bandwidth(),
         "oversubscription_efficiency": round(efficiency, 4),
+        "resume_s": resume,
         "device": {
             "name": f"{platform.processor() or platform.machine()} (1 thread per process)",
             "peak_flops": {"fp32": c["gemm_flops_fp32"], "bf16": c["gemm_flops_bf16"]},
@@ -540,6 +626,15 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                 if probed else
                 f"not measured on a host of more than {MAX_OVERSUBSCRIPTION_PROBE_CORES} cores "
                 f"(1.0: fair sharing)"),
+            "resume_s": (
+                f"a transformer layer's forward and backward (hidden {RESUME_HIDDEN}, "
+                f"{RESUME_TOKENS[0] * RESUME_TOKENS[1]} tokens) handed round a ring of "
+                f"{2 * cores} processes by {cores} tokens, {cores} computing at a time, less its "
+                f"time on {cores} processes without pause, median of "
+                f"{max(probe_rounds, RESUME_ROUNDS)}; {where}"
+                if probed else
+                f"not measured on a host of more than {MAX_OVERSUBSCRIPTION_PROBE_CORES} cores "
+                f"(0)"),
             "device.optimizer_s_per_param": (
                 f"median torch.optim.AdamW step (defaults) over {OPTIMIZER_BLOCKS} transformer "
                 f"blocks' parameters at hidden {OPTIMIZER_HIDDEN}, less the per-tensor cost, per "

@@ -448,10 +448,10 @@ class CostModel:
         return out
 
     def _work(self, c: Candidate, m: int, st: Staging) -> PipelineWork:
-        cores, efficiency = self.host.pipeline_cores()
+        cores, efficiency, resume = self.host.pipeline_cores()
         return PipelineWork(c.schedule, c.pp, c.virtual_stages, m, st.forward, st.backward,
                             st.weight, st.p2p, cores=cores, replicas=c.dp * c.cp * c.tp,
-                            efficiency=efficiency,
+                            efficiency=efficiency, resume_s=resume,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait,
                             first_backward_in_weight=first_backward_in_weight(c.zero))
 

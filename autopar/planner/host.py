@@ -40,11 +40,15 @@ class Host:
         """Local CPU processes: compute, collectives and copies on the same cores."""
         return self.cluster.intra_node.kind is LinkKind.LOOPBACK
 
-    def pipeline_cores(self) -> tuple[float, float]:
+    def pipeline_cores(self) -> tuple[float, float, float]:
         """(cores the ranks of every pipeline share, their throughput when oversubscribed
-        relative to fair sharing); 0 cores: every rank has a processor of its own."""
+        relative to fair sharing, the seconds a compute gains when its rank resumes after
+        waiting: :attr:`autopar.cluster.Cluster.resume_s` on a node holding more processes than
+        cores, else 0); 0 cores: every rank has a processor of its own."""
         cl = self.cluster
-        return float(cl.cores_per_node * cl.nodes), cl.oversubscription_efficiency
+        crowded = 0 < cl.cores_per_node < cl.devices_per_node
+        return (float(cl.cores_per_node * cl.nodes), cl.oversubscription_efficiency,
+                cl.resume_s if crowded else 0.0)
 
     @property
     def transfers_take_compute(self) -> bool:

@@ -74,6 +74,9 @@ class PipelineWork:
     #: Throughput of the shared cores while more ranks compute than there are cores, relative
     #: to fair sharing (:attr:`autopar.cluster.Cluster.oversubscription_efficiency`).
     efficiency: float = 1.0
+    #: Seconds a compute gains when its rank begins it after waiting, on a host holding more
+    #: processes than cores (:attr:`autopar.cluster.Cluster.resume_s`); else 0.
+    resume_s: float = 0.0
     #: Of ``forward_s`` (``backward_s``), the seconds a stage's rank waits on its peers without
     #: computing (its tensor-parallel collectives' arrival): sharing the cores does not slow
     #: them. Empty: none.
@@ -159,6 +162,11 @@ def closed_form_pipeline_time(work: PipelineWork) -> PipelineTime:
     bubble = work.schedule.spec.fill_drain(work.forward_s, work.backward_s, work.weight_s, p, v)
     p2p = 2 * (v * m + p - 2) * work.p2p_max if p > 1 else 0.0
     total = busy + bubble + p2p
+    if work.shared and work.resume_s > 0 and p > 1:
+        # every forward and input gradient follows a receive on some rank: counted as resumed
+        # on the bottleneck (the simulator counts the computes that wait)
+        resumed = 2 * v * m * work.resume_s
+        busy, total = busy + resumed, total + resumed
     if work.shared:  # no faster than all the host's work spread over its cores
         waits = [work.rank_wait(r) for r in range(p)]
         cpu = sum(per_rank) - sum(waits)
@@ -199,7 +207,8 @@ def simulate_pipeline(work: PipelineWork, *, p2p: bool = True):
     else:
         durations = Durations(work.forward_s, full, full, (0.0,) * n, transfers, **waits)
     schedule = _schedule(work.schedule, work.pp, work.num_micro_batches, work.virtual_stages)
-    processors = SharedCores(work.cores, work.replicas, work.efficiency) if work.shared \
+    processors = SharedCores(work.cores, work.replicas, work.efficiency, work.resume_s) \
+        if work.shared \
         else Dedicated()
     return simulate(schedule, durations, processors=processors)
 
