@@ -57,3 +57,14 @@ def test_wheel_contains_every_subpackage_and_data_file(tmp_path):
     assert "autopar/data/clusters/cpu.yaml" in names and "autopar/data/corpus.txt" in names
     assert "autopar = autopar.cli:entry" in entry_points
     assert not [n for n in names if n.startswith(("passes/", "runtime/", "tests/"))]
+
+
+def test_python_dash_m_autopar_is_the_command():
+    """``python -m autopar`` runs the ``autopar`` command (an interpreter whose scripts folder is
+    not on the PATH: benchmarks/gpu_session.sh calls the GPU image's python3 so)."""
+    from autopar import __version__
+
+    out = subprocess.run([sys.executable, "-m", "autopar", "--version"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert __version__ in out.stdout
