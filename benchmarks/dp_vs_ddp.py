@@ -5,7 +5,9 @@ the same gradient bucket size, alternating rounds so that machine noise hits bot
 is forward, backward (gradient all-reduce overlapped with it), optimizer step, zero_grad. The
 ratio is median(autopar step) / median(DDP step) over the rounds; ZeRO-1/2/3 are timed too (they
 do more work per step: reduce-scatter + all-gather), and ZeRO-3 against its torch counterpart,
-FSDP2 (``fully_shard`` on every block and the root, the same units as autopar's). Each round is paired (both
+FSDP2 (``fully_shard`` on every block and the root, the same units as autopar's). ZeRO-0 is also
+timed with one optimizer step after every reduction (``_one_step``), as DDP steps, against its
+default on CPU processes of stepping each bucket as its reduction comes in. Each round is paired (both
 run back to back), so the recorded ratio is the median over rounds of autopar / DDP; CPU time of
 rank 0 (all its threads, gloo's included) is reported too, being less sensitive than wall time to
 other processes sharing the machine.
@@ -69,21 +71,24 @@ def _bench(layers: int, hidden: int, vocab: int, seq: int, batch: int, steps: in
             fully_shard(block, mesh=fsdp_mesh)
         fully_shard(fsdp_model, mesh=fsdp_mesh)
         runners["fsdp2"] = torch_step(fsdp_model)
-    # ZeRO-3 also without prefetch (the next unit's gather launched during the current one)
-    variants = [(stage, True) for stage in zero_stages] + (
-        [(3, False)] if 3 in zero_stages else [])
-    for stage, prefetch in variants:
+    # ZeRO-3 also without prefetch (the next unit's gather launched during the current one);
+    # ZeRO-0 also with one step after every reduction (not bucket by bucket as they come in)
+    variants = [(stage, True, None) for stage in zero_stages] + (
+        [(3, False, None)] if 3 in zero_stages else []) + (
+        [(0, True, False)] if 0 in zero_stages else [])
+    for stage, prefetch, per_bucket in variants:
         model = copy.deepcopy(base)
         engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.AdamW, options),
                               DataParallelConfig(zero=stage, bucket_mb=bucket_mb,
-                                                 prefetch=prefetch))
+                                                 prefetch=prefetch, step_per_bucket=per_bucket))
 
         def step(x, y, model=model, engine=engine):
             gpt_loss(model(x), y).backward()
             engine.step()
             engine.zero_grad()
 
-        runners[f"autopar_zero{stage}" + ("" if prefetch else "_noprefetch")] = step
+        runners[f"autopar_zero{stage}" + ("" if prefetch else "_noprefetch")
+                + ("_one_step" if per_bucket is False else "")] = step
     g = torch.Generator().manual_seed(dist.get_rank())
     data = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(4)]
     times: dict[str, list[float]] = {name: [] for name in runners}

@@ -20,6 +20,8 @@ the next forward:
   on different pipeline stages (an embedding and the LM head), and tensor-parallel-replicated
   parameters whose gradients are partial sums (sequence-parallel norms).
 - Global gradient-norm clipping over the whole mesh, counting each element of the model once.
+- The step bucket by bucket, each as soon as its reduction is in, overlapping the optimizer with
+  the last reductions (on CPU processes, where it was measured: ``step_per_bucket``).
 - Per-rank memory of parameters, gradients and optimizer state, measured from the tensors held.
 
 Why not torch's DDP or FSDP2 (``fully_shard``)? DDP must own the forward call (its reducer is
@@ -134,6 +136,9 @@ class DataParallel:
                     self._make_grad_hook(bucket, i, unit)))
         self.optimizer = optimizer.build(
             [(name, piece) for b in self.buckets for name, piece, _, _ in b.pieces])
+        #: Element-wise update rules read one parameter at a time: stepping a subset of the
+        #: pieces gives the same numbers (what :meth:`_overlapped_step` relies on).
+        self._per_parameter_optimizer = optimizer.is_elementwise
         self.pager: StatePager | None = None
         if config.offload == "disk":
             assert config.offload_dir is not None
@@ -572,8 +577,14 @@ class DataParallel:
     def step(self) -> torch.Tensor | None:
         """Finish the sync, clip if configured, update, and refresh the compute parameters.
 
-        Returns the gradient norm when clipping is configured, else None.
+        On CPU processes, unless clipping or offload needs every gradient first, bucket by
+        bucket as each reduction comes in (:meth:`_overlapped_step`; the same numbers, the
+        optimizer running while the last reductions are still under way). Returns the gradient
+        norm when clipping is configured, else None.
         """
+        if self._steps_per_bucket():
+            self._overlapped_step()
+            return None  # no clipping on this path
         self.finish_gradient_sync()
         norm = None
         if self.config.max_grad_norm is not None:
@@ -594,6 +605,50 @@ class DataParallel:
             b.wait_gather()
             b.clear_optimizer_grads()
         return norm
+
+    def _steps_per_bucket(self) -> bool:
+        """Whether :meth:`step` steps bucket by bucket (``DataParallelConfig.step_per_bucket``):
+        with reductions to overlap (more than one bucket, gradients reduced over other ranks),
+        an optimizer whose update of a parameter reads that parameter alone (so that stepping
+        a subset gives the same numbers), no clipping (it needs the global norm of every
+        gradient first), no offload (its copies are launched for all buckets at once), and not
+        after :meth:`finish_gradient_sync` already waited for everything."""
+        wanted = self.config.step_per_bucket
+        if wanted is None:
+            wanted = all(b.device.type == "cpu" for b in self.buckets)
+        reduced = self.groups.dp_size > 1 or bool(self._sum_buckets)
+        return (wanted and reduced and self._per_parameter_optimizer
+                and sum(b.requires_grad for b in self.buckets) > 1
+                and self.config.max_grad_norm is None and self.pager is None
+                and self.config.offload == "none" and not self._grads_final)
+
+    def _overlapped_step(self) -> None:
+        """:meth:`finish_gradient_sync` and the step, bucket by bucket: each bucket is stepped
+        (its pieces alone hold gradients, so the optimizer updates those alone) as soon as its
+        reduction, and its sum over the ranks sharing it, are in, while the later buckets'
+        reductions go on. The shared buckets come last, in the order every rank sums them."""
+        self._sweep_assigned_grads()
+        for chunk, buckets in enumerate(self._chunk_buckets):
+            for b in buckets:
+                if self._unsynced[chunk] or not (b.reduced or b.pending_wait):
+                    b.launch_reduce()
+            self._unsynced[chunk] = False
+        sums = {id(b) for b in self._sum_buckets}
+        order = [b for b in self.buckets if b.requires_grad and id(b) not in sums] + \
+            [b for b in self._sum_buckets if b.requires_grad]
+        for b in order:
+            b.wait_reduce()
+            if id(b) in sums:
+                wait_work(dist.all_reduce(b.reduced_grad(), group=b.sum_group, async_op=True),
+                          f"sum of shared gradient bucket {b.index}")
+            b.set_optimizer_grads()
+            self.optimizer.step()
+            b.clear_optimizer_grads()
+            b.after_step()
+        self._grads_final = True
+        for b in self.buckets:
+            b.wait_gather()
+            b.clear_optimizer_grads()
 
     def _paged_step(self, pager: StatePager) -> None:
         """The step one bucket at a time, its optimizer state read from disk ahead of it and

@@ -85,6 +85,12 @@ class DataParallelConfig:
     #: bucket: runtime/offload.py).
     offload: str = "none"
     offload_dir: str | None = None
+    #: Step each bucket as soon as its reduction is in (:meth:`DataParallel.step`), so the
+    #: optimizer runs while the last buckets are still being reduced. None: where it was
+    #: measured to pay, CPU processes (gloo); not on CUDA devices, where each bucket's step would
+    #: launch its own foreach kernels (not measured yet). It is skipped where the step needs
+    #: every gradient first (clipping, offload) or the optimizer may look across parameters.
+    step_per_bucket: bool | None = None
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_KINDS:

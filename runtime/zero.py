@@ -197,6 +197,12 @@ class FlatBucket:
         self.param_dtype = mixed_precision.param_dtype if mixed_precision else first.dtype
         self.master_dtype = mixed_precision.master_dtype if mixed_precision else first.dtype
         self.grad_dtype = mixed_precision.grad_dtype if mixed_precision else first.dtype
+        #: The average's 1 / dp applied as gradients are written into the bucket (as PyTorch DDP
+        #: divides while copying into its buckets), saving a pass over the reduced buffer;
+        #: where they arrive in the bucket's dtype, so that the scaling rounds once, as the
+        #: division would. None: divided after the reduction.
+        self._prescale = (1.0 / groups.dp_size
+                          if groups.dp_size > 1 and self.grad_dtype == self.param_dtype else None)
         #: Offloaded optimizer (ZeRO-Offload, Ren et al. 2021): the master weights the optimizer
         #: updates live in host memory (pinned under CUDA), a copy of their own even in fp32;
         #: the reduced gradients go to the host for the step and the updated weights come back.
@@ -423,10 +429,18 @@ class FlatBucket:
             self._written = [False] * len(self.slots)
         slot = self.slots[slot_index]
         region = self.local_grad[slot.offset:slot.offset + slot.numel]
+        flat = grad.reshape(-1)
+        scale = self._prescale
         if self._written[slot_index]:
-            region.add_(grad.reshape(-1))
+            if scale is None:
+                region.add_(flat)
+            else:
+                region.add_(flat, alpha=scale)
         else:
-            region.copy_(grad.reshape(-1))
+            if scale is None:
+                region.copy_(flat)
+            else:
+                torch.mul(flat, scale, out=region)
             self._written[slot_index] = True
         self._has_local = True
 
@@ -474,13 +488,15 @@ class FlatBucket:
         self._works = []
         g = self.groups
         if self.stage is ZeroStage.NONE:
-            self.local_grad.div_(g.dp_size)
+            if self._prescale is None:
+                self.local_grad.div_(g.dp_size)
         else:
             out = self.local_grad[self.own] if self.stage is ZeroStage.OPTIMIZER else self._rs_out
             if g.replicate_size > 1:
                 wait_work(dist.all_reduce(out, group=g.replicate_group, async_op=True),
                           f"replica all-reduce of bucket {self.index}")
-            out.div_(g.dp_size)
+            if self._prescale is None:
+                out.div_(g.dp_size)
             if self.stage >= ZeroStage.GRADIENTS:
                 if self._grad_shard_stale:
                     self.grad_shard.copy_(out)

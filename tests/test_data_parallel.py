@@ -21,7 +21,7 @@ from autopar.runtime.data_parallel import (DataParallel, DataParallelConfig, Par
                                            default_units)
 from autopar.runtime.local_pool import LocalPool, RemoteError
 from autopar.runtime.mesh import ParallelMesh
-from autopar.runtime.optim import OptimizerFactory
+from autopar.runtime.optim import MixedPrecision, OptimizerFactory
 
 from dp_harness import (assert_close_to_single_process, build_model, compare, global_batch,
                         train_and_compare)
@@ -223,6 +223,43 @@ def test_zero0_matches_torch_ddp(pool2):
     """Same gloo all-reduce of the same gradients: SGD parameters agree to fp32 rounding."""
     for diff, _ in pool2.run(_versus_ddp):
         assert diff < 1e-6
+
+
+def _step_per_bucket_or_not(zero: int, mixed: bool):
+    """Two engines from the same weights, one stepping bucket by bucket: (parameters equal
+    bit for bit after 3 AdamW steps, optimizer.step calls per step of each, buckets)."""
+    mesh = ParallelMesh(dist.get_world_size(), 1, 1)
+    runs = []
+    for per_bucket in (True, False):
+        model, loss_fn, vocab = build_model("own_gpt")
+        mp = MixedPrecision(torch.bfloat16) if mixed else None
+        engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.AdamW,
+                                                            {"lr": 1e-2, "eps": 1e-5}),
+                              DataParallelConfig(zero=zero, bucket_mb=0.01, mixed_precision=mp,
+                                                 step_per_bucket=per_bucket))
+        calls = []
+        engine.optimizer.register_step_post_hook(lambda *_: calls.append(1))
+        for step in range(3):
+            x, y = global_batch(step, 2 * mesh.dp, vocab)
+            loss_fn(model(x[2 * mesh.dp_rank:][:2]), y[2 * mesh.dp_rank:][:2]).backward()
+            engine.step()
+            engine.zero_grad()
+        runs.append((engine.full_parameters(), len(calls) // 3,
+                     sum(b.requires_grad for b in engine.buckets)))
+        engine.close()
+    (a, calls_a, buckets), (b, calls_b, _) = runs
+    return all(torch.equal(a[n], b[n]) for n in a), calls_a, calls_b, buckets
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero, mixed", [(0, False), (1, True), (2, False), (3, True)])
+def test_the_step_bucket_by_bucket_is_the_same_step(pool2, zero, mixed):
+    """Stepping each bucket as its reduction comes in (the CPU default) gives every parameter
+    bit for bit what one step after all the reductions gives, at every ZeRO stage, with fp32
+    and bf16 compute; the optimizer runs once per bucket, and once when asked not to."""
+    for equal, per_bucket, whole, buckets in pool2.run(_step_per_bucket_or_not, zero, mixed):
+        assert buckets > 2 and equal
+        assert (per_bucket, whole) == (buckets, 1)
 
 
 # -- robustness ---------------------------------------------------------------------------------
