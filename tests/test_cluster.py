@@ -155,11 +155,12 @@ def test_cpu_preset_describes_its_host():
     assert c.cores_per_node >= 1  # recorded by autopar calibrate
     assert 0 < c.device.node_overhead_s < 1e-4 and 0 < c.device.node_backward_overhead_s < 1e-4
     assert 0 < c.oversubscription_efficiency <= 1
+    assert 0 < c.resume_s < 0.01  # resuming on a core others ran on: ms, not a step's worth
     # a core's for-loop AdamW: a few ns per parameter, slower than 28 bytes of streaming
     assert c.device.optimizer_s_per_param > 28 / c.device.memory_bandwidth
     for key in ("cores_per_node", "oversubscription_efficiency", "device.node_overhead_s",
                 "device.node_backward_overhead_s", "device.optimizer_s_per_param",
-                "device.optimizer_s_per_tensor"):
+                "device.optimizer_s_per_tensor", "resume_s"):
         assert c.sources.get(key), key
     gpu = Cluster.load("a100-80g")  # kernels launch asynchronously: no per-node host time
     assert gpu.cores_per_node == 0 and gpu.device.node_overhead_s == 0.0

@@ -25,12 +25,12 @@ def costs():
 
 
 def _host(cores=0, fwd=0.0, bwd=0.0, ops=None, devices=4, efficiency=1.0, optimizer=0.0,
-          per_tensor=0.0):
+          per_tensor=0.0, resume=0.0):
     base = Cluster.load("cpu")
     device = dataclasses.replace(base.device, node_overhead_s=fwd, node_backward_overhead_s=bwd,
                                  op_table=ops or {}, optimizer_s_per_param=optimizer,
                                  optimizer_s_per_tensor=per_tensor)
-    return dataclasses.replace(base, device=device, cores_per_node=cores,
+    return dataclasses.replace(base, device=device, cores_per_node=cores, resume_s=resume,
                                oversubscription_efficiency=efficiency).with_devices(devices)
 
 
@@ -625,8 +625,7 @@ def test_the_resume_cost_is_paid_only_on_a_crowded_node(costs):
     for devices, c, crowded in ((4, _candidate(pp=4, mbs=2), True),
                                 (2, _candidate(pp=2, mbs=2), False)):
         plain = CostModel(costs, _host(cores=2, devices=devices), setup)
-        host = dataclasses.replace(_host(cores=2, devices=devices), resume_s=1e-3)
-        resumed = CostModel(costs, host, setup)
+        resumed = CostModel(costs, _host(cores=2, devices=devices, resume=1e-3), setup)
         assert resumed._work(c, 4, resumed.sums.staging(c)).resume_s == \
             (1e-3 if crowded else 0.0)
         a = plain.refine(plain.evaluate(c)).step_time_s

@@ -100,14 +100,15 @@ def test_simulate_prices_a_crowded_cpu_host_as_the_plan(tmp_path, capsys):
     plan's cluster), and the resume cost is in it."""
     import dataclasses
 
-    cluster = tmp_path / "crowded.json"
-    spec = dataclasses.replace(Cluster.load("cpu"), cores_per_node=2, resume_s=2e-3)
-    cluster.write_text(json.dumps(spec.to_json()))
-    times = {}
-    for name, path in (("crowded", str(cluster)), ("plain", "cpu")):
+    times, paths = {}, {}
+    for name, resume in (("crowded", 2e-3), ("plain", 0.0)):
+        spec = dataclasses.replace(Cluster.load("cpu"), cores_per_node=2, resume_s=resume)
+        paths[name] = tmp_path / f"{name}-cluster.json"
+        paths[name].write_text(json.dumps(spec.to_json()))
+    for name, path in paths.items():
         assert main(["plan", "gpt", "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab",
                      "256", "--seq", "32", "--global-batch", "8", "--gpus", "4", "--cluster",
-                     path, "--dtype", "fp32", "--pp", "4", "--micro-batch", "2", "--schedule",
+                     str(path), "--dtype", "fp32", "--pp", "4", "--micro-batch", "2", "--schedule",
                      "1f1b", "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         plan_path = tmp_path / f"{name}.json"
