@@ -155,6 +155,8 @@ class SimulationResult:
     #: Most micro-batches (summed over its stages) whose activations a rank holds at once.
     peak_in_flight: tuple[int, ...]
     events: tuple[TimelineEvent, ...] = field(repr=False)
+    #: Per rank: the computes that paid the processors' ``resume_s`` (begun after a wait).
+    resumed: tuple[int, ...] = ()
 
     @property
     def num_ranks(self) -> int:
@@ -366,6 +368,7 @@ class _Engine:
         self.rate = processors.rate(0)
         self.resume_s = float(getattr(processors, "resume_s", 0.0))
         self.resumes = [True] * p  # whether the rank's next compute begins after a wait
+        self.resumed = [0] * p  # computes that paid resume_s
         self.channel_sent: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
         self.channel_taken: dict[tuple[int, int], int] = {}
         self.events: list[TimelineEvent] = []
@@ -415,7 +418,9 @@ class _Engine:
         kind = a.kind  # a str enum hashes in Python: look it up once
         total, wait = self.compute_time[kind][a.stage], self.wait_time[kind][a.stage]
         if self.resumes[rank]:
-            total += self.resume_s
+            if self.resume_s > 0:
+                total += self.resume_s
+                self.resumed[rank] += 1
             self.resumes[rank] = False
         self.running[rank] = _Running(a, self.now, total, wait)
         if a.kind is ActionKind.FORWARD:
@@ -564,4 +569,4 @@ class _Engine:
         idle = tuple(step - b - c for b, c in zip(self.busy, self.comm))
         self.events.sort(key=attrgetter("start", "rank"))
         return SimulationResult(step, tuple(self.busy), tuple(self.comm), idle, bubble,
-                                tuple(self.peaks), tuple(self.events))
+                                tuple(self.peaks), tuple(self.events), tuple(self.resumed))

@@ -603,6 +603,7 @@ def test_a_compute_resumed_after_a_wait_pays_the_resume_cost():
                         resume_s=r)
     t, sim = simulated_pipeline_time(work)
     assert t.total_s == pytest.approx(12 + 7 * r)
+    assert sim.resumed == (2, 2, 2, 1)
     assert simulated_pipeline_time(dataclasses.replace(work, resume_s=0.0))[0].total_s == \
         pytest.approx(12)
     assert simulated_pipeline_time(dataclasses.replace(work, cores=0))[0].total_s == \

@@ -117,9 +117,17 @@ def test_simulate_prices_a_crowded_cpu_host_as_the_plan(tmp_path, capsys):
         assert main(["simulate", str(plan_path), "--trace", str(trace)]) == 0
         capsys.readouterr()
         simulated = json.loads(trace.read_text())["otherData"]["simulated_pipeline_s"]
-        assert simulated == pytest.approx(
-            doc["prediction"]["stage_partition"]["simulated_pipeline_s"], rel=1e-9)
+        partition = doc["prediction"]["stage_partition"]
+        assert simulated == pytest.approx(partition["simulated_pipeline_s"], rel=1e-9)
         times[name] = simulated
+        # explain says how many computes resume (4 stages x 4 micro-batches x F and B, less
+        # those that follow their own rank's previous compute), and nothing without the cost
+        assert main(["explain", str(plan_path)]) == 0
+        said = "resume on a core others ran on" in capsys.readouterr().out
+        if name == "crowded":
+            assert 4 <= partition["resumed_computes"] <= 32 and said
+        else:
+            assert "resumed_computes" not in partition and not said
     assert times["crowded"] >= times["plain"] + 2e-3  # the first forward resumes, at least
 
 

@@ -120,6 +120,11 @@ def stage_partition_lines(doc) -> list[str]:
                f"bound above is about)" if method == "ilp" and sp.get("objective_s") else "")
     out.append(f"simulated pipeline (runtime/simulator.py over the executor's action lists): "
                f"{fmt_seconds(simulated)}{differs}; the prediction uses this one")
+    if sp.get("resumed_computes"):
+        n, r = sp["resumed_computes"], sp["resume_s"]
+        out.append(f"more processes than cores: {n} computes of the pipeline's ranks begin after "
+                   f"a wait and resume on a core others ran on, each {fmt_seconds(r)} more work "
+                   f"(the cluster's resume_s)")
     return out
 
 

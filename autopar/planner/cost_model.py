@@ -377,12 +377,22 @@ class CostModel:
                  "solver": part.extra.get("solver", "none"),
                  "first_pass_objective_s": modeled_step_time(problem, first_cut),
                  "simulated_pipeline_s": pipe.total_s, "chosen": chosen,
-                 **({"first_pass_simulated_s": first_sim} if first_sim is not None else {})}
+                 **({"first_pass_simulated_s": first_sim} if first_sim is not None else {}),
+                 **self._resumed(sim)}
         out = self._finish(c, m, st, pipe, rank_acts=acts, partition=info_)
         out = dataclasses.replace(out, refined=True,
                                   extra={**out.extra, "stage_ilp_solve_s": part.solve_seconds})
         self._refined[c] = out
         return out
+
+    def _resumed(self, sim: Any) -> dict[str, float]:
+        """Resuming on shared cores in the simulated step (none on GPUs and with a core per
+        process): the computes of all the pipeline's ranks begun after a wait, each
+        ``resume_s`` more work."""
+        count = sum(sim.resumed)
+        if not count:
+            return {}
+        return {"resumed_computes": count, "resume_s": self.cluster.resume_s}
 
     def partition_problem(self, c: Candidate) -> Any:
         """The stage ILP's inputs for ``c``: this model's per-layer times (TP communication and
