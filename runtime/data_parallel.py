@@ -436,16 +436,21 @@ class DataParallel:
         finally:
             self._sync = before
 
-    def finish_gradient_sync(self) -> None:
-        """Wait for the reductions; reduce what is still local; sum tied / tp-partial gradients."""
-        if self._grads_final:
-            return
+    def _launch_remaining(self) -> None:
+        """Take assigned gradients into their buckets, and launch every reduction the backwards
+        left: buckets with local gradients not reduced yet, or never reduced this step."""
         self._sweep_assigned_grads()
         for chunk, buckets in enumerate(self._chunk_buckets):
             for b in buckets:
                 if self._unsynced[chunk] or not (b.reduced or b.pending_wait):
                     b.launch_reduce()
             self._unsynced[chunk] = False
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for the reductions; reduce what is still local; sum tied / tp-partial gradients."""
+        if self._grads_final:
+            return
+        self._launch_remaining()
         for b in self.buckets:
             if b.requires_grad:
                 b.wait_reduce()
@@ -627,12 +632,7 @@ class DataParallel:
         (its pieces alone hold gradients, so the optimizer updates those alone) as soon as its
         reduction, and its sum over the ranks sharing it, are in, while the later buckets'
         reductions go on. The shared buckets come last, in the order every rank sums them."""
-        self._sweep_assigned_grads()
-        for chunk, buckets in enumerate(self._chunk_buckets):
-            for b in buckets:
-                if self._unsynced[chunk] or not (b.reduced or b.pending_wait):
-                    b.launch_reduce()
-            self._unsynced[chunk] = False
+        self._launch_remaining()
         sums = {id(b) for b in self._sum_buckets}
         order = [b for b in self.buckets if b.requires_grad and id(b) not in sums] + \
             [b for b in self._sum_buckets if b.requires_grad]
