@@ -136,14 +136,12 @@ class DataParallel:
                     self._make_grad_hook(bucket, i, unit)))
         self.optimizer = optimizer.build(
             [(name, piece) for b in self.buckets for name, piece, _, _ in b.pieces])
-        #: Element-wise update rules read one parameter at a time: stepping a subset of the
-        #: pieces gives the same numbers (what :meth:`_overlapped_step` relies on).
-        self._per_parameter_optimizer = optimizer.is_elementwise
         self.pager: StatePager | None = None
         if config.offload == "disk":
             assert config.offload_dir is not None
             self.pager = StatePager(config.offload_dir, dist.get_rank(), self.optimizer,
                                     self.buckets)
+        self._bucketwise = self._steps_per_bucket(optimizer)
         n_chunks = len(self.modules)
         self._sync = [True] * n_chunks
         self._unsynced = [False] * n_chunks
@@ -587,7 +585,7 @@ class DataParallel:
         optimizer running while the last reductions are still under way). Returns the gradient
         norm when clipping is configured, else None.
         """
-        if self._steps_per_bucket():
+        if self._bucketwise and not self._grads_final:
             self._overlapped_step()
             return None  # no clipping on this path
         self.finish_gradient_sync()
@@ -611,21 +609,21 @@ class DataParallel:
             b.clear_optimizer_grads()
         return norm
 
-    def _steps_per_bucket(self) -> bool:
-        """Whether :meth:`step` steps bucket by bucket (``DataParallelConfig.step_per_bucket``):
-        with reductions to overlap (more than one bucket, gradients reduced over other ranks),
-        an optimizer whose update of a parameter reads that parameter alone (so that stepping
-        a subset gives the same numbers), no clipping (it needs the global norm of every
-        gradient first), no offload (its copies are launched for all buckets at once), and not
-        after :meth:`finish_gradient_sync` already waited for everything."""
+    def _steps_per_bucket(self, optimizer: OptimizerFactory) -> bool:
+        """Whether :meth:`step` steps bucket by bucket (``DataParallelConfig.step_per_bucket``),
+        decided once: with reductions to overlap (more than one bucket, gradients reduced over
+        other ranks), an element-wise optimizer (its update of a parameter reads that parameter
+        alone, so stepping a subset gives the same numbers), no clipping (it needs the global
+        norm of every gradient first) and no offload (its copies are launched for all buckets at
+        once). :meth:`step` also steps once after :meth:`finish_gradient_sync` (or clipping
+        called by hand) already waited for everything."""
         wanted = self.config.step_per_bucket
         if wanted is None:
             wanted = all(b.device.type == "cpu" for b in self.buckets)
         reduced = self.groups.dp_size > 1 or bool(self._sum_buckets)
-        return (wanted and reduced and self._per_parameter_optimizer
+        return (wanted and reduced and optimizer.is_elementwise
                 and sum(b.requires_grad for b in self.buckets) > 1
-                and self.config.max_grad_norm is None and self.pager is None
-                and self.config.offload == "none" and not self._grads_final)
+                and self.config.max_grad_norm is None and self.config.offload == "none")
 
     def _overlapped_step(self) -> None:
         """:meth:`finish_gradient_sync` and the step, bucket by bucket: each bucket is stepped

@@ -354,6 +354,7 @@ RESUME_ROUNDS = 3
 
 
 def _layer_block() -> Callable[[], None]:
+    """The layer :func:`_rank_layer_ring` times (RESUME_HIDDEN, RESUME_TOKENS), warmed once."""
     import torch
 
     torch.set_num_threads(1)
