@@ -45,6 +45,7 @@ passes; the expected attributes are spelled out by :class:`StageProgram`); each 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from datetime import timedelta
@@ -146,13 +147,13 @@ class PipelineExecutor:
         ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
         layer (:class:`StageModule`); ``compile_backend`` compiles each stage's graph with
         ``torch.compile``. With ``recompute``, ``recompute_blocks`` names the layers checkpointed one
-        at a time (the repeated blocks; not with ``layer_units`` or a compiled graph, where the
-        stage is checkpointed whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
+        at a time (the repeated blocks; a stage holding none runs as it is; a compiled graph, or
+        an empty set, checkpoints each stage whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters)."""
         self.split = split
         #: Full activation recompute: each repeated block keeps only its inputs and runs again in
-        #: its backward (runtime/layer_recompute.py; a stage without blocks, or under ZeRO-3 or
-        #: compile, is checkpointed whole).
+        #: its backward (runtime/layer_recompute.py; under compile the stage is checkpointed
+        #: whole).
         self.recompute = recompute
         #: ZeRO-3's gather units: a first stage's weight gradients then go one layer at a time
         #: (runtime/split_backward.py), else in one call
@@ -221,7 +222,7 @@ class PipelineExecutor:
         self.stage_modules = {s: StageModule(stage, self.params, layer_units=layer_units,
                                              compile_backend=compile_backend,
                                              recompute_blocks=recompute_blocks if recompute
-                                             else frozenset())
+                                             else None)
                               for s, stage in self.local.items()}
         self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
                                                      ActionKind.BACKWARD_INPUT)
@@ -446,22 +447,22 @@ class PipelineExecutor:
             leaves = [t.detach().requires_grad_(c.requires_grad)
                       for t, c in zip(received, stage.inputs)]
             module, args = self.stage_modules[s], self._args(stage, mb, leaves)
-            per_layer = self.stage_modules[s].recomputes_layers
+            own = self.stage_modules[s]
+            recomputing = self.recompute and not self._inference
             if self.hooks is not None:
                 module = _announced(module, self.hooks.before_forward, s, mb)
             with torch.enable_grad():
-                if self.recompute and not self._inference and per_layer:
-                    announce = (functools.partial(self.hooks.before_forward, s, mb)
-                                if self.hooks is not None else None)
-                    with recompute_region(announce):
-                        out = module(*args)
-                elif self.recompute and not self._inference:
+                if recomputing and own.checkpoints_whole:
                     out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
-                elif self.stage_modules[s].regathers:
-                    with saved_gathers():  # SP's gathered GEMM inputs kept as shards
-                        out = module(*args)
                 else:
-                    out = module(*args)
+                    with contextlib.ExitStack() as scope:
+                        if recomputing and own.recomputes_layers:
+                            announce = (functools.partial(self.hooks.before_forward, s, mb)
+                                        if self.hooks is not None else None)
+                            scope.enter_context(recompute_region(announce))
+                        if own.regathers:  # SP's gathered GEMM inputs kept as shards
+                            scope.enter_context(saved_gathers())
+                        out = module(*args)
             if stage.returns_loss:
                 # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here
                 self._loss_sum = out.detach().float() / self.m + (

@@ -100,15 +100,17 @@ class StageModule(nn.Module):
 
     def __init__(self, stage: StageProgram, params: Mapping[str, nn.Parameter], *,
                  layer_units: bool = False, compile_backend: str | None = None,
-                 recompute_blocks: frozenset[str] = frozenset()) -> None:
+                 recompute_blocks: frozenset[str] | None = None) -> None:
         """``layer_units``: instrument the graph with one :class:`LayerBoundary` per captured
         layer (``runtime/layer_units.py``), children of this module, so that ZeRO-3 gathers
         one layer at a time rather than the whole stage. ``compile_backend``: run the graph
         through ``torch.compile`` with that backend (compiled on its first call, again for a
-        new micro-batch shape or for inference). ``recompute_blocks``: the layers full recompute
-        checkpoints one at a time (``runtime/layer_recompute.py``; not with ``layer_units`` or
-        ``compile_backend``); :attr:`recomputes_layers` says whether this stage holds any (else
-        the executor checkpoints the stage whole)."""
+        new micro-batch shape or for inference). ``recompute_blocks`` (full recompute; None:
+        none): the layers checkpointed one at a time (``runtime/layer_recompute.py``), inside
+        ZeRO-3's per-layer gathers when ``layer_units``; :attr:`recomputes_layers` says whether
+        this stage holds any. A stage holding none runs as it is, as the cost model prices the
+        layers around the blocks. Under ``compile_backend``, or with an empty set (a caller
+        that names no layers), the stage is checkpointed whole (:attr:`checkpoints_whole`)."""
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
@@ -126,12 +128,18 @@ class StageModule(nn.Module):
             # registered after the parameters, so named_parameters() keeps their names
             self.layers = nn.ModuleList(boundaries)
         #: Full recompute checkpoints this stage's blocks one by one (its graph calls them
-        #: through layer_recompute.checkpointed).
+        #: through layer_recompute.checkpointed). Applied after the ZeRO-3 instrumentation: a
+        #: layer's gather and free stay outside its checkpoint, and its recompute in the
+        #: backward reads the parameters the unit gathered again for that backward.
         self.recomputes_layers = False
-        if recompute_blocks and graph is not None and not layer_units \
-                and compile_backend is None:
-            graph, runs = recompute_per_layer(graph, recompute_blocks)
-            self.recomputes_layers = runs > 0
+        #: Full recompute checkpoints the stage call whole (the executor does it).
+        self.checkpoints_whole = False
+        if recompute_blocks is not None:
+            if recompute_blocks and graph is not None and compile_backend is None:
+                graph, runs = recompute_per_layer(graph, recompute_blocks)
+                self.recomputes_layers = runs > 0
+            else:
+                self.checkpoints_whole = True
         if compile_backend is not None and graph is not None:
             graph = torch.compile(graph, backend=compile_backend, dynamic=False)
         object.__setattr__(self, "_graph", graph)  # not a submodule: no params

@@ -73,6 +73,7 @@ OPTIONS = {("llama", (4, 1, 1)): dict(pins=dict(zero_shard_size=2)),  # hybrid: 
            ("llama", (2, 2, 1)): dict(pins=dict(reshard_after_forward=False))}
 CLIP = 0.5
 SELECTIVE = dict(recompute="selective")
+FULL = dict(recompute="full")
 #: Runs of their own: BERT at pp > 1 and tp > 1; mixed precision with pipeline parallelism;
 #: selective recompute on eager attention (HF GPT-2 and LLaMA with an explicit softmax: their
 #: attention cores are recomputed in backward) under 1F1B with tp=2 and SP, ZB-H1 (whose W
@@ -87,7 +88,12 @@ EXTRA = [("bert", (1, 2, 2, "interleaved-1f1b", 2, 2, True), 0, {}),
          # ZB-V: the tied embedding and LM head on one rank's two chunks (ZeRO-3 gathers them
          # again for each weight-gradient action); tp with SP
          ("gpt", (2, 2, 1, "zb-v", 2, 2, False), 3, {}),
-         ("llama", (1, 2, 2, "zb-v", 2, 4, True), 1, {})]
+         ("llama", (1, 2, 2, "zb-v", 2, 4, True), 1, {}),
+         # full recompute one block at a time inside ZeRO-3's per-layer gathers, under a split
+         # backward (its W reads the blocks the I recomputed) and with tp + SP (the head's
+         # gathered input kept as a shard outside the checkpointed blocks)
+         ("llama", (2, 2, 1, "zb-v", 2, 2, False), 3, dict(pins=FULL)),
+         ("own_gpt", (1, 2, 2, "interleaved-1f1b", 2, 2, True), 3, dict(pins=FULL))]
 
 
 def _pins(dp, pp, tp, schedule, v, m, sp, zero, **extra):
@@ -193,6 +199,9 @@ def test_every_world4_shape_with_zero_0_to_3(references):
     selective = {(n, p["schedule"], p["tp"], p["sequence_parallel"]) for n, p, _ in configs
                  if p.get("recompute") == "selective" and n.endswith("_eager")}
     assert selective >= {("gpt_eager", "1f1b", 2, True), ("gpt_eager", "zb-h1", 1, False)}
+    full = {(p["schedule"], p["zero"], p["sequence_parallel"]) for _, p, _ in configs
+            if p.get("recompute") == "full"}
+    assert full >= {("zb-v", 3, False), ("interleaved-1f1b", 3, True)}
     mixed_refs = {(name, pins["dp"] * pins["num_micro_batches"]):
                   jobs.reference_mixed(name, pins["dp"] * pins["num_micro_batches"])
                   for name, pins, options in configs if options.get("mixed_precision")}

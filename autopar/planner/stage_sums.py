@@ -83,9 +83,10 @@ class StageSums:
                 r = lc.forward_s + lc.tp_forward_s + cp_f + lc.checkpoint_s
             elif block and recompute is RecomputeKind.SELECTIVE and not lc.cp_comm:
                 r = lc.core_forward_s  # under cp the ring attention keeps no scores to redo
-            # SP's GEMM inputs gathered again in the backward, unless the stage is recomputed
-            # whole (runtime/pipeline.py checkpoints it: it saves nothing to gather again)
-            again = 0.0 if recompute is RecomputeKind.FULL else lc.regather_s
+            # SP's GEMM inputs gathered again in the backward, unless the layer is a block
+            # recomputed whole (runtime/layer_recompute.py: it saves nothing to gather again;
+            # its recompute's forward gathers them, in r)
+            again = 0.0 if block and recompute is RecomputeKind.FULL else lc.regather_s
             tp = lc.tp_forward_s + lc.tp_backward_s + cp_f + cp_b + again
             out.append((lc.forward_s + lc.tp_forward_s + cp_f,
                         lc.backward_s + lc.tp_backward_s + cp_b + r + again,
