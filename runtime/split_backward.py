@@ -27,6 +27,13 @@ group and the walk: 12-15% of the backward of a first stage holding the embeddin
 GPT blocks (hidden 256, 128 tokens, one CPU thread). ``torch.distributed.pipelining`` likewise
 runs its first stage's backward whole (at ``I``).
 
+A weight two distant layers read (a tied embedding and LM head in one stage) hangs from cut
+nodes at both ends of the input side: its group's ``W`` would run everything between again,
+other groups' cut nodes included, which read weights ZeRO-3 has freed by then. Such a group is
+merged with the groups whose cut nodes lie on that path (:func:`_merge_reruns`), so that their
+weights are gathered for one call; a stage without inputs left with one group runs its whole
+backward at ``W``.
+
 Public autograd API (``torch.autograd.graph``: ``Node``, ``GradientEdge``,
 ``get_gradient_edge``, node pre-hooks), but for ``Node._input_metadata`` (how many gradients
 arrive at a node, which ``torch.autograd.grad`` itself reads for a ``GradientEdge``); the same
@@ -120,6 +127,57 @@ def _chain(root_nodes: Sequence[Node | None], params: Sequence[torch.Tensor],
 _MANY = object()
 
 
+def _merge_reruns(groups: list[_Group], input_side: set[Node],
+                  parents: dict[Node, list[Node]], root_nodes: Sequence[Node | None]
+                  ) -> list[_Group]:
+    """``groups`` with each group whose ``W`` would run other groups' cut nodes again merged
+    with those groups (their weights then gathered for one call): the input-side nodes on a
+    path from one of its sources (its cut nodes, the roots it starts from) down to one of its
+    own cut nodes. Only a group with two or more sources can hold such a path."""
+    owner = {n: i for i, g in enumerate(groups) for n in g.cut}
+    merge = list(range(len(groups)))  # union-find over the groups
+
+    def find(i: int) -> int:
+        while merge[i] != i:
+            merge[i] = merge[merge[i]]
+            i = merge[i]
+        return i
+
+    for i, g in enumerate(groups):
+        sources = list(g.cut) + [n for n in root_nodes if n is not None and any(
+            o[0].grad_fn is n for o in g.outputs)]
+        if len(sources) < 2:
+            continue
+        below: set[Node] = set()
+        queue = deque(sources)
+        while queue:
+            for child, _ in queue.popleft().next_functions:
+                if child is not None and child in input_side and child not in below:
+                    below.add(child)
+                    queue.append(child)
+        above: set[Node] = set()
+        queue = deque(n for n in g.cut if n in below)
+        while queue:
+            for parent in parents.get(queue.popleft(), ()):
+                if parent in input_side and parent not in above:
+                    above.add(parent)
+                    queue.append(parent)
+        for n in below & above:
+            j = owner.get(n)
+            if j is not None and find(j) != find(i):
+                merge[find(j)] = find(i)
+    if all(find(i) == i for i in range(len(groups))):
+        return groups
+    out: dict[int, _Group] = {}
+    for i, g in enumerate(groups):  # each merged group where its first member was
+        root = find(i)
+        into = out.setdefault(root, _Group([]))
+        into.params += g.params
+        into.cut += [n for n in g.cut if n not in into.cut]
+        into.outputs += [o for o in g.outputs if all(o[0] is not x[0] for x in into.outputs)]
+    return list(out.values())
+
+
 def _num_inputs(node: Node) -> int:
     """How many gradients arrive at ``node`` (its forward's outputs): ``Node._input_metadata``,
     declared by ``torch.autograd.graph.Node`` and read by ``torch.autograd.grad`` itself for a
@@ -207,6 +265,13 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
                 group.outputs.append(pair)
         for k in keys:
             by_cut[k] = group
+    # a weight two layers read (a tied embedding and LM head in one stage, pp = 1): its W runs
+    # the input side between them again, and with it other groups' cut nodes, which read their
+    # own weights (freed by ZeRO-3 unless gathered with the group): one W for those groups
+    groups = _merge_reruns(groups, input_side, parents, root_nodes)
+    if not wanted and len(groups) == 1:  # nothing left to split: the whole backward at W
+        whole = _Group(params, outputs=list(zip(roots, grads)))
+        return [None] * len(inputs), PendingWeightGradients([whole] if roots else [], roots)
     # the gradient arriving at every cut node, asked of autograd as a GradientEdge beside the
     # inputs: captured where it arrives, without running the cut node for it
     cuts = list(dict.fromkeys(n for group in groups for n in group.cut))

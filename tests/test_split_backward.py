@@ -211,3 +211,50 @@ def test_a_first_stage_without_zero3_computes_its_weights_in_one_call_at_w(monke
     x = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64).requires_grad_()
     found, pending = backward_input([(x @ ws[0]).tanh()], [grad], [x], ws[:1], by_layer=False)
     assert found[0] is not None and len(calls) == 2
+
+
+@pytest.mark.parametrize("with_input", [False, True])
+def test_a_weight_two_layers_share_is_not_computed_through_the_layers_between(with_input):
+    """A weight two layers read, far apart (a tied embedding and LM head in one stage: pp = 1;
+    or a weight shared by two blocks), under ZeRO-3's pacing: W gathers each group's weights
+    before its call and frees them after, so a call that ran the layers between again would read
+    freed weights. Such a stage takes one W for all its weights instead (the whole backward where
+    no input needs a gradient); the gradients are a plain backward's. It failed with a shape
+    error inside autograd before (2026-11-30)."""
+    gen = torch.Generator().manual_seed(4)
+    emb = (torch.randn(10, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
+    layers = [{"w": (torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_(),
+               "g": torch.ones(6, dtype=torch.float64, requires_grad=True)} for _ in range(3)]
+    ids = torch.randint(0, 10, (2, 5), generator=gen)
+    x = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64).requires_grad_()
+
+    def stage():
+        h = torch.nn.functional.embedding(ids, emb) + (x if with_input else 0)
+        for layer in layers:
+            h = h + torch.nn.functional.linear(
+                torch.nn.functional.layer_norm(h, (6,), layer["g"]), layer["w"]).tanh()
+        return (h @ emb.t()).square().mean()  # the head reads the embedding's table
+
+    params = [emb] + [t for layer in layers for t in layer.values()]
+    inputs = [x] if with_input else []
+    ref = torch.autograd.grad(stage(), inputs + params)
+    found, pending = backward_input([stage()], [None], inputs, params)
+    if with_input:
+        torch.testing.assert_close(found[0], ref[0], rtol=0, atol=1e-12)
+    full = {id(t): t.data for t in params}
+    empty = torch.empty(0, dtype=torch.float64)
+    for t in params:  # freed after I, as ZeRO-3 frees a layer once its input side has run
+        t.data = empty
+
+    def gather(weights):
+        for t in weights:
+            t.data = full[id(t)]
+
+    got = {}
+    from autopar.runtime.split_backward import weight_gradient_groups
+    for pairs in weight_gradient_groups(pending, gather):
+        for t, g in pairs:
+            got[id(t)] = g
+            t.data = empty
+    for t, r in zip(params, ref[len(inputs):]):
+        torch.testing.assert_close(got[id(t)], r, rtol=0, atol=1e-12)
