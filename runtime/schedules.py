@@ -150,6 +150,11 @@ class ScheduleSpec:
                         f"set schedule to one of {takers}, or virtual_stages=1")
             return (f"{name} runs {self.max_virtual_stages} stages per rank",
                     f"virtual_stages <= {self.max_virtual_stages}", f"use one of {takers}")
+        if p == 1 and v > 1:  # as Megatron-LM refuses a virtual pipeline without a pipeline
+            return (f"virtual_stages={v} needs a pipeline: with pp=1 the stages would run one "
+                    "after another on the one rank, with nothing to interleave",
+                    "virtual_stages=1 when pp=1",
+                    "set virtual_stages=1 and a one-stage schedule (1f1b), or raise pp")
         if self.micro_batches_divisible_by_pp and m % p:
             return (f"{name} needs num_micro_batches ({m}) divisible by pp ({p})",
                     f"a multiple of pp={p} micro-batches",

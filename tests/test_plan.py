@@ -28,6 +28,7 @@ def test_round_trip():
     (dict(schedule="interleaved-1f1b", virtual_stages=2, pp=2, num_micro_batches=3),
      "divisible by pp"),
     (dict(virtual_stages=2), "needs the interleaved-1f1b"),
+    (dict(schedule="zb-v", virtual_stages=2), "needs a pipeline"),  # pp = 1
     (dict(sequence_parallel=True), "needs tp > 1"),
     (dict(pp=2, stages=(StagePlan(0, (0, 1), 0),)), "expected pp x virtual_stages = 2"),
     (dict(pp=2, stages=(StagePlan(0, (0, 1), 0), StagePlan(1, (3, 4), 1))), "not contiguous"),
