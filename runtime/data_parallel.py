@@ -214,17 +214,18 @@ class DataParallel:
         param_sets = [{id(p) for p in u.parameters()} for u in unit_modules]
         order = sorted(range(len(unit_modules)), key=lambda i: -len(param_sets[i]))
         owner: dict[int, int] = {}
-        roots = {id(m) for m in self.modules}
+        #: unit -> the wrapped module (stage) it lies in
+        root_of = {id(x): r for r, m in enumerate(self.modules) for x in m.modules()}
         #: Unit index -> parameters (ids) it gathers although another unit owns them.
         self._unit_shares: dict[int, set[int]] = {}
         for i in order:  # larger units first, so the innermost unit wins
             for pid in param_sets[i]:
                 j = owner.get(pid)
                 if j is not None and not param_sets[i] <= param_sets[j]:
-                    if id(unit_modules[i]) in roots and id(unit_modules[j]) in roots:
-                        # Two wrapped modules sharing a weight (ZB-V's tied embedding and LM
-                        # head, two chunks on one rank): the first keeps it, the other gathers
-                        # its bucket too.
+                    if root_of[id(unit_modules[i])] != root_of[id(unit_modules[j])]:
+                        # Units of two wrapped modules sharing a weight (ZB-V's tied embedding
+                        # and LM head, two chunks on one rank: the stages, or their layers'
+                        # units): the first keeps it, the other gathers its bucket too.
                         self._unit_shares.setdefault(i, set()).add(pid)
                         continue
                     raise InvalidInputError(

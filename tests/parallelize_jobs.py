@@ -25,7 +25,13 @@ EPS = 1e-5
 
 def _vocab(name: str) -> int:
     """The vocabulary of a model name: ``<name>:<vocab>`` overrides the tiny models' 128."""
-    return int(name.partition(":")[2] or 128)
+    return int((name.split(":") + [""])[1] or 128)
+
+
+def _layers(name: str) -> dict[str, int]:
+    """``<name>:<vocab>:<layers>`` overrides the tiny models' block count."""
+    parts = name.split(":")
+    return {"layers": int(parts[2])} if len(parts) > 2 and parts[2] else {}
 
 
 def make_model(name: str, device: str = "cpu"):
@@ -33,13 +39,13 @@ def make_model(name: str, device: str = "cpu"):
     with ``_eager`` appended (explicit softmax attention: what selective recompute recomputes),
     optionally with ``:<vocab>`` appended (another vocabulary size, e.g. ``gpt:101``, which
     every tp pads); on ``device`` ("meta": no weights allocated)."""
-    name, vocab = name.partition(":")[0], _vocab(name)
+    name, vocab, layers = name.partition(":")[0], _vocab(name), _layers(name)
     if name == "own_gpt":
         with torch.device(device):
-            model, loss_fn = build_own_gpt(vocab=vocab)
+            model, loss_fn = build_own_gpt(vocab=vocab, **layers)
         return model, loss_fn
     family, _, attention = name.partition("_")
-    zm = build_tiny(family, attention=attention or "sdpa", device=device, vocab=vocab)
+    zm = build_tiny(family, attention=attention or "sdpa", device=device, vocab=vocab, **layers)
     return zm.model, zm.loss_fn
 
 

@@ -86,8 +86,10 @@ EXTRA = [("bert", (1, 2, 2, "interleaved-1f1b", 2, 2, True), 0, {}),
          ("gpt_eager", (1, 2, 2, "1f1b", 1, 2, True), 3, dict(pins=SELECTIVE, probe=True)),
          ("gpt_eager", (2, 2, 1, "zb-h1", 1, 2, False), 1, dict(pins=SELECTIVE)),
          # ZB-V: the tied embedding and LM head on one rank's two chunks (ZeRO-3 gathers them
-         # again for each weight-gradient action); tp with SP
-         ("gpt", (2, 2, 1, "zb-v", 2, 2, False), 3, {}),
+         # again for each weight-gradient action), each chunk with a block beside them (the
+         # embedding's and the head's layer units then share the weight across two stages);
+         # tp with SP
+         ("gpt:128:4", (2, 2, 1, "zb-v", 2, 2, False), 3, {}),
          ("llama", (1, 2, 2, "zb-v", 2, 4, True), 1, {}),
          # full recompute one block at a time inside ZeRO-3's per-layer gathers, under a split
          # backward (its W reads the blocks the I recomputed) and with tp + SP (the head's
@@ -121,7 +123,7 @@ def _world4_configs():
 @pytest.fixture(scope="module")
 def references():
     refs = {(name, None): jobs.reference(name)
-            for name in MODELS + ("bert", "gpt_eager", "llama_eager")}
+            for name in MODELS + ("bert", "gpt_eager", "llama_eager", "gpt:128:4")}
     refs[("own_gpt", CLIP)] = jobs.reference("own_gpt", max_grad_norm=CLIP)
     for name in ("gpt", "llama"):
         refs[(name, "recipe")] = jobs.reference(name, use_recipe=True)
