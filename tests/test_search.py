@@ -254,3 +254,19 @@ def test_search_space_validates():
     with pytest.raises(ValueError, match="positive integer"):
         SearchSpace(tp=0)
     assert dataclasses.replace(SearchSpace(), tp=2).pins() == {"tp": 2}
+
+
+def test_full_recompute_under_a_split_backward_is_offered_only_when_pinned(costs):
+    """The runtime recomputes a fully recomputed block once more for each weight group of a
+    zero-bubble W (measured: 7 forwards of a GPT block per micro-batch, not 2; docs/recompute.md),
+    which the cost model does not price: the search leaves the pair out unless both are pinned,
+    and keeps the other schedules with full recompute and the zero-bubble schedules without it."""
+    cm = CostModel(costs["gpt-tiny"], A100.with_devices(8), TrainingSetup(32, 256, "bf16"))
+    found = enumerate_candidates(cm)
+    pairs = {(c.schedule.spec.splits_backward, c.recompute) for c in found}
+    assert (True, RecomputeKind.FULL) not in pairs
+    assert {(False, RecomputeKind.FULL), (True, RecomputeKind.NONE)} <= pairs
+    pinned = enumerate_candidates(cm, SearchSpace(schedule=ScheduleKind.ZB_V,
+                                                  recompute=RecomputeKind.FULL))
+    assert pinned and all(c.recompute is RecomputeKind.FULL and c.schedule is ScheduleKind.ZB_V
+                          for c in pinned)
