@@ -13,7 +13,7 @@ the tied embedding and LM head on one rank (refused as units that do not nest), 
 ``virtual_stages=2`` at pp 1 (failing inside ZeRO-1 and ZeRO-3; now refused by name).
 
 CI runs the combinations that hold every pair of two fields' values (:func:`covering`, 40-odd
-of them); ``AUTOPAR_SWEEP=all`` runs every one (~15 min on 2 cores), ``AUTOPAR_SWEEP=<n>`` n at
+of them); ``AUTOPAR_SWEEP=all`` runs every one (~15 min on 2 cores; pass pytest ``--timeout 3600``), ``AUTOPAR_SWEEP=<n>`` n at
 random (``AUTOPAR_SWEEP_SEED``).
 """
 
