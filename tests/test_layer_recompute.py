@@ -56,7 +56,7 @@ def test_per_block_recompute_trains_like_no_recompute(schedule, zero):
     ZB-H1 the weight gradients are taken in a separate pass. One checkpointed call per block,
     also inside ZeRO-3's per-layer gathers (one stage holding the tied embedding and LM head:
     its W is one call, runtime/split_backward.py; both settings failed under ZeRO-3 with a
-    zero-bubble schedule before 2026-11-30)."""
+    zero-bubble schedule before 2026-11-29)."""
     ref_losses, ref_state, per_layer, calls = _train("none", schedule, zero=zero)
     assert not per_layer and calls == 0
     if zero:  # and the same numbers as without ZeRO-3
@@ -121,7 +121,7 @@ def test_per_block_recompute_lowers_the_measured_peak_as_priced():
     none, full, zero3 = _peak("none"), _peak("full"), _peak("full", zero=3)
     print(none, full, zero3)
     assert full["measured"] < 0.4 * none["measured"], (none, full)
-    # inside ZeRO-3's per-layer gathers too (it checkpointed the stage whole before 2026-11-30)
+    # inside ZeRO-3's per-layer gathers too (it checkpointed the stage whole before 2026-11-29)
     assert zero3["measured"] < 0.4 * none["measured"], (none, zero3)
     for got in (none, full, zero3):
         assert got["measured"] == pytest.approx(got["predicted"], rel=0.35), got

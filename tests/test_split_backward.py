@@ -220,7 +220,7 @@ def test_a_weight_two_layers_share_is_not_computed_through_the_layers_between(wi
     before its call and frees them after, so a call that ran the layers between again would read
     freed weights. Such a stage takes one W for all its weights instead (the whole backward where
     no input needs a gradient); the gradients are a plain backward's. It failed with a shape
-    error inside autograd before (2026-11-30)."""
+    error inside autograd before (2026-11-29)."""
     gen = torch.Generator().manual_seed(4)
     emb = (torch.randn(10, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
     layers = [{"w": (torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.3).requires_grad_(),
