@@ -64,6 +64,13 @@ class _Group:
     captured: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
     outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
+    def absorb(self, other: "_Group") -> None:
+        """Take ``other``'s weights, cut nodes and outputs (one W call for both)."""
+        self.params += other.params
+        self.cut += [n for n in other.cut if n not in self.cut]
+        self.outputs += [o for o in other.outputs
+                         if all(o[0] is not x[0] for x in self.outputs)]
+
 
 @dataclass
 class PendingWeightGradients:
@@ -171,11 +178,17 @@ def _merge_reruns(groups: list[_Group], input_side: set[Node],
     out: dict[int, _Group] = {}
     for i, g in enumerate(groups):  # each merged group where its first member was
         root = find(i)
-        into = out.setdefault(root, _Group([]))
-        into.params += g.params
-        into.cut += [n for n in g.cut if n not in into.cut]
-        into.outputs += [o for o in g.outputs if all(o[0] is not x[0] for x in into.outputs)]
+        out.setdefault(root, _Group([])).absorb(g)
     return list(out.values())
+
+
+def _whole_at_weight(roots: list[torch.Tensor], grads: list[torch.Tensor | None],
+                     inputs: Sequence[torch.Tensor], params: list[torch.Tensor]
+                     ) -> tuple[list[torch.Tensor | None], PendingWeightGradients]:
+    """A stage without inputs to differentiate, not split: nothing at I, its whole backward in
+    one call at W."""
+    whole = _Group(params, outputs=list(zip(roots, grads)))
+    return [None] * len(inputs), PendingWeightGradients([whole] if roots else [], roots)
 
 
 def _num_inputs(node: Node) -> int:
@@ -196,8 +209,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     roots, grads = list(roots), list(grads)
     params = [p for p in params if p.requires_grad]
     if not by_layer and not any(x.requires_grad for x in inputs):
-        whole = _Group(params, outputs=list(zip(roots, grads)))
-        return [None] * len(inputs), PendingWeightGradients([whole] if roots else [], roots)
+        return _whole_at_weight(roots, grads, inputs, params)
     root_nodes = [t.grad_fn for t in roots]
     # the graph below the roots, with each node's parents (the nodes that feed it gradients)
     parents: dict[Node, list[Node]] = {}
@@ -244,11 +256,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         group = merged[0] if merged else _Group([])
         for other in merged[1:]:
             if other is not group:
-                group.params += other.params
-                for n in other.cut:
-                    if n not in group.cut:
-                        group.cut.append(n)
-                group.outputs += [o for o in other.outputs if o not in group.outputs]
+                group.absorb(other)
                 groups.remove(other)
                 for k, g in by_cut.items():
                     if g is other:
@@ -269,9 +277,8 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     # the input side between them again, and with it other groups' cut nodes, which read their
     # own weights (freed by ZeRO-3 unless gathered with the group): one W for those groups
     groups = _merge_reruns(groups, input_side, parents, root_nodes)
-    if not wanted and len(groups) == 1:  # nothing left to split: the whole backward at W
-        whole = _Group(params, outputs=list(zip(roots, grads)))
-        return [None] * len(inputs), PendingWeightGradients([whole] if roots else [], roots)
+    if not wanted and len(groups) == 1:  # nothing left to split
+        return _whole_at_weight(roots, grads, inputs, params)
     # the gradient arriving at every cut node, asked of autograd as a GradientEdge beside the
     # inputs: captured where it arrives, without running the cut node for it
     cuts = list(dict.fromkeys(n for group in groups for n in group.cut))
