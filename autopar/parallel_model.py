@@ -94,8 +94,8 @@ class _RankHooks(ExecutorHooks):
     def before_forward(self, stage: int, microbatch: int) -> None:
         self.pm._before_stage(stage, microbatch, "forward")
 
-    def before_backward(self, stage: int, microbatch: int) -> None:
-        self.pm._on_backward(stage, microbatch)
+    def before_backward(self, stage: int, microbatch: int, *, weights: bool = True) -> None:
+        self.pm._on_backward(stage, microbatch, weights=weights)
 
     def before_weight(self, stage: int, microbatch: int) -> None:
         self.pm._on_weight(stage, microbatch)
@@ -255,6 +255,10 @@ class ParallelModel(ModelState):
         inputs, targets = self._prepare(inputs, targets, local)
         dp = self.data_parallel
         self._set_dropout(training=True)
+        # below ZeRO-2 a chunk's buckets reduce once, in its last backward (_on_backward says
+        # which); none before, also not a tied weight's bucket that another chunk's backward
+        # reaches first (ZB-V: the embedding's chunk and the LM head's on one rank)
+        dp.set_requires_gradient_sync(self.plan.zero >= 2)
         loss = self.executor.step(inputs, targets)
         with activity(f"the optimizer step {self.steps}"):
             dp.finish_gradient_sync()
@@ -297,13 +301,14 @@ class ParallelModel(ModelState):
         self.tp_group.rng.training = training
         self.tp_group.rng.step = self.steps
 
-    def _on_backward(self, stage: int, microbatch: int) -> None:
+    def _on_backward(self, stage: int, microbatch: int, *, weights: bool = True) -> None:
         """ZeRO-0/1: gradients stay local until a stage's last micro-batch, whose backward then
         overlaps the data-parallel reduction. ZeRO-2/3 reduce-scatter every micro-batch's
         gradients into the shard (as DeepSpeed's ZeRO-2 does), so that no full gradient buffer
         outlives a backward: the memory of Rajbhandari et al. 2020's accounting, and the m
         reduce-scatters per step the cost model prices."""
         self._before_stage(stage, microbatch, "backward")
+        self.data_parallel.begin_backward(weights=weights)
         self.data_parallel.set_requires_gradient_sync(
             self._syncs_after(stage, microbatch, self.executor.is_last_backward),
             chunk=self._chunk[stage])

@@ -130,10 +130,11 @@ class DataParallel:
         for bucket in self.buckets:
             if not bucket.requires_grad:
                 continue
-            unit = self._unit_of_bucket.get(bucket.index)
+            owner = self._unit_of_bucket.get(bucket.index)
             for i, p in enumerate(bucket.params):
+                units = ([owner] if owner is not None else []) + self._sharers.get(id(p), [])
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    self._make_grad_hook(bucket, i, unit)))
+                    self._make_grad_hook(bucket, i, units)))
         self.optimizer = optimizer.build(
             [(name, piece) for b in self.buckets for name, piece, _, _ in b.pieces])
         self.pager: StatePager | None = None
@@ -152,6 +153,10 @@ class DataParallel:
         #: Inside a split backward's weight-gradient pass: its autograd call's end (which may
         #: reach a unit's output hook) must not free the parameters the pass still assigns to.
         self._weight_pass = False
+        #: The backward running is a split backward's input-gradient pass (its weights'
+        #: gradients come in a later weight-gradient pass): :meth:`begin_backward` says, for
+        #: each backward action; under a split backward that is the rule.
+        self._inputs_only = True
         #: ZeRO-2/3: the bucket whose reduce-scatter was launched last and not waited yet.
         self._in_flight: FlatBucket | None = None
 
@@ -307,6 +312,10 @@ class DataParallel:
         self._sum_buckets = [b for _, b in sorted(order, key=lambda kb: kb[0])]
         self.units: list[ParamUnit] = []
         self._unit_of_bucket: dict[int, ParamUnit] = {}
+        #: Parameter id -> the units that gather it although another owns it (a tied weight
+        #: in two chunks' units): its gradient counts towards their end of backward as well, so
+        #: none frees it before autograd has accumulated it.
+        self._sharers: dict[int, list[ParamUnit]] = {}
         #: ZeRO-3: the units' running order and the prefetch it drives (None: no prefetch).
         self.unit_order = UnitOrder() if stage is ZeroStage.PARAMETERS and self.config.prefetch \
             else None
@@ -319,16 +328,22 @@ class DataParallel:
                 shares = self._unit_shares.get(u_index, set())
                 shared = [b for b in self.buckets
                           if b not in buckets and any(id(p) in shares for p in b.params)]
-                early = (lambda: not self._weight_pass) if self.config.split_backward and \
+                early = (lambda: self._inputs_only and not self._weight_pass) \
+                    if self.config.split_backward and \
                     hasattr(module, "bind_unit") else None
+                shared_grads = sum(1 for b in shared if b.requires_grad
+                                   for p in b.params if id(p) in shares)
                 unit = ParamUnit(f"unit{u_index}:{type(module).__name__}", module, buckets,
                                  reshard_after_forward=self.config.reshard_after_forward,
                                  is_root=id(module) in roots or getattr(module, "root", False),
                                  on_backward_start=self._note_backward,
-                                 order=self.unit_order, shared=shared, free_after_inputs=early)
+                                 order=self.unit_order, shared=shared, free_after_inputs=early,
+                                 shared_grads=shared_grads)
                 self.units.append(unit)
                 for b in buckets:
                     self._unit_of_bucket[b.index] = unit
+                for pid in shares:
+                    self._sharers.setdefault(pid, []).append(unit)
 
     # -- deferred values ------------------------------------------------------------------------
     def load(self, name: str, value: torch.Tensor) -> None:
@@ -352,7 +367,7 @@ class DataParallel:
                 if not done]
 
     # -- backward hooks -------------------------------------------------------------------------
-    def _make_grad_hook(self, bucket: FlatBucket, slot_index: int, unit: ParamUnit | None):
+    def _make_grad_hook(self, bucket: FlatBucket, slot_index: int, units: list[ParamUnit]):
         def hook(param: torch.Tensor) -> None:
             self._note_backward()
             bucket.accumulate(slot_index, param)
@@ -362,7 +377,7 @@ class DataParallel:
                 bucket.fired += 1
                 if bucket.fired == len(bucket.slots):
                     self._launch_in_order(chunk, all_remaining=False)
-            if unit is not None:
+            for unit in units:
                 unit.on_param_grad()
         return hook
 
@@ -460,6 +475,15 @@ class DataParallel:
         self._grads_final = True
 
     # -- a split backward's weight gradients (zero-bubble schedules) ------------------------------
+    def begin_backward(self, *, weights: bool) -> None:
+        """Before a backward action. ``weights`` False: a split backward's input-gradient pass,
+        whose weights' gradients a later weight-gradient pass computes: ZeRO-3 frees each layer
+        once the gradients of its inputs exist (that pass gathers it again). True: a whole
+        backward (a plain one; or an input-gradient action that computes the weights' gradients
+        too, as a stage under full recompute does, runtime/pipeline.py): each layer stays
+        gathered until its gradients are accumulated."""
+        self._inputs_only = not weights
+
     def begin_weight_gradients(self, chunk: int | None = None) -> None:
         """Before a weight-gradient pass of a split backward on ``chunk`` (None: every chunk).
         The pass assigns ``.grad`` (``torch.autograd.grad`` on the weights) instead of

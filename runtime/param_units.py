@@ -48,9 +48,13 @@ class ParamUnit:
                  on_backward_start: Callable[[], None],
                  order: "UnitOrder | None" = None,
                  shared: Sequence[FlatBucket] = (),
-                 free_after_inputs: Callable[[], bool] | None = None) -> None:
+                 free_after_inputs: Callable[[], bool] | None = None,
+                 shared_grads: int = 0) -> None:
         """``shared``: buckets another unit owns that this one also needs gathered (a weight
-        two wrapped modules share); gathered and freed with this unit's own.
+        two wrapped modules share); gathered and freed with this unit's own. ``shared_grads``:
+        how many of those shared weights need a gradient; their accumulation calls
+        :meth:`on_param_grad` too, and the unit's backward ends after its own parameters' and
+        theirs (freeing a shared weight before autograd accumulated its gradient would fail).
         ``free_after_inputs`` (a graph layer under a split backward, whose input-gradient pass
         accumulates no weight gradient to count): free the unit once the gradients of every
         tensor entering it are computed, if the callable says so then; the layer's input side
@@ -59,7 +63,8 @@ class ParamUnit:
         self.name = name
         self.order = order
         self.module = module
-        self.num_grad_params = sum(len(b.slots) for b in buckets if b.requires_grad)
+        self.num_grad_params = sum(len(b.slots) for b in buckets if b.requires_grad) + \
+            shared_grads
         self.buckets = list(buckets) + list(shared)
         self.reshard_after_forward = reshard_after_forward and not is_root
         self.fired = 0

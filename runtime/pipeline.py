@@ -13,7 +13,9 @@ schedule's m micro-batches and walks the rank's actions:
   micro-batches, the input gradients go to the previous stage.
 - ``I`` / ``W`` (zero-bubble): the input gradients, keeping the gradients the weights still
   need at the nodes where the two parts of the graph meet, then later the weight gradients from
-  there (``autopar.runtime.split_backward``): together one backward's work.
+  there (``autopar.runtime.split_backward``): together one backward's work. A stage that
+  recomputes its blocks (full recompute) runs its whole backward at ``I`` and nothing at ``W``
+  (:meth:`PipelineExecutor.runs_whole_at_input`).
 - runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
   group over its pipeline column, every message tagged with (sending stage, direction,
   micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
@@ -100,7 +102,9 @@ class ExecutorHooks:
     - :meth:`before_forward` runs right before each stage forward, inside the recomputed region,
       so a recompute in backward calls it again (the program's dropout masks depend on it);
     - :meth:`before_backward` before each backward (or input-gradient) action: the data-parallel
-      layer decides there whether this backward's gradients are reduced;
+      layer decides there whether this backward's gradients are reduced; ``weights`` says whether
+      the action computes the weights' gradients too (through autograd's accumulation, as ``B``
+      does): False for an ``I`` whose ``W`` computes them later;
     - :meth:`before_weight` and :meth:`after_weight` bracket each weight-gradient action of a
       split backward (zero-bubble schedules), whose gradients are assigned to ``.grad`` rather
       than accumulated by autograd: ZeRO-3 gathers parameters before, and the gradients are
@@ -113,7 +117,7 @@ class ExecutorHooks:
     def before_forward(self, stage: int, microbatch: int) -> None:
         pass
 
-    def before_backward(self, stage: int, microbatch: int) -> None:
+    def before_backward(self, stage: int, microbatch: int, *, weights: bool = True) -> None:
         pass
 
     def before_weight(self, stage: int, microbatch: int) -> None:
@@ -482,13 +486,13 @@ class PipelineExecutor:
             return
         if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
             self._land(Action(s, ActionKind.RECV_B, mb))
-            leaves, outs = (self._forward.pop((s, mb)) if a.kind is ActionKind.BACKWARD
-                            else self._forward[(s, mb)])
+            whole = a.kind is ActionKind.BACKWARD or self.runs_whole_at_input(s)
+            leaves, outs = (self._forward.pop((s, mb)) if whole else self._forward[(s, mb)])
             if self.hooks is not None:
-                self.hooks.before_backward(s, mb)
+                self.hooks.before_backward(s, mb, weights=whole)
             roots, grads = self._roots(stage, s, mb, outs)
             wanted = [x for x, c in zip(leaves, stage.inputs) if c.requires_grad]
-            if a.kind is ActionKind.BACKWARD:
+            if whole:
                 if roots:
                     torch.autograd.backward(roots, grads)
                 input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
@@ -513,6 +517,8 @@ class PipelineExecutor:
                     self._to_send[(s, "B", mb)] = input_grads
             return
         # BACKWARD_WEIGHT
+        if self.runs_whole_at_input(s):
+            return  # its I computed the weights' gradients
         pending = self._weight_todo.pop((s, mb))
         self._forward.pop((s, mb))
         hooks = self.hooks or ExecutorHooks()
@@ -530,6 +536,17 @@ class PipelineExecutor:
                         p.grad = g if p.grad is None else p.grad.add_(g)
                 hooks.after_weight_group([p for p, _ in pairs], later[i])
         hooks.after_weight(s, mb)
+
+    def runs_whole_at_input(self, stage: int) -> bool:
+        """Whether local ``stage``'s input-gradient action (``I``) runs its whole backward, the
+        weights' gradients included, leaving its ``W`` empty: so under full recompute, where the
+        stage's blocks are checkpointed. torch's non-reentrant checkpoint recomputes a block
+        once per autograd call that reaches it, and a split ``W`` makes one call per weight
+        group (six per GPT block: docs/recompute.md counted 64 block forwards a step against
+        1F1B's 16); one call recomputes once. The stage then steps as under 1F1B, which is how
+        the cost model prices it (planner/stage_sums.py)."""
+        own = self.stage_modules[stage]
+        return self.recompute and (own.recomputes_layers or own.checkpoints_whole)
 
     def _trained_params(self, stage: StageProgram) -> list[nn.Parameter]:
         return [self.params[f] for f in dict.fromkeys(stage_params(stage))

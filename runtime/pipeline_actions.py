@@ -182,23 +182,29 @@ class PipelineSchedule:
     def splits_backward(self) -> bool:
         return any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in self.ranks for a in actions)
 
-    def in_flight(self, rank: int) -> list[tuple[int, ...]]:
+    def in_flight(self, rank: int, *, release_at_input: bool = False
+                  ) -> list[tuple[int, ...]]:
         """Micro-batches whose activations rank ``rank`` holds after each of its actions, per
         local stage (in :meth:`stages_of` order): forward done, backward (B, or W when split)
-        not yet. What the stage partitioner charges activation memory for."""
+        not yet. What the stage partitioner charges activation memory for.
+        ``release_at_input``: a split backward's stages run their whole backward in I (full
+        recompute: ``PipelineExecutor.runs_whole_at_input``), which frees them there."""
         local = {s: i for i, s in enumerate(self.stages_of(rank))}
         counts = [0] * len(local)
         out = []
+        release = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) if release_at_input \
+            else (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
         for a in self.ranks[rank]:
             if a.kind is ActionKind.FORWARD:
                 counts[local[a.stage]] += 1
-            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            elif a.kind in release:
                 counts[local[a.stage]] -= 1
             out.append(tuple(counts))
         return out
 
-    def peak_in_flight(self, rank: int) -> int:
-        return max((sum(c) for c in self.in_flight(rank)), default=0)
+    def peak_in_flight(self, rank: int, *, release_at_input: bool = False) -> int:
+        return max((sum(c) for c in self.in_flight(rank, release_at_input=release_at_input)),
+                   default=0)
 
     def link_order_mismatch(self) -> str | None:
         """The first link (sending rank -> receiving rank) whose receiver takes its messages in

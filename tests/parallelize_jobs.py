@@ -95,6 +95,34 @@ def recomputed_regions(pm) -> int:
                for m in pm.split.stages[s].gm.children())
 
 
+def checkpointed_blocks(pm) -> int:
+    """Blocks this rank's stages checkpoint one by one (full recompute)."""
+    from autopar.runtime.layer_recompute import checkpointed
+
+    return sum(n.target is checkpointed for m in pm.executor.stage_modules.values()
+               for n in m._graph.graph.nodes)
+
+
+@contextlib.contextmanager
+def counting_checkpoint_runs() -> Iterator[list[int]]:
+    """Inside: ``torch.utils.checkpoint.checkpoint`` counts the runs of its function (the
+    forward and each recompute) in the list's one entry."""
+    count = [0]
+    checkpoint = torch.utils.checkpoint.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        def run(*xs):
+            count[0] += 1
+            return fn(*xs)
+        return checkpoint(run, *args, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = counting
+    try:
+        yield count
+    finally:
+        torch.utils.checkpoint.checkpoint = checkpoint
+
+
 def batches(name: str, steps: int, batch: int = 8, seq: int = 16):
     gen = torch.Generator().manual_seed(11)
     out = []
@@ -206,11 +234,15 @@ def train(configs, steps: int = 3):
                      if options.get("recipe") else None)
         losses = []
         for inputs, targets in data:
-            if options.get("local"):
-                losses.append(pm.train_step([pm.local_batch(t) for t in inputs],
-                                            [pm.local_batch(t) for t in targets], local=True))
-            else:
-                losses.append(pm.train_step(inputs, targets))
+            # under full recompute, the last step's checkpointed runs
+            with (counting_checkpoint_runs() if pins.get("recompute") == "full"
+                  else contextlib.nullcontext([0])) as runs:
+                if options.get("local"):
+                    losses.append(pm.train_step([pm.local_batch(t) for t in inputs],
+                                                [pm.local_batch(t) for t in targets],
+                                                local=True))
+                else:
+                    losses.append(pm.train_step(inputs, targets))
             if scheduler is not None:
                 scheduler.step()
         result: dict[str, Any] = dict(losses=losses)
@@ -233,6 +265,7 @@ def train(configs, steps: int = 3):
                              for slot in b.slots),
             coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
             regions=recomputed_regions(pm), plan=pm.plan.to_json(),
+            block_runs=(runs[0], checkpointed_blocks(pm)),
             shard_size=pm.data_parallel.groups.shard_size, held_bytes=held_bytes,
             vocab=(pm.tp_program.vocab_padding.vocab, pm.tp_program.vocab_padding.padded),
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))

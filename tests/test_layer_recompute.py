@@ -28,7 +28,9 @@ from autopar.runtime.layer_recompute import checkpointed, draws_global_rng
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(recompute, schedule="1f1b", steps=2, zero=0):
+def _train(recompute, schedule="1f1b", steps=2, zero=0, runs=None):
+    """``runs``: a list that gets, per step, how many times a checkpointed block ran (its
+    forward and each recompute)."""
     zm = models.build("gpt", dropout=0.1, seed=0, layers=3, hidden=64, heads=4, vocab=128,
                       seq=32)
     inputs, targets = zm.example_inputs(batch=4, seq=32, generator=torch.Generator().manual_seed(3))
@@ -42,7 +44,25 @@ def _train(recompute, schedule="1f1b", steps=2, zero=0):
         calls = [n for n in module._graph.graph.nodes if n.target is checkpointed]
         # the blocks' dropouts are autopar's own (runtime/rng.py): no global RNG to restore
         assert not any(n.args[1] for n in calls)
-        losses = [pm.train_step(inputs, targets) for _ in range(steps)]
+        count = [0]
+        checkpoint = torch.utils.checkpoint.checkpoint
+
+        def counting(fn, *args, **kwargs):
+            def run(*xs):
+                count[0] += 1
+                return fn(*xs)
+            return checkpoint(run, *args, **kwargs)
+
+        losses = []
+        torch.utils.checkpoint.checkpoint = counting
+        try:
+            for _ in range(steps):
+                count[0] = 0
+                losses.append(pm.train_step(inputs, targets))
+                if runs is not None:
+                    runs.append(count[0])
+        finally:
+            torch.utils.checkpoint.checkpoint = checkpoint
         state = {k: v.detach().clone() for k, v in pm.state_dict().items()}
     finally:
         pm.close()
@@ -61,8 +81,13 @@ def test_per_block_recompute_trains_like_no_recompute(schedule, zero):
     assert not per_layer and calls == 0
     if zero:  # and the same numbers as without ZeRO-3
         assert ref_losses == _train("none", schedule)[0]
-    losses, state, per_layer, calls = _train("full", schedule, zero=zero)
+    runs: list[int] = []
+    losses, state, per_layer, calls = _train("full", schedule, zero=zero, runs=runs)
     assert per_layer and calls == 3
+    # each block runs twice per micro-batch, forward and one recompute, also under ZB-H1 (whose
+    # W made one autograd call per weight group, each recomputing the block again, before
+    # 2026-11-29: the stage now runs its whole backward at I)
+    assert runs == [3 * 2 * 2] * 2
     assert losses == ref_losses
     for name, value in ref_state.items():
         assert torch.equal(state[name], value), name

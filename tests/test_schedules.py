@@ -118,6 +118,24 @@ def test_in_flight_activations_per_stage():
     assert [gp.peak_in_flight(r) for r in range(p)] == [m] * p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_activations_freed_at_input_hold_as_1f1b(p):
+    """A stage running its whole backward at I (full recompute under a split backward) frees a
+    micro-batch there: ZB-H1's ranks then hold 1F1B's p - r, not p; ZB-V's never more than
+    when freed at W; and simulated with W empty, ZB-H1 steps as 1F1B."""
+    for m in (p, 2 * p, 3 * p):
+        zb = build_schedule(ScheduleKind.ZB_H1, p, m)
+        assert [zb.peak_in_flight(r, release_at_input=True) for r in range(p)] == \
+            [p - r for r in range(p)]
+        assert [zb.peak_in_flight(r) for r in range(p)] == [p] * p
+        v = build_schedule(ScheduleKind.ZB_V, p, m, 2)
+        assert all(v.peak_in_flight(r, release_at_input=True) <= v.peak_in_flight(r)
+                   for r in range(p))
+        whole = Durations.uniform(p, 1.0, 3.0, weight=0.0)
+        assert simulate(zb, whole).step_time == pytest.approx(
+            simulate(build_schedule(ScheduleKind.ONE_F_ONE_B, p, m), whole).step_time)
+
+
 def test_gpipe_matches_flow_shop_recurrence_on_random_stages():
     """Independent reference: GPipe's forward and backward phases are permutation flow shops,
     C(s, j) = max(C(s-1, j), C(s, j-1)) + t_s, chained through the last stage."""

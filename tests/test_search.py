@@ -256,17 +256,29 @@ def test_search_space_validates():
     assert dataclasses.replace(SearchSpace(), tp=2).pins() == {"tp": 2}
 
 
-def test_full_recompute_under_a_split_backward_is_offered_only_when_pinned(costs):
-    """The runtime recomputes a fully recomputed block once more for each weight group of a
-    zero-bubble W (measured: 7 forwards of a GPT block per micro-batch, not 2; docs/recompute.md),
-    which the cost model does not price: the search leaves the pair out unless both are pinned,
-    and keeps the other schedules with full recompute and the zero-bubble schedules without it."""
+def test_full_recompute_under_a_split_backward_steps_and_holds_as_1f1b(costs):
+    """A stage whose blocks full recompute checkpoints runs its whole backward at I, its W
+    empty (``PipelineExecutor.runs_whole_at_input``: a W split into weight groups recomputed
+    each block once per group). Priced so: ZB-H1's I then falls where 1F1B's B does and frees
+    the activations there, so ZB-H1 + full recompute is 1F1B + full recompute's step time and
+    memory, on every rank (the schedule's lists, simulated, are the independent reference);
+    and the search offers the pair again (left out while the runtime recomputed per group)."""
     cm = CostModel(costs["gpt-tiny"], A100.with_devices(8), TrainingSetup(32, 256, "bf16"))
     found = enumerate_candidates(cm)
-    pairs = {(c.schedule.spec.splits_backward, c.recompute) for c in found}
-    assert (True, RecomputeKind.FULL) not in pairs
-    assert {(False, RecomputeKind.FULL), (True, RecomputeKind.NONE)} <= pairs
-    pinned = enumerate_candidates(cm, SearchSpace(schedule=ScheduleKind.ZB_V,
-                                                  recompute=RecomputeKind.FULL))
-    assert pinned and all(c.recompute is RecomputeKind.FULL and c.schedule is ScheduleKind.ZB_V
-                          for c in pinned)
+    assert any(c.schedule.spec.splits_backward and c.recompute is RecomputeKind.FULL
+               for c in found)
+    one_f_one_b = next(c for c in found if c.pp == 4 and c.schedule is ScheduleKind.ONE_F_ONE_B
+                       and c.recompute is RecomputeKind.FULL)
+    zb = one_f_one_b._replace(schedule=ScheduleKind.ZB_H1)
+    base, split = cm.evaluate(one_f_one_b), cm.evaluate(zb)
+    st = cm.sums.staging(zb)
+    assert all(st.whole_at_input) and not any(st.weight)
+    assert split.stages == base.stages
+    assert split.prediction.step_time_s == pytest.approx(base.prediction.step_time_s, rel=1e-12)
+    assert [r.total for r in split.ranks] == pytest.approx([r.total for r in base.ranks],
+                                                           rel=1e-12)
+    # without recompute the split still fills the bubble, and holds p micro-batches on each rank
+    plain = one_f_one_b._replace(recompute=RecomputeKind.NONE)
+    zb_plain = plain._replace(schedule=ScheduleKind.ZB_H1)
+    assert cm.evaluate(zb_plain).prediction.step_time_s < cm.evaluate(plain).prediction.step_time_s
+    assert not any(cm.sums.staging(zb_plain).whole_at_input)

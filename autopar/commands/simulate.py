@@ -29,8 +29,8 @@ def simulate_document(doc):
     from autopar.plan_types import ScheduleKind
     from autopar.planner.host import Host
     from autopar.planner.cost_model import StageCost
-    from autopar.planner.schedule_model import (PipelineWork, first_backward_in_weight,
-                                                simulate_pipeline)
+    from autopar.planner.schedule_model import (PipelineWork, backward_whole_at_input,
+                                                first_backward_in_weight, simulate_pipeline)
 
     plan = doc["plan"]
     stages = [StageCost.from_json(s) for s in doc["stage_costs"]]
@@ -41,7 +41,10 @@ def simulate_document(doc):
                         tuple(s.p2p_s for s in stages[:-1]),
                         cores=cores, replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
                         efficiency=efficiency, resume_s=resume,
-                        first_backward_in_weight=first_backward_in_weight(plan.get("zero", 0)))
+                        first_backward_in_weight=first_backward_in_weight(
+                            plan.get("zero", 0), backward_whole_at_input(
+                                ScheduleKind(plan["schedule"]).spec.splits_backward,
+                                plan.get("recompute") == "full", stages[0].recompute_s > 0)))
     return simulate_pipeline(work), stages
 
 

@@ -129,6 +129,9 @@ class Staging:
     #: per stage, the part of forward / backward waiting on tensor-parallel peers (a0 per call)
     forward_wait: tuple[float, ...] = ()
     backward_wait: tuple[float, ...] = ()
+    #: per stage, whether it runs its whole backward in its I, its W empty
+    #: (``schedule_model.backward_whole_at_input``); empty: none
+    whole_at_input: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

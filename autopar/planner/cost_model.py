@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, GroupSpan
 from autopar.errors import AutoparError
-from autopar.plan_types import Plan, Prediction, StagePlan
+from autopar.plan_types import Plan, Prediction, RecomputeKind, StagePlan
 from autopar.planner.comm import Collective, collective_time, mesh_span, p2p_link
 from autopar.planner.data_parallel_time import (DDP_BUCKET_BYTES, CollectiveTimes,
                                                 exposed_data_parallel_time)
@@ -66,7 +66,8 @@ from autopar.planner.memory import (STATE_BYTES, RankMemory, offloaded_state_byt
                                     optimizer_step_bytes, peak_rank_memory, rank_memory)
 from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
-from autopar.planner.schedule_model import (PipelineTime, PipelineWork, first_backward_in_weight,
+from autopar.planner.schedule_model import (PipelineTime, PipelineWork, backward_whole_at_input,
+                                            first_backward_in_weight,
                                             closed_form_pipeline_time, in_flight_micro_batches,
                                             simulate_pipeline, simulated_pipeline_time)
 from autopar.planner.tp_layout import TPLayout, tp_cost_spec
@@ -422,6 +423,12 @@ class CostModel:
         per_expert = (w_bytes / (ne if c.zero >= 3 else 1) + g_bytes / (ne if c.zero >= 2
                       else 1) + o_bytes / (ne if c.zero >= 1 else 1))
         for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
+            if backward_whole_at_input(c.schedule.spec.splits_backward,
+                                       c.recompute is RecomputeKind.FULL, self.sums.is_block[i]):
+                # a stage holding a block runs its backward whole in its I (priced per stage
+                # in StageSums.staging; per layer here, a stage holding only non-block layers
+                # being rare)
+                b, w = b + w - lc.split_s, 0.0  # the weight column held the split's host time
             held, experts = self.sums.layer_params(i, layout, c.tp, c.ep)
             largest = max(largest, held)
             params = held - experts + experts * per_expert / per_param
@@ -437,7 +444,9 @@ class CostModel:
         step_bytes = (optimizer_step_bytes(1 / n if c.zero >= 1 else 1.0, c.offload, True)
                       if separate_host else 0.0)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
-                                bandwidth, latency, step_bytes)
+                                bandwidth, latency, step_bytes,
+                                release_at_input=c.schedule.spec.splits_backward
+                                and c.recompute is RecomputeKind.FULL)
 
     def _schedule_activations(self, c: Candidate, problem: Any, st: Staging) -> list[float]:
         """Per pipeline rank: the peak over its action list of the activations its in-flight
@@ -447,7 +456,8 @@ class CostModel:
 
         if problem.num_stages == 1:
             return [st.ranks[0].activations * in_flight_micro_batches(
-                c.schedule, 1, 1, problem.num_microbatches, 0) + st.ranks[0].working]
+                c.schedule, 1, 1, problem.num_microbatches, 0,
+                release_at_input=problem.release_at_input) + st.ranks[0].working]
         vectors = in_flight_vectors(problem)
         out = []
         for r, rs in enumerate(st.ranks):
@@ -463,7 +473,8 @@ class CostModel:
                             st.weight, st.p2p, cores=cores, replicas=c.dp * c.cp * c.tp,
                             efficiency=efficiency, resume_s=resume,
                             forward_wait_s=st.forward_wait, backward_wait_s=st.backward_wait,
-                            first_backward_in_weight=first_backward_in_weight(c.zero))
+                            first_backward_in_weight=first_backward_in_weight(
+                                c.zero, bool(st.whole_at_input) and st.whole_at_input[0]))
 
     def _tied_sum_time(self, c: Candidate, st: Staging) -> float:
         """Seconds of summing the gradients of weights tied across pipeline ranks (a GPT's
@@ -623,11 +634,15 @@ class CostModel:
     def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
         """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in
         flight, and the working memory of its largest layer's backward."""
-        key = (c.schedule, c.pp, c.virtual_stages, m)
+        # every stage freeing its activations at its I (full recompute under a split backward);
+        # a stage that does not (no block) keeps them to its W, which all stages are charged
+        at_input = bool(st.whole_at_input) and all(st.whole_at_input)
+        key = (c.schedule, c.pp, c.virtual_stages, m, at_input)
         flight = self._in_flight_cache.get(key)
         if flight is None:
             flight = self._in_flight_cache[key] = [
-                in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r)
+                in_flight_micro_batches(c.schedule, c.pp, c.virtual_stages, m, r,
+                                        release_at_input=at_input)
                 for r in range(c.pp)]
         return [rs.activations * f + rs.working for rs, f in zip(st.ranks, flight)]
 

@@ -43,15 +43,26 @@ from typing import Any
 from autopar.plan_types import ScheduleKind
 
 __all__ = ["PipelineWork", "PipelineTime", "closed_form_pipeline_time", "simulate_pipeline",
-           "simulated_pipeline_time", "in_flight_micro_batches", "first_backward_in_weight"]
+           "simulated_pipeline_time", "in_flight_micro_batches", "first_backward_in_weight",
+           "backward_whole_at_input"]
 
 
-def first_backward_in_weight(zero: int) -> bool:
+def first_backward_in_weight(zero: int, whole_at_input: bool = False) -> bool:
     """Whether a zero-bubble schedule's first stage runs its whole backward in one call in its
     W (its I computing nothing): below ZeRO-3, whose layer-by-layer gathers need the per-layer
     weight groups instead (runtime/split_backward.py, ``by_layer``; the executor's
-    ``layer_units``)."""
-    return zero < 3
+    ``layer_units``), unless the stage runs it whole in its I (``whole_at_input``:
+    :func:`backward_whole_at_input`)."""
+    return zero < 3 and not whole_at_input
+
+
+def backward_whole_at_input(splits_backward: bool, full_recompute: bool, has_blocks: bool
+                            ) -> bool:
+    """Whether a stage runs its whole backward, weight gradients included, in its I and nothing
+    in its W: under a split-backward schedule, a stage whose blocks full recompute checkpoints
+    (``PipelineExecutor.runs_whole_at_input``: a checkpoint recomputes once per autograd call,
+    and a split W makes one call per weight group). Such a stage steps as under 1F1B."""
+    return splits_backward and full_recompute and has_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,10 +242,16 @@ def simulated_pipeline_time(work: PipelineWork, sim: Any = None):
 
 
 def in_flight_micro_batches(schedule: ScheduleKind, pp: int, virtual_stages: int,
-                            num_micro_batches: int, rank: int) -> float:
+                            num_micro_batches: int, rank: int, *,
+                            release_at_input: bool = False) -> float:
     """Micro-batches whose activations rank ``rank`` holds at its peak, in units of the rank's
     whole per-micro-batch activations (all its chunks): the schedule's closed form
     (:attr:`autopar.runtime.schedules.ScheduleSpec.in_flight`), equal to the peak of
     ``PipelineSchedule.peak_in_flight`` of the runtime's action lists (tests hold them equal).
-    One rank keeps one (all m under GPipe)."""
+    One rank keeps one (all m under GPipe). ``release_at_input``: a split backward's stages
+    each run their whole backward in I (:func:`backward_whole_at_input`) and free their
+    activations there, not at W: the lists' peak counted so (ZB-H1's is then 1F1B's p - r)."""
+    if release_at_input and schedule.spec.splits_backward:
+        lists = _schedule(schedule, pp, num_micro_batches, virtual_stages)
+        return lists.peak_in_flight(rank, release_at_input=True) / virtual_stages
     return schedule.spec.in_flight(pp, virtual_stages, num_micro_batches, rank)

@@ -205,11 +205,6 @@ def _rest(cm: CostModel, space: SearchSpace, dp: int, tp: int, pp: int, cp: int
             for rec in RecomputeKind:
                 if pin.recompute is not None and rec is not pin.recompute:
                     continue
-                if rec is RecomputeKind.FULL and sched.spec.splits_backward and not (
-                        pin.recompute is rec and pin.schedule is sched):
-                    # the runtime recomputes a block once per weight group in W as well
-                    # (docs/recompute.md), which the model does not price: offered when pinned
-                    continue
                 zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
                 if pin.zero is not None:
                     zeros = (pin.zero,)

@@ -80,6 +80,10 @@ class PartitionProblem:
     #: activations are freed (autopar.planner.memory.optimizer_step_bytes: 4 on a GPU, over the
     #: rank's stepped share of its parameters; 0 where it is bounded by a bucket).
     step_bytes_per_param: float = 0.0
+    #: A split backward's stages free a micro-batch's activations at its I, not its W: each
+    #: runs its whole backward there (full recompute; ``schedule_model.backward_whole_at_input``,
+    #: assumed of every stage here: one without a block, which keeps them to W, is rare).
+    release_at_input: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -190,16 +194,17 @@ def in_flight_vectors(problem: PartitionProblem) -> list[list[tuple[int, ...]]]:
     action list reaches (the schedule generator's own lists, so memory follows the schedule)."""
     return [list(v) for v in _in_flight_vectors(problem.schedule, problem.num_ranks,
                                                 problem.num_microbatches,
-                                                problem.stages_per_rank)]
+                                                problem.stages_per_rank,
+                                                problem.release_at_input)]
 
 
 @functools.lru_cache(maxsize=64)
-def _in_flight_vectors(kind: ScheduleKind, p: int, m: int, v: int
+def _in_flight_vectors(kind: ScheduleKind, p: int, m: int, v: int, release_at_input: bool
                        ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     schedule = build_schedule(kind, p, m, v, communication=False)
     out = []
     for r in range(p):
-        vectors = set(schedule.in_flight(r))
+        vectors = set(schedule.in_flight(r, release_at_input=release_at_input))
         maximal = [vec for vec in vectors
                    if not any(o != vec and all(a <= b for a, b in zip(vec, o)) for o in vectors)]
         out.append(tuple(sorted(maximal)))

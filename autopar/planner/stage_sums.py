@@ -25,7 +25,7 @@ from autopar.planner.comm import mesh_span, p2p_time
 from autopar.planner.host import Host
 from autopar.planner.layer_costs import LayerCosts
 from autopar.planner.model_costs import ModelCosts
-from autopar.planner.schedule_model import first_backward_in_weight
+from autopar.planner.schedule_model import backward_whole_at_input, first_backward_in_weight
 from autopar.planner.stage_partition import min_max_split
 from autopar.planner.tp_layout import TPLayout
 
@@ -190,11 +190,17 @@ class StageSums:
         F, B, W, R, T, A, FC, BC = table.prefix
         chunks = {r: spec.stages_of_rank(r, p, v) for r in range(p)}
         stages: list[StageCost] = []
+        whole = tuple(backward_whole_at_input(zero_bubble, c.recompute is RecomputeKind.FULL,
+                                              any(self.is_block[first:last + 1]))
+                      for first, last in cuts)
         for s, (first, last) in enumerate(cuts):
             lo, hi = first, last + 1
             f, b, w = F[hi] - F[lo], B[hi] - B[lo], W[hi] - W[lo]
             if not zero_bubble:
                 b, w = b + w, 0.0
+            elif whole[s]:  # one backward call, no split's host time (the table added it)
+                b, w = b + w - (sum(costs[i].split_s for i in range(lo, hi))
+                                if table.split else 0.0), 0.0
             elif s == 0 and not by_layer and table.split:
                 # no input to differentiate: the runtime's W runs the whole backward in one call,
                 # without the split's host time (the table added it per layer). I and W keep
@@ -233,7 +239,7 @@ class StageSums:
         out = Staging(tuple(stages), tuple(ranks),
                       tuple(st.forward_s for st in stages), tuple(st.backward_s for st in stages),
                       tuple(st.weight_s for st in stages), tuple(st.p2p_s for st in stages[:-1]),
-                      table.recompute_flops, tuple(cuts), fwd_wait, bwd_wait)
+                      table.recompute_flops, tuple(cuts), fwd_wait, bwd_wait, whole)
         self._staging_cache[key] = out
         return out
 
