@@ -13,7 +13,8 @@ gets the workers killed and a :class:`~autopar.errors.CommunicationTimeoutError`
 rank's exception) raised here. When a worker dies mid-job, the survivors get ``death_grace_s``
 to report what they saw (their own errors, e.g. a CommunicationTimeoutError naming the lost
 peer), which the raised :class:`RemoteError` carries. The pool then restarts on its next job.
-Never a hang.
+A result is pickled by the job's own process, so one that cannot be sent back (unpicklable, or
+too many tensors to share by file descriptor) is a :class:`RemoteError` too. Never a hang.
 
 The workers are forked from Python's forkserver, which imports torch and autopar once per parent
 process (:data:`PRELOAD`): a new pool of 4 starts in ~0.1 s instead of ~4.5 s of four spawned
@@ -65,12 +66,19 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout_
         if task is None:
             break
         task_id, fn, args, kwargs = pickle.loads(task)
+        what = ""
         try:
             out = fn(*args, **kwargs)
-            results.put((task_id, rank, "ok", out))
+            # pickled here rather than by the queue's feeder thread, which prints its errors
+            # (too many tensors shared by file descriptor: "Too many open files") and drops
+            # the message, leaving the parent to wait for its timeout
+            what = "its result could not be sent back (return fewer tensors per job): "
+            sent = bytes(ForkingPickler.dumps(out))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             results.put((task_id, rank, "error",
-                         f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+                         f"{what}{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        else:
+            results.put((task_id, rank, "ok", sent))
     dist.destroy_process_group()
 
 
@@ -200,10 +208,14 @@ class LocalPool:
             tid, rank, status, payload = msg
             if tid != task_id:
                 continue
-            if status == "ok":
-                results[rank] = payload
-            else:
+            if status != "ok":
                 errors[rank] = payload
+                continue
+            try:
+                results[rank] = pickle.loads(payload)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of file descriptors here
+                errors[rank] = (f"its result could not be received: {type(exc).__name__}: "
+                                f"{exc}\n{traceback.format_exc()}")
         if dead:
             dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
             self.kill()

@@ -52,6 +52,23 @@ def _environment(name):
     return os.environ.get(name), torch.get_num_threads()
 
 
+def _unsendable():
+    return lambda: dist.get_rank()  # not picklable by name
+
+
+def test_a_result_that_cannot_be_sent_back_is_an_error_not_a_wait():
+    """A result the queue cannot pickle (here a lambda; in the plan sweep, thousands of
+    tensors shared by file descriptor: "Too many open files") was dropped by the queue's
+    feeder thread, and the parent waited for its timeout (60 s here). It is pickled in the job
+    now: a RemoteError naming it, at once, and the pool runs the next job."""
+    with LocalPool(2, timeout_s=60) as pool:
+        start = time.perf_counter()
+        with pytest.raises(RemoteError, match="could not be sent back"):
+            pool.run(_unsendable)
+        assert time.perf_counter() - start < 10.0
+        assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+
+
 def test_pools_start_in_a_blink_and_see_the_parents_environment_of_their_start(monkeypatch):
     """Workers are forked from a server that imported torch and autopar once: a pool of 4
     starts and closes in well under a second once the server runs (spawned interpreters took
