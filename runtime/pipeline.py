@@ -232,6 +232,7 @@ class PipelineExecutor:
                                                      ActionKind.BACKWARD_INPUT)
         self._last_weight = self._final_microbatch(ActionKind.BACKWARD_WEIGHT)
         self._inference = False
+        self.peak_held = 0
         self._reset()
 
     def _final_microbatch(self, *kinds: ActionKind) -> dict[int, int]:
@@ -409,6 +410,11 @@ class PipelineExecutor:
                                              f"{len(self.split.target_specs)} targets",
                                     found=f"{len(inputs)} and {len(targets)}")
         self._reset()
+        #: The most stage-micro-batches whose autograd graphs (activations) this rank held at
+        #: once in the last step: forward run, backward not yet (B; W, or I where it runs
+        #: whole). What the cost model's in-flight counts stand for
+        #: (``PipelineSchedule.in_flight``).
+        self.peak_held = 0
         self._micro_inputs = split_microbatches(inputs, self.m)
         self._micro_targets = split_microbatches(targets, self.m)
         self._sizes = [bind_sizes(tuple(self.split.input_specs) + tuple(self.split.target_specs),
@@ -476,6 +482,7 @@ class PipelineExecutor:
                 outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if not self._inference:
                 self._forward[(s, mb)] = (leaves, outs)
+                self.peak_held = max(self.peak_held, len(self._forward))
             if not stage.returns_loss:
                 sent = [o.detach() for o in outs]
                 self._check_dtypes(s, sent, stage.outputs)

@@ -265,7 +265,7 @@ def train(configs, steps: int = 3):
                              for slot in b.slots),
             coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank),
             regions=recomputed_regions(pm), plan=pm.plan.to_json(),
-            block_runs=(runs[0], checkpointed_blocks(pm)),
+            block_runs=(runs[0], checkpointed_blocks(pm)), peak_held=pm.executor.peak_held,
             shard_size=pm.data_parallel.groups.shard_size, held_bytes=held_bytes,
             vocab=(pm.tp_program.vocab_padding.vocab, pm.tp_program.vocab_padding.padded),
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))

@@ -12,8 +12,10 @@ schedule (a raw shape error in the weight-gradient pass), ZB-V under ZeRO-3 with
 the tied embedding and LM head on one rank (refused as units that do not nest), and
 ``virtual_stages=2`` at pp 1 (failing inside ZeRO-1 and ZeRO-3; now refused by name).
 
-Under full recompute each run also counts its checkpointed block runs in the last step: two per
-block and micro-batch (the forward and one recompute), on every rank. Zero-bubble schedules ran
+Each run also holds the most stage-micro-batches whose activations a rank held at once
+(``PipelineExecutor.peak_held``) equal to the schedule's in-flight count the cost model charges
+(``PipelineSchedule.peak_in_flight``), on every rank. Under full recompute each run counts its
+checkpointed block runs in the last step: two per block and micro-batch (the forward and one recompute), on every rank. Zero-bubble schedules ran
 seven per block and micro-batch until 2026-11-29 (their W recomputed each block once per weight
 group); ZB-V with ZeRO-1 then failed when the stage ran its whole backward at I (the tied
 weight's bucket reduced early), fixed the same day.
@@ -32,7 +34,9 @@ import random
 
 import pytest
 
+from autopar.plan_types import ScheduleKind
 from autopar.runtime.local_pool import LocalPool
+from autopar.runtime.schedules import build_schedule
 
 import parallelize_jobs as jobs
 from test_parallelize import _compare, _compare_mixed
@@ -154,8 +158,17 @@ def test_plan_fields_in_combination_train_like_one_process():
                 what = f"{pins} {'bf16' if mixed else 'fp32'}"
                 result = per_rank[0][k]
                 assert len({r[k]["losses"][-1] for r in per_rank}) == 1, what  # one loss
-                for r in per_rank:  # a checkpointed block runs twice per micro-batch: its
-                    # forward and one recompute (under a zero-bubble schedule too)
+                schedule = build_schedule(ScheduleKind(pins["schedule"]), pins["pp"],
+                                          pins["num_micro_batches"], pins["virtual_stages"])
+                whole = schedule.splits_backward and pins["recompute"] == "full"
+                for r in per_rank:
+                    # the activations each rank held at once, as the cost model counts them:
+                    # to W, or to I where a recomputed stage runs its whole backward there
+                    pp_rank = r[k]["coordinates"][1]
+                    assert r[k]["peak_held"] == schedule.peak_in_flight(
+                        pp_rank, release_at_input=whole), (what, pp_rank, r[k]["peak_held"])
+                    # a checkpointed block runs twice per micro-batch: its forward and one
+                    # recompute (under a zero-bubble schedule too)
                     runs, blocks = r[k]["block_runs"]
                     if pins["recompute"] == "full":
                         assert blocks > 0 and runs == 2 * pins["num_micro_batches"] * blocks, \
