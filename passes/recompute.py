@@ -34,8 +34,10 @@ elementwise ops on ``b s^2`` elements per block, next to the core's own ``a`` ti
 softmax.
 
 **Cost.** The core's forward runs again in every backward pass that reaches it: once per
-backward action (``B``, or ``I``), and once more for ZB-H1's ``W`` (the executor's ``W`` walks the
-graph again; docs/recompute.md).
+backward action (``B``, or ``I``). A zero-bubble ``W`` does not reach it (its autograd calls
+start at the weights' own nodes, whose saved inputs lie outside the core), except in a stage
+whose ``I`` computes nothing, which recomputes at ``W`` instead: once per micro-batch under
+every schedule, counted in ``tests/test_plan_sweep.py`` (docs/recompute.md).
 
 The pass works on any graph with autopar's annotations: a captured graph, a tensor-parallel
 program (the core is local per rank: heads are sharded, so no collective lies between the two

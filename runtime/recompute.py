@@ -9,10 +9,11 @@ backward pass needs one of the dropped tensors the region runs again and hands t
 
 Why non-reentrant checkpointing: it works with ``torch.autograd.grad`` and ``inputs=`` (the
 zero-bubble schedule's separate input- and weight-gradient passes), recomputes once per
-backward pass that reaches the region (each graph task recomputes for itself, so ZB-H1's ``W``
-after its ``I`` recomputes again rather than finding the tensors freed), stops recomputing as
-soon as the tensors the backward asked for exist, and checks that the recomputed tensors have
-the shapes and dtypes of the first run.
+backward pass that reaches the region (each graph task recomputes for itself, so a ``W`` that
+reached it after its ``I`` would recompute again rather than find the tensors freed; a W's calls
+start at the weights' nodes and do not reach an attention core), stops recomputing as soon as
+the tensors the backward asked for exist, and checks that the recomputed tensors have the
+shapes and dtypes of the first run.
 
 Dropout inside the region (the attention-probability dropout) must draw the same masks when
 recomputed. autopar's masks are a function of (seed, step, site, rows of the micro-batch)

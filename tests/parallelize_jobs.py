@@ -234,8 +234,8 @@ def train(configs, steps: int = 3):
                      if options.get("recipe") else None)
         losses = []
         for inputs, targets in data:
-            # under full recompute, the last step's checkpointed runs
-            with (counting_checkpoint_runs() if pins.get("recompute") == "full"
+            # under recompute, the last step's checkpointed runs (blocks or attention cores)
+            with (counting_checkpoint_runs() if pins.get("recompute") in ("full", "selective")
                   else contextlib.nullcontext([0])) as runs:
                 if options.get("local"):
                     losses.append(pm.train_step([pm.local_batch(t) for t in inputs],

@@ -44,8 +44,10 @@ from test_parallelize import _compare, _compare_mixed
 pytestmark = pytest.mark.distributed
 
 #: Four blocks: under ZB-V each chunk of two pipeline ranks holds a block, and the first and
-#: last chunks the tied embedding and LM head beside theirs.
-MODEL = "gpt:128:4"
+#: last chunks the tied embedding and LM head beside theirs. Eager (softmax) attention: the core
+#: selective recompute recomputes (fused attention has none, so that setting ran as "none" in
+#: this sweep until 2026-11-29).
+MODEL = "gpt_eager:128:4"
 SHAPES = [(1, 2, 1), (2, 1, 1), (1, 1, 2)]  # (dp, pp, tp)
 CHUNK = 40  # plans per pool.run
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved-1f1b", 2)]
@@ -167,12 +169,14 @@ def test_plan_fields_in_combination_train_like_one_process():
                     pp_rank = r[k]["coordinates"][1]
                     assert r[k]["peak_held"] == schedule.peak_in_flight(
                         pp_rank, release_at_input=whole), (what, pp_rank, r[k]["peak_held"])
-                    # a checkpointed block runs twice per micro-batch: its forward and one
-                    # recompute (under a zero-bubble schedule too)
+                    # a checkpointed block, or an attention core, runs twice per micro-batch:
+                    # its forward and one recompute (under a zero-bubble schedule too)
                     runs, blocks = r[k]["block_runs"]
-                    if pins["recompute"] == "full":
-                        assert blocks > 0 and runs == 2 * pins["num_micro_batches"] * blocks, \
-                            (what, runs, blocks)
+                    regions = {"full": blocks, "selective": r[k]["regions"]}.get(
+                        pins["recompute"], 0)
+                    if pins["recompute"] != "none":
+                        assert regions > 0 and runs == 2 * pins["num_micro_batches"] * regions, \
+                            (what, runs, regions)
                 if mixed:
                     _compare_mixed(result, mixed_refs[pins["dp"] * pins["num_micro_batches"]],
                                    fp32, what)
