@@ -228,6 +228,8 @@ class FlatBucket:
         self._written = [False] * len(slots)
         self._has_local = False  # local gradients accumulated since the last reduction
         self.reduced = False  # reduced at least once since zero_grad
+        #: ZeRO-0: a gradient was written into the reduced buffer since its last reduction
+        self._reopened = False
         self.grad_shard: torch.Tensor | None = None  # stages 2, 3: the reduced shard
         self._grad_shard_stale = True
         self._works: list[Any] = []
@@ -420,6 +422,16 @@ class FlatBucket:
                     "(or call zero_grad() after step())")
         if self.stage >= ZeroStage.GRADIENTS and self.pending_wait:
             self.wait_reduce()  # the buffer in flight is the reduction's input: finish it first
+        if self.stage is ZeroStage.NONE and (self.reduced or self.pending_wait) and \
+                not self._reopened:
+            # a backward after this step's reduction (gradient accumulation with every backward
+            # synced, as DDP allows): finish the reduction before writing into its buffer, and
+            # take the prescale's 1/dp on the average it holds, which the next reduction sums
+            # over the ranks again (else that average came back dp times)
+            self.wait_reduce()
+            if self._prescale is not None:
+                self.local_grad.mul_(self._prescale)
+            self._reopened = True
         grad = param.grad
         param.grad = None
         if self.local_grad is None:  # stages 2, 3: allocated per reduction
@@ -477,6 +489,7 @@ class FlatBucket:
                 self._works.append(dist.reduce_scatter_single(
                     self._rs_out, self.local_grad, group=g.shard_group, async_op=True))
         self._has_local = False
+        self._reopened = False
         self.pending_wait = True
 
     def wait_reduce(self) -> None:
@@ -531,6 +544,7 @@ class FlatBucket:
         self._written = [False] * len(self.slots)
         self._has_local = False
         self.reduced = False
+        self._reopened = False
         self._grad_shard_stale = True
         if self.stage >= ZeroStage.GRADIENTS:
             self.local_grad = None

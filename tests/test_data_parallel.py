@@ -194,7 +194,9 @@ def test_tied_spec_is_what_makes_it_right(pool2):
 
 
 # -- torch DDP as reference ---------------------------------------------------------------------
-def _versus_ddp(steps: int = 3):
+def _versus_ddp(steps: int = 3, backwards: int = 1, zero: int = 0):
+    """``backwards`` per step, each synced (no ``no_sync``): DDP all-reduces after every one
+    and accumulates the averages."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     mesh = ParallelMesh(dist.get_world_size(), 1, 1)
@@ -202,19 +204,23 @@ def _versus_ddp(steps: int = 3):
     reference = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.SGD,
-                                                        {"lr": 0.5, "momentum": 0.9}))
-    for step in range(steps):
-        x, y = global_batch(step, 2 * mesh.dp, vocab)
-        xs, ys = x[2 * mesh.dp_rank:][:2], y[2 * mesh.dp_rank:][:2]
-        loss_fn(model(xs), ys).backward()
-        engine.step()
-        engine.zero_grad()
-        ref_opt.zero_grad()
-        loss_fn(reference(xs), ys).backward()
-        ref_opt.step()
-    got = engine.full_parameters()
+                                                        {"lr": 0.5, "momentum": 0.9}),
+                          DataParallelConfig(zero=zero))
+    try:
+        for step in range(steps):
+            ref_opt.zero_grad()
+            for k in range(backwards):
+                x, y = global_batch(step * backwards + k, 2 * mesh.dp, vocab)
+                xs, ys = x[2 * mesh.dp_rank:][:2], y[2 * mesh.dp_rank:][:2]
+                loss_fn(model(xs), ys).backward()
+                loss_fn(reference(xs), ys).backward()
+            engine.step()
+            engine.zero_grad()
+            ref_opt.step()
+        got = engine.full_parameters()
+    finally:
+        engine.close()
     want = {n: p.detach() for n, p in reference.module.named_parameters()}
-    engine.close()
     return compare(got, want)
 
 
@@ -223,6 +229,20 @@ def test_zero0_matches_torch_ddp(pool2):
     """Same gloo all-reduce of the same gradients: SGD parameters agree to fp32 rounding."""
     for diff, _ in pool2.run(_versus_ddp):
         assert diff < 1e-6
+
+
+@pytest.mark.distributed
+def test_every_backward_synced_matches_torch_ddp(pool2):
+    """Two backwards per step, both synced (gradient accumulation without no_sync), as DDP
+    allows. ZeRO-0's second reduction summed the first's average again, which came back dp
+    times (parameters 0.1 off DDP's at dp 2, silently) until 2026-11-29; ZeRO-2 and 3
+    reduce-scatter each backward into the shard. ZeRO-1, one reduce-scatter per step, refuses
+    it by name."""
+    for zero in (0, 2, 3):
+        for diff, _ in pool2.run(_versus_ddp, 3, 2, zero):
+            assert diff < 1e-6, zero
+    with pytest.raises(RemoteError, match="after this step's ZeRO-1 reduction"):
+        pool2.run(_versus_ddp, 3, 2, 1)
 
 
 def _step_per_bucket_or_not(zero: int, mixed: bool):
