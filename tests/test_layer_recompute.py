@@ -24,6 +24,7 @@ import torch
 import autopar
 from autopar import models
 from autopar.runtime.layer_recompute import checkpointed, draws_global_rng
+from parallelize_jobs import counting_checkpoint_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,25 +45,12 @@ def _train(recompute, schedule="1f1b", steps=2, zero=0, runs=None):
         calls = [n for n in module._graph.graph.nodes if n.target is checkpointed]
         # the blocks' dropouts are autopar's own (runtime/rng.py): no global RNG to restore
         assert not any(n.args[1] for n in calls)
-        count = [0]
-        checkpoint = torch.utils.checkpoint.checkpoint
-
-        def counting(fn, *args, **kwargs):
-            def run(*xs):
-                count[0] += 1
-                return fn(*xs)
-            return checkpoint(run, *args, **kwargs)
-
         losses = []
-        torch.utils.checkpoint.checkpoint = counting
-        try:
-            for _ in range(steps):
-                count[0] = 0
+        for _ in range(steps):
+            with counting_checkpoint_runs() as count:
                 losses.append(pm.train_step(inputs, targets))
-                if runs is not None:
-                    runs.append(count[0])
-        finally:
-            torch.utils.checkpoint.checkpoint = checkpoint
+            if runs is not None:
+                runs.append(count[0])
         state = {k: v.detach().clone() for k, v in pm.state_dict().items()}
     finally:
         pm.close()

@@ -41,6 +41,7 @@ def simulate_document(doc):
                         tuple(s.p2p_s for s in stages[:-1]),
                         cores=cores, replicas=plan["dp"] * plan.get("cp", 1) * plan["tp"],
                         efficiency=efficiency, resume_s=resume,
+                        # stage 0 holds a block under full recompute iff it prices a recompute
                         first_backward_in_weight=first_backward_in_weight(
                             plan.get("zero", 0), backward_whole_at_input(
                                 ScheduleKind(plan["schedule"]).spec.splits_backward,
