@@ -228,6 +228,11 @@ class PipelineExecutor:
                                              recompute_blocks=recompute_blocks if recompute
                                              else None)
                               for s, stage in self.local.items()}
+        #: The local stages whose I runs their whole backward (:meth:`runs_whole_at_input`),
+        #: fixed with the stage modules rather than looked up per action.
+        self._whole_at_input = frozenset(
+            s for s, own in self.stage_modules.items()
+            if recompute and (own.recomputes_layers or own.checkpoints_whole))
         self._last_backward = self._final_microbatch(ActionKind.BACKWARD,
                                                      ActionKind.BACKWARD_INPUT)
         self._last_weight = self._final_microbatch(ActionKind.BACKWARD_WEIGHT)
@@ -552,8 +557,7 @@ class PipelineExecutor:
         group (six per GPT block: docs/recompute.md counted 64 block forwards a step against
         1F1B's 16); one call recomputes once. The stage then steps as under 1F1B, which is how
         the cost model prices it (planner/stage_sums.py)."""
-        own = self.stage_modules[stage]
-        return self.recompute and (own.recomputes_layers or own.checkpoints_whole)
+        return stage in self._whole_at_input
 
     def _trained_params(self, stage: StageProgram) -> list[nn.Parameter]:
         return [self.params[f] for f in dict.fromkeys(stage_params(stage))
