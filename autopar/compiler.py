@@ -349,14 +349,17 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
     captured = planned.captured
     schedule = add_communication(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
                                                 plan.virtual_stages))
-    mismatch = schedule.link_order_mismatch() if torch.device(device).type == "cuda" else None
-    if mismatch is not None:
-        raise InvalidPlanError(f"the {plan.schedule.value} schedule cannot run over NCCL yet",
-                               expected="every link's messages taken in the order they are sent "
-                                        "(NCCL matches point-to-point messages by order, not by "
-                                        "tag)",
-                               found=mismatch,
-                               fix="use zb-h1 or interleaved-1f1b on GPUs (gloo runs it)")
+    if torch.device(device).type == "cuda":  # NCCL pairs messages by order: its own lowering
+        nccl = add_communication(schedule, match="order")
+        problem = nccl.link_order_mismatch() or nccl.rendezvous_deadlock()
+        if problem is not None:
+            raise InvalidPlanError(f"the {plan.schedule.value} schedule cannot run over NCCL",
+                                   expected="every link's messages taken in the order they are "
+                                            "sent, and no cycle of waits on the communication "
+                                            "streams",
+                                   found=problem,
+                                   fix="report this schedule: every generated one passes "
+                                       "(tests/test_schedules.py); gloo runs it")
     stages = sorted(plan.stages, key=lambda s: s.index)
     gm = sharded.gm
     if plan.cp > 1:  # every rank runs its tokens; attention exchanges K/V over the cp ranks

@@ -19,7 +19,11 @@ schedule's m micro-batches and walks the rank's actions:
 - runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
   group over its pipeline column, every message tagged with (sending stage, direction,
   micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
-  waited at the end of the step. Receive buffers take the crossing tensors' shapes with ``b``
+  waited at the end of the step. NCCL ignores tags and pairs the messages of a link by their
+  order: there (``match="order"``) the lists are lowered so that every link is taken in the
+  order it is sent and no cycle of waits forms on NCCL's stream
+  (``add_communication(match="order")``; interleaved 1F1B and ZB-V post each receive where its
+  send is), and each receive is waited by the compute that needs it. Receive buffers take the crossing tensors' shapes with ``b``
   and ``s`` evaluated at the micro-batch's sizes, and their captured dtype (under mixed
   precision the model is captured with its parameters in the compute dtype, so the hidden state
   and its gradient cross in bf16, as they are computed); a stage whose output has another dtype
@@ -142,7 +146,8 @@ class PipelineExecutor:
                  hooks: ExecutorHooks | None = None, recompute: bool = False,
                  copy_tensors: bool = True, layer_units: bool = False,
                  compile_backend: str | None = None,
-                 recompute_blocks: frozenset[str] = frozenset()) -> None:
+                 recompute_blocks: frozenset[str] = frozenset(),
+                 match: str | None = None) -> None:
         """``tensors``: this rank's parameters and buffers by FQN (shards, under tensor
         parallelism); ``bindings``: values for the stage modules' other placeholders, by name
         (e.g. ``{"tp": tp_group}`` for a tensor-parallel program). ``sync_tied=False`` leaves the
@@ -153,7 +158,9 @@ class PipelineExecutor:
         ``torch.compile``. With ``recompute``, ``recompute_blocks`` names the layers checkpointed one
         at a time (the repeated blocks; a stage holding none runs as it is; a compiled graph, or
         an empty set, checkpoints each stage whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
-        rank then never keeps two copies of its parameters)."""
+        rank then never keeps two copies of its parameters). ``match``: how the transport pairs
+        messages, ``"tag"`` (gloo) or ``"order"`` (NCCL; the lists are then lowered in send
+        order and every message carries tag 0); None takes the process group's backend's."""
         self.split = split
         #: Full activation recompute: each repeated block keeps only its inputs and runs again in
         #: its backward (runtime/layer_recompute.py; under compile the stage is checkpointed
@@ -165,7 +172,17 @@ class PipelineExecutor:
         self.sync_tied = sync_tied
         self.hooks = hooks
         self.bindings = dict(bindings or {})
-        self.schedule = add_communication(schedule)
+        if match is None:
+            match = "order" if mesh.pp > 1 and dist.is_initialized() and \
+                dist.get_backend() == dist.Backend.NCCL else "tag"
+        #: How the transport pairs messages: by the executor's tags (gloo) or by their order on
+        #: each link (NCCL). Under ``"order"`` the lists are lowered for it
+        #: (``add_communication(match="order")``: every link's messages in one order on both
+        #: ends, no cycle of waits on the communication streams; interleaved 1F1B and ZB-V post
+        #: each receive where its send is), and each receive is waited by the compute that
+        #: needs it.
+        self.match = match
+        self.schedule = add_communication(schedule, match=match)
         self.mesh = mesh
         self.timeout = timeout or mesh.timeout
         self.m = schedule.num_microbatches
@@ -218,7 +235,7 @@ class PipelineExecutor:
         #: point-to-point operations are matched by tag and progress independently (gloo): on
         #: NCCL, sends and receives to one peer share a stream in issue order, and a receive
         #: posted early could hold back a send the peer is waiting for.
-        self._early_receives = (self._p2p is not None
+        self._early_receives = (self._p2p is not None and match == "tag"
                                 and dist.get_backend(self._p2p) == dist.Backend.GLOO)
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
@@ -586,6 +603,8 @@ class PipelineExecutor:
                         "in (autopar.parallelize(mixed_precision=True) captures in bf16)")
 
     def _tag(self, sender: int, direction: str, mb: int, i: int) -> int:
+        if self.match == "order":
+            return 0  # what NCCL does with any tag: messages pair by their order on the link
         return ((((0 if direction == "F" else 1) * self.num_stages + sender) * self.m + mb)
                 * 64 + i)
 
@@ -594,8 +613,8 @@ class PipelineExecutor:
 
     def _communicate(self, batch: list[Action]) -> None:
         """Post one run of transfers as one ``batch_isend_irecv``. Sends are waited at the end of
-        the step. Receives are waited here, or, with ``_early_receives``, posted one compute
-        ahead and waited by the compute that needs them (:meth:`_land`)."""
+        the step. Receives are waited here, or, with ``_early_receives`` (posted one compute
+        ahead) or lists lowered in send order, by the compute that needs them (:meth:`_land`)."""
         ops: list[dist.P2POp] = []
         kinds: list[tuple[bool, str]] = []
         landing: list[tuple[Action, list[torch.Tensor]]] = []
@@ -629,28 +648,25 @@ class PipelineExecutor:
                     kinds.append((False, f"{a} from rank {peer}"))
                 landing.append((a, buffers))
         works = dist.batch_isend_irecv(ops) if ops else []
-        if self._early_receives:  # gloo: one work per operation
-            receives: list[tuple[Any, str]] = []
-            for work, op, (is_send, what) in zip(works, ops, kinds):
-                if is_send:
-                    self._pending_sends.append((work, what, op.tensor))
-                else:
-                    receives.append((work, what))
-            it = iter(receives)
-            for a, buffers in landing:
-                self._posted[a] = ([next(it) for _ in buffers], buffers)
-            return
-        if len(works) == len(ops):
-            for work, op, (is_send, what) in zip(works, ops, kinds):
-                if is_send:  # keep the sent tensor alive until its send is waited
-                    self._pending_sends.append((work, what, op.tensor))
-                else:
-                    self._wait(work, what)
-        else:  # a coalescing backend (NCCL) returns one work for the whole batch
-            for work in works:
-                self._wait(work, ", ".join(str(a) for a in batch))
+        if works and len(works) != len(ops):  # a coalescing backend (NCCL): one for the batch
+            works = [works[0]] * len(ops)
+        # Receives posted ahead of their compute (gloo's early receives, or the lists lowered in
+        # send order) are waited by that compute (:meth:`_land`), the rest here.
+        later = self._early_receives or self.match == "order"
+        receives: list[tuple[Any, str]] = []
+        for work, op, (is_send, what) in zip(works, ops, kinds):
+            if is_send:  # keep the sent tensor alive until its send is waited
+                self._pending_sends.append((work, what, op.tensor))
+            elif later:
+                receives.append((work, what))
+            else:
+                self._wait(work, what)
+        it = iter(receives)
         for a, buffers in landing:
-            self._deliver(a, buffers)
+            if later:
+                self._posted[a] = ([next(it) for _ in buffers], buffers)
+            else:
+                self._deliver(a, buffers)
 
     def _land(self, a: Action) -> None:
         """Wait for the receive ``a`` if it was posted ahead, and hand its tensors over."""

@@ -16,6 +16,17 @@ send/receive actions form one batch of ``isend/irecv`` in the executor (Megatron
 simulator (:mod:`autopar.runtime.simulator`) runs the lowered lists of every rank without
 processes and proves them deadlock-free.
 
+That lowering suits a transport that matches messages by tag (gloo). NCCL matches the messages
+between two ranks by their order, and a send of more than its buffers hold waits until the
+receiver has posted its receive, behind whatever that rank posted before on its one stream.
+``add_communication(schedule, match="order")`` lowers for it: the list above where it passes
+both (GPipe, 1F1B, ZB-H1), else every receive posted when its send is, in a lockstep walk of all
+ranks (``torch.distributed.pipelining``'s ``_add_send_recv`` does the same), so each link
+carries its messages in one order on both ends and every rank's transfers form one global
+order (interleaved 1F1B, ZB-V). :meth:`PipelineSchedule.link_order_mismatch` and
+:meth:`PipelineSchedule.rendezvous_deadlock` check a lowered list under those semantics without
+durations.
+
 The text form, one line per rank::
 
     # autopar schedule kind=1f1b ranks=2 microbatches=2
@@ -233,6 +244,60 @@ class PipelineSchedule:
                             f"rank {link[1]}, which takes {got[0]}{got[1]}{got[2]} there")
         return None
 
+    def rendezvous_deadlock(self) -> str | None:
+        """Where the lowered lists stop under NCCL's semantics, described; None when every rank
+        finishes. The model (no durations, the executor's use of NCCL):
+
+        - each run of transfers (one ``batch_isend_irecv``, :func:`comm_batches`) is one group
+          on the rank's one communication stream, which runs its groups in order, each once the
+          computes before it (its sends' data) are done;
+        - a group completes once the group holding each of its messages' other end has started:
+          a send may not complete before its receive is posted (a message larger than NCCL's
+          buffers, as activations are), and the i-th send on a link matches the i-th receive;
+        - a compute waits for every group before it (stricter than the executor, which waits
+          only for its receives: a list that finishes here finishes there).
+
+        A list fit for gloo can stop here: under the lowering for tags, interleaved 1F1B's rank
+        0 sends a gradient that rank 1 takes only after its own send to rank 0 completes, which
+        waits behind that first send (tests/test_schedules.py)."""
+        lowered = add_communication(self)
+        where = lowered.stage_to_rank
+        runs = [comm_batches(actions) for actions in lowered.ranks]
+        counted: dict[tuple[tuple[int, int], bool], int] = {}
+        #: per (rank, run index): its messages as (link, index on the link, is a send)
+        messages: dict[tuple[int, int], list[tuple[tuple[int, int], int, bool]]] = {}
+        home: dict[tuple[tuple[int, int], int, bool], tuple[int, int]] = {}
+        for rank, rank_runs in enumerate(runs):
+            for i, run in enumerate(rank_runs):
+                if not run[0].kind.is_comm:
+                    continue
+                ours = []
+                for a in run:
+                    link, is_send = _link(a, rank, where)
+                    n = counted.get((link, is_send), 0)
+                    counted[(link, is_send)] = n + 1
+                    ours.append((link, n, is_send))
+                    home[(link, n, is_send)] = (rank, i)
+                messages[(rank, i)] = ours
+        started: set[tuple[int, int]] = set()
+        pos = [0] * len(runs)
+        moved = True
+        while moved:
+            moved = False
+            for rank, rank_runs in enumerate(runs):
+                while pos[rank] < len(rank_runs):
+                    key = (rank, pos[rank])
+                    if key in messages:
+                        started.add(key)
+                        if not all(home.get((link, n, not is_send)) in started
+                                   for link, n, is_send in messages[key]):
+                            break
+                    pos[rank] += 1
+                    moved = True
+        stuck = [f"rank {rank} at {' '.join(map(str, runs[rank][pos[rank]]))}"
+                 for rank in range(len(runs)) if pos[rank] < len(runs[rank])]
+        return "; ".join(stuck) if stuck else None
+
     def compute_only(self) -> "PipelineSchedule":
         return PipelineSchedule(tuple(tuple(a for a in actions if a.kind.is_compute)
                                       for actions in self.ranks), self.num_microbatches, self.kind)
@@ -335,14 +400,27 @@ class PipelineSchedule:
 # Lowering: sends and receives
 # ---------------------------------------------------------------------------------------------
 
-def add_communication(schedule: PipelineSchedule) -> PipelineSchedule:
+def add_communication(schedule: PipelineSchedule, *, match: str = "tag") -> PipelineSchedule:
     """Insert SEND/RECV actions for every tensor that crosses ranks.
 
-    A send goes right after the compute that produces the tensor (sends never block the sender);
-    a receive right before the compute that needs it. Between two computes the sends of the first
-    come before the receives of the second, so the executor batches them into one
-    ``batch_isend_irecv``. Stages on the same rank hand tensors over locally.
+    A send goes right after the compute that produces the tensor (sends never block the sender).
+    ``match="tag"`` (gloo, which matches the executor's tags): a receive right before the
+    compute that needs it; between two computes the sends of the first come before the receives
+    of the second, so the executor batches them into one ``batch_isend_irecv``.
+    ``match="order"`` (NCCL): that list where it takes every link's messages in the order they
+    are sent and cannot stall under NCCL's semantics (:meth:`PipelineSchedule.link_order_mismatch`,
+    :meth:`PipelineSchedule.rendezvous_deadlock`: GPipe, 1F1B, ZB-H1), else each receive where
+    its send is posted (:func:`_lower_in_send_order`: interleaved 1F1B, ZB-V).
+    Stages on the same rank hand tensors over locally. A schedule that has its transfers
+    already is returned as it is (under ``"order"``, if it passes both checks).
     """
+    if match not in ("tag", "order"):
+        raise ScheduleError(f"unknown message matching {match!r}", expected="'tag' or 'order'")
+    if match == "order":
+        lowered = add_communication(schedule)
+        if lowered.link_order_mismatch() is None and lowered.rendezvous_deadlock() is None:
+            return lowered
+        return _lower_in_send_order(schedule.compute_only())
     if schedule.has_communication:
         return schedule
     where = schedule.stage_to_rank
@@ -365,6 +443,69 @@ def add_communication(schedule: PipelineSchedule) -> PipelineSchedule:
                 out.append(Action(s, ActionKind.SEND_B, mb))
         ranks.append(tuple(_sends_first(out)))
     return PipelineSchedule(tuple(ranks), schedule.num_microbatches, schedule.kind)
+
+
+def _lower_in_send_order(schedule: PipelineSchedule) -> PipelineSchedule:
+    """The lowering for transports that match by order: walk the ranks in lockstep, each taking
+    its next compute once its input is posted; a compute's send is appended after it, and its
+    receive to the receiving rank's list at the same moment. The compute order of every rank is
+    the schedule's; each link's receives come in the order of its sends, and every rank's
+    transfers follow one global order, so no cycle of waits can form under NCCL's semantics
+    (:meth:`PipelineSchedule.rendezvous_deadlock`; checked for every generated schedule in
+    tests/test_schedules.py). The receives come early: the executor waits for each when its
+    compute needs it."""
+    where = schedule.stage_to_rank
+    last = len(where) - 1
+    todo = [list(actions) for actions in schedule.ranks]
+    nxt = [0] * len(todo)
+    out: list[list[Action]] = [[] for _ in todo]
+    posted: set[tuple[int, ActionKind, int]] = set()  # (receiving stage, RECV kind, micro-batch)
+    while any(n < len(actions) for n, actions in zip(nxt, todo)):
+        moved = False
+        for rank, actions in enumerate(todo):
+            if nxt[rank] == len(actions):
+                continue
+            a = actions[nxt[rank]]
+            s, mb = a.stage, a.microbatch
+            needs = None
+            if a.kind is ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
+                needs = (s, ActionKind.RECV_F, mb)
+            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s < last \
+                    and where[s + 1] != rank:
+                needs = (s, ActionKind.RECV_B, mb)
+            if needs is not None and needs not in posted:
+                continue
+            nxt[rank] += 1
+            moved = True
+            out[rank].append(a)
+            if a.kind is ActionKind.FORWARD and s < last and where[s + 1] != rank:
+                out[rank].append(Action(s, ActionKind.SEND_F, mb))
+                out[where[s + 1]].append(Action(s + 1, ActionKind.RECV_F, mb))
+                posted.add((s + 1, ActionKind.RECV_F, mb))
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s > 0 \
+                    and where[s - 1] != rank:
+                out[rank].append(Action(s, ActionKind.SEND_B, mb))
+                out[where[s - 1]].append(Action(s - 1, ActionKind.RECV_B, mb))
+                posted.add((s - 1, ActionKind.RECV_B, mb))
+        if not moved:
+            stuck = [f"rank {r}: {todo[r][nxt[r]]}" for r in range(len(todo))
+                     if nxt[r] < len(todo[r])]
+            raise ScheduleError("the schedule deadlocks: no rank can take its next compute",
+                                found="; ".join(stuck),
+                                fix="every compute needs a tensor an earlier compute sends")
+    return PipelineSchedule(tuple(map(tuple, out)), schedule.num_microbatches, schedule.kind)
+
+
+def _link(a: Action, rank: int, where: Sequence[int]) -> tuple[tuple[int, int], bool]:
+    """The link (sending rank, receiving rank) a transfer on ``rank`` uses, and whether it is
+    the sending end."""
+    if a.kind is ActionKind.SEND_F:
+        return (rank, where[a.stage + 1]), True
+    if a.kind is ActionKind.SEND_B:
+        return (rank, where[a.stage - 1]), True
+    if a.kind is ActionKind.RECV_F:
+        return (where[a.stage - 1], rank), False
+    return (where[a.stage + 1], rank), False
 
 
 def _sends_first(actions: Sequence[Action]) -> list[Action]:

@@ -101,15 +101,16 @@ def cases():
     return out
 
 
-def train_pipelines(configs, dp=1, pp=None, tp=1):
+def train_pipelines(configs, dp=1, pp=None, tp=1, match=None):
     """Worker job: for each (name, split, tensors, batches, kind, v, m) run two AdamW steps.
-    Every (dp, tp) column of the mesh runs its own copy of the pipeline on the same batch."""
+    Every (dp, tp) column of the mesh runs its own copy of the pipeline on the same batch.
+    ``match="order"``: messages paired by their order on each link, as NCCL pairs them."""
     mesh = ParallelMesh(dp, pp or dist.get_world_size() // (dp * tp), tp)
     results = []
     for name, split, tensors, batches, kind, v, m in configs:
         start = time.perf_counter()
         executor = PipelineExecutor(split, build_schedule(kind, mesh.pp, m, v), mesh,
-                                    tensors=tensors)
+                                    tensors=tensors, match=match)
         opt = torch.optim.AdamW(executor.parameters(), lr=LR)
         ahead = _count_receives_ahead(executor)
         losses, grads = [], None
@@ -172,11 +173,24 @@ def _configs(cases, p):
             for name, case in cases.items() for kind, v in SCHEDULES for m in (p, 2 * p)]
 
 
+def _in_order_configs(cases, p):
+    """Every schedule, ZB-V included, on the own GPT (tied embedding and head), m = 2p."""
+    case = cases["own-gpt"]
+    return [("own-gpt", case["splits"][(p, v)], case["tensors"], case["batches"], kind, v, 2 * p)
+            for kind, v in (*SCHEDULES, (ScheduleKind.ZB_V, 2))]
+
+
 @pytest.mark.timeout(300)
 def test_pipeline_matches_single_process_pp2(cases):
     configs = _configs(cases, 2)
     with LocalPool(2, timeout_s=240, collective_timeout_s=60) as pool:
         per_rank = pool.run(train_pipelines, configs)
+        # every schedule with its messages paired by order on each link (tag 0 on gloo,
+        # which then pairs as NCCL does), lowered in send order; a message taken out of order
+        # would land in the wrong buffer (a shape error, or wrong numbers)
+        ordered = _in_order_configs(cases, 2)
+        per_rank_ordered = pool.run(train_pipelines, ordered, match="order")
+    _check(cases, ordered, per_rank_ordered, "pp=2 paired by order")
     _check(cases, configs, per_rank, "pp=2")
     # every configuration overlapped some receive with the compute before it (gloo)
     for i, config in enumerate(configs):
@@ -198,6 +212,9 @@ def test_pipeline_matches_single_process_pp4(cases):
         # (unsharded) stages, so both columns must reproduce the reference
         mesh_configs = [c for c in _configs(cases, 2) if c[0] == "own-gpt" and c[6] == 2]
         per_rank = pool.run(train_pipelines, mesh_configs, dp=1, pp=2, tp=2)
+        ordered = _in_order_configs(cases, 4)
+        per_rank_ordered = pool.run(train_pipelines, ordered, match="order")
+    _check(cases, ordered, per_rank_ordered, "pp=4 paired by order")
     for column in ((0, 2), (1, 3)):
         _check(cases, mesh_configs, [per_rank[r] for r in column], f"tp column {column}")
     split8 = cases["hf-gpt"]["splits"][(4, 2)]
