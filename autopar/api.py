@@ -120,8 +120,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
             (OffloadError). A plan pinned to ``offload="disk"`` needs it.
         compile: run each stage's graph through ``torch.compile`` (True: the inductor backend,
             which fuses the element-wise work between GEMMs; a string: that backend). Compiles on
-            the first step (and again for inference). Not with the zero-bubble schedules or
-            ZeRO-3 (InvalidPlanError): their backward is split or hooked per layer.
+            the first step (and again for inference). Under ZeRO-3 (per-layer gathers) and
+            full recompute (per-block checkpoints) each captured layer is compiled on its own,
+            with the gathers and checkpoints around it. Not with the zero-bubble schedules
+            (InvalidPlanError): their backward is split into input and weight gradients.
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InvalidInputError("timeout_s must be a positive number of seconds",

@@ -463,8 +463,10 @@ class ParallelModel(ModelState):
 
 
 def _check_compilable(plan: Plan) -> None:
-    """Compiled stage graphs run whole forward and backward passes: a plan that takes a
-    backward apart or wraps each layer in gather hooks is refused by name."""
+    """Compiled graphs run whole forward and backward passes: a plan that takes a backward
+    apart is refused by name. ZeRO-3 and full recompute compile each captured layer on its own
+    (``runtime/layer_recompute.py``'s ``layer_regions``), with the gathers, frees and
+    checkpoints around them."""
     if plan.schedule.spec.splits_backward:
         raise InvalidPlanError(f"compile=True does not run the {plan.schedule.value} schedule",
                                expected="a schedule whose backward is one action (1f1b, "
@@ -472,11 +474,6 @@ def _check_compilable(plan: Plan) -> None:
                                found=f"{plan.schedule.value}, which splits each backward into "
                                      "input and weight gradients",
                                fix="pin schedule='1f1b', or drop compile")
-    if plan.zero == 3:
-        raise InvalidPlanError("compile=True does not run ZeRO-3",
-                               expected="zero 0, 1 or 2",
-                               found="zero 3, whose per-layer gathers are hooks inside the graph",
-                               fix="pin zero=2 (or lower), or drop compile")
 
 
 def _dp_names(executor: Any) -> dict[str, str]:

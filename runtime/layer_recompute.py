@@ -41,7 +41,7 @@ from torch.fx.passes.split_module import split_module
 from autopar.ir import has_info, info, op_name
 from autopar.runtime.rng import TORCH_RANDOM_OPS
 
-__all__ = ["recompute_per_layer", "checkpointed", "recompute_region"]
+__all__ = ["recompute_per_layer", "layer_regions", "checkpointed", "recompute_region"]
 
 #: While a training forward with recompute runs: the call that re-announces its micro-batch.
 _REGION: contextvars.ContextVar[tuple[Callable[[], None] | None] | None] = \
@@ -68,8 +68,10 @@ def checkpointed(block: Callable[..., Any], global_rng: bool, *args: Any) -> Any
     announce = region[0]
 
     # the graph's forward itself: torch's early stop ends a recompute by raising through it,
-    # and a GraphModule's __call__ extracts the traceback of every exception it passes on
-    forward = getattr(block, "forward", block)
+    # and a GraphModule's __call__ extracts the traceback of every exception it passes on (a
+    # compiled region is called as it is: its forward is the uncompiled one)
+    forward = block if isinstance(block, torch._dynamo.eval_frame.OptimizedModule) else \
+        getattr(block, "forward", block)
 
     def run(*inputs: Any) -> Any:
         if announce is not None:
@@ -109,29 +111,53 @@ def recompute_per_layer(gm: torch.fx.GraphModule, blocks: frozenset[str]
                         ) -> tuple[torch.fx.GraphModule, int]:
     """``gm`` with each run of consecutive nodes of a layer in ``blocks`` called through
     :func:`checkpointed`, and the number of such runs (0: ``gm`` itself, unchanged)."""
+    return layer_regions(gm, checkpoint=blocks)
+
+
+def layer_regions(gm: torch.fx.GraphModule, *, checkpoint: frozenset[str] = frozenset(),
+                  compile_backend: str | None = None) -> tuple[torch.fx.GraphModule, int]:
+    """``gm`` with each run of consecutive nodes of one captured layer made a submodule
+    (``split_module``), and the number of runs checkpointed (0 with nothing to change: ``gm``
+    itself).
+
+    - A run of a layer in ``checkpoint`` is called through :func:`checkpointed`.
+    - With ``compile_backend``, every layer's run goes through ``torch.compile`` on its own
+      (regional compilation, as torchtitan compiles each transformer block): what lies between
+      the runs, ZeRO-3's gather and free calls (``runtime/layer_units.py``), runs eagerly
+      outside the compiled code, and a checkpointed run recomputes its compiled forward. Runs
+      of equal blocks are equal graphs (weights are inputs), which the compiler's caches share.
+    """
     part: dict[str, int] = {}
-    recomputed: set[int] = set()
+    wrapped: dict[int, bool] = {}  # run -> checkpointed
     run, previous = -1, object()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         layer = info(node).layer if has_info(node) else ""
-        label = layer if layer in blocks else None
+        label = layer if layer in checkpoint or (compile_backend is not None and layer) \
+            else None
         if label != previous:
             run, previous = run + 1, label
             if label is not None:
-                recomputed.add(run)
+                wrapped[run] = label in checkpoint
         part[node.name] = run
-    if not recomputed:
+    if not wrapped:
         return gm, 0
     split = split_module(gm, gm, lambda n: part[n.name], keep_original_order=True)
     graph = split.graph
     for node in list(graph.nodes):
         if node.op != "call_module" or not node.target.startswith("submod_"):
             continue
-        if int(node.target.rsplit("_", 1)[1]) not in recomputed:
+        index = int(node.target.rsplit("_", 1)[1])
+        if index not in wrapped:
             continue
-        global_rng = draws_global_rng(getattr(split, node.target))
+        region = getattr(split, node.target)
+        global_rng = draws_global_rng(region)
+        if compile_backend is not None:
+            setattr(split, node.target, torch.compile(region, backend=compile_backend,
+                                                      dynamic=False))
+        if not wrapped[index]:
+            continue
         with graph.inserting_before(node):
             block = graph.get_attr(node.target)
             call = graph.call_function(checkpointed, (block, global_rng, *node.args),
@@ -141,4 +167,4 @@ def recompute_per_layer(gm: torch.fx.GraphModule, blocks: frozenset[str]
         graph.erase_node(node)
     graph.lint()
     split.recompile()
-    return split, len(recomputed)
+    return split, sum(wrapped.values())

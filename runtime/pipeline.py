@@ -155,16 +155,17 @@ class PipelineExecutor:
         buckets); ``hooks`` (:class:`ExecutorHooks`) are told of each action as it runs.
         ``layer_units=True`` (ZeRO-3) gives each stage module one gather unit per captured
         layer (:class:`StageModule`); ``compile_backend`` compiles each stage's graph with
-        ``torch.compile``. With ``recompute``, ``recompute_blocks`` names the layers checkpointed one
-        at a time (the repeated blocks; a stage holding none runs as it is; a compiled graph, or
-        an empty set, checkpoints each stage whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
+        ``torch.compile`` (each layer on its own under ZeRO-3 or full recompute). With
+        ``recompute``, ``recompute_blocks`` names the layers checkpointed one at a time (the
+        repeated blocks; a stage holding none runs as it is; an empty set checkpoints each stage
+        whole). ``copy_tensors=False`` takes ``tensors`` as they are (fresh shards nobody else holds: a
         rank then never keeps two copies of its parameters). ``match``: how the transport pairs
         messages, ``"tag"`` (gloo) or ``"order"`` (NCCL; the lists are then lowered in send
         order and every message carries tag 0); None takes the process group's backend's."""
         self.split = split
         #: Full activation recompute: each repeated block keeps only its inputs and runs again in
-        #: its backward (runtime/layer_recompute.py; under compile the stage is checkpointed
-        #: whole).
+        #: its backward (runtime/layer_recompute.py; under compile around each block's compiled
+        #: code).
         self.recompute = recompute
         #: ZeRO-3's gather units: a first stage's weight gradients then go one layer at a time
         #: (runtime/split_backward.py), else in one call

@@ -95,6 +95,12 @@ def recomputed_regions(pm) -> int:
                for m in pm.split.stages[s].gm.children())
 
 
+def compiled_regions(pm) -> int:
+    """Regions of this rank's stages compiled on their own (``layer_regions`` under compile)."""
+    return sum(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+               for s in pm.executor.stage_modules.values() for m in s._graph.children())
+
+
 def checkpointed_blocks(pm) -> int:
     """Blocks this rank's stages checkpoint one by one (full recompute)."""
     from autopar.runtime.layer_recompute import checkpointed
@@ -203,7 +209,8 @@ def train(configs, steps: int = 3):
     Options: ``recipe`` (the optimizer is :func:`recipe`, a plain function, stepped with the
     :func:`warmup` LR schedule on ``pm.optimizer``), ``mixed_precision``, ``max_grad_norm``,
     ``checkpoint`` (passed to parallelize; with
-    ``checkpoint`` the model is built on the meta device); ``save_pretrained`` (a directory: after
+    ``checkpoint`` the model is built on the meta device); ``compile`` (a torch.compile backend:
+    the result then counts the stages' regions compiled on their own, ``compiled_regions``); ``save_pretrained`` (a directory: after
     training, the first batch's eval loss and ``pm.save_pretrained`` there); ``local`` (feed each
     data-parallel rank only its share, ``pm.local_batch``); ``probe`` (after training: the
     first batch's loss through ``pm(...)`` and ``eval_step``, and every rank's
@@ -225,7 +232,8 @@ def train(configs, steps: int = 3):
                                      functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
                                      mixed_precision=options.get("mixed_precision", False),
                                      max_grad_norm=options.get("max_grad_norm"),
-                                     checkpoint=checkpoint)
+                                     checkpoint=checkpoint,
+                                     compile=options.get("compile", False))
         # what this rank allocated for its stages' tensors, against what its program says it holds
         held_bytes = (pm.program.held_bytes(),
                       sum(t.numel() * t.element_size() for t in
@@ -267,6 +275,7 @@ def train(configs, steps: int = 3):
             regions=recomputed_regions(pm), plan=pm.plan.to_json(),
             block_runs=(runs[0], checkpointed_blocks(pm)), peak_held=pm.executor.peak_held,
             shard_size=pm.data_parallel.groups.shard_size, held_bytes=held_bytes,
+            compiled_regions=compiled_regions(pm),
             vocab=(pm.tp_program.vocab_padding.vocab, pm.tp_program.vocab_padding.padded),
             param_dtypes=sorted({str(p.dtype) for p in pm.executor.params.values()}))
         pm.close()
@@ -387,8 +396,8 @@ def load_large(checkpoint: str, pins: Mapping[str, Any]):
                 coordinates=(pm.mesh.dp_rank, pm.mesh.pp_rank, pm.mesh.tp_rank))
 
 
-def zero_memory(blocks: int, pins: Mapping[str, Any], bucket_mb: float = 25.0
-                ) -> dict[str, Any]:
+def zero_memory(blocks: int, pins: Mapping[str, Any], bucket_mb: float = 25.0,
+                compile: str | bool = False) -> dict[str, Any]:
     """One ZeRO training step of the own GPT with ``blocks`` blocks, traced: the most parameter
     elements this rank held gathered at once (whole buckets, a prefetch in flight included) and
     the most full (unsharded) gradient elements, against its stages' parameters and its layers'.
@@ -402,7 +411,7 @@ def zero_memory(blocks: int, pins: Mapping[str, Any], bucket_mb: float = 25.0
     pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
                              loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
                              optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS),
-                             bucket_mb=bucket_mb)
+                             bucket_mb=bucket_mb, compile=compile)
     buckets = pm.data_parallel.buckets
     peak = {"gathered": 0, "full_grads": 0}
     gathers = [0]
@@ -435,7 +444,7 @@ def zero_memory(blocks: int, pins: Mapping[str, Any], bucket_mb: float = 25.0
                     layer_params.setdefault(info(n).layer, set()).add(fqn_of[a.name])
     sizes = {fqn: p.numel() for fqn, p in model.named_parameters(remove_duplicate=False)}
     return dict(peak=peak["gathered"], full_grads=peak["full_grads"], loss=loss,
-                gathers=gathers[0],
+                gathers=gathers[0], compiled=compiled_regions(pm),
                 units=len(pm.data_parallel.units), buckets=len(buckets),
                 stage=sum(sizes[f] for f in {f for fs in layer_params.values() for f in fs}),
                 layers={k: sum(sizes[f] for f in v) for k, v in layer_params.items()})

@@ -52,13 +52,19 @@ def _run(plan, compile, steps=2):
 def test_compiled_stages_train_like_uncompiled(recompute):
     """Two SGD steps over two micro-batches, then an evaluation: every loss and every parameter
     equal the uncompiled run's to 1e-6 relative (fp32; AOTAutograd's decompositions reorder a
-    few sums, so not bit-equal)."""
+    few sums, so not bit-equal). Without recompute the stage's graph is compiled whole; under
+    full recompute each captured layer on its own, each block checkpointed around its compiled
+    code (the embeddings, two equal blocks, the head with the loss)."""
     plan = {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2, "recompute": recompute}
     ref_losses, ref_state = _run(plan, False)
     COMPILED.clear()
     losses, state = _run(plan, "autopar_test_aot_eager")
-    # the stage's whole graph reached the backend (one graph: no break), and nothing else
-    assert len(COMPILED) == 1 and COMPILED[0] > 50, COMPILED
+    if recompute == "none":
+        # the stage's whole graph reached the backend (one graph: no break), and nothing else
+        assert len(COMPILED) == 1 and COMPILED[0] > 50, COMPILED
+    else:  # one graph per layer, compiled once each (its recompute reuses the compiled code)
+        assert len(COMPILED) == 4 and COMPILED[1] == COMPILED[2] > 2 * max(COMPILED[0],
+                                                                            COMPILED[3]), COMPILED
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert state.keys() == ref_state.keys()
     for name in ref_state:
@@ -85,6 +91,49 @@ def test_compile_refuses_what_it_cannot_run():
     with pytest.raises(InvalidPlanError, match="does not run the zb-h1 schedule") as err:
         _check_compilable(autopar.Plan(schedule="zb-h1"))
     assert "1f1b" in err.value.fix
-    with pytest.raises(InvalidPlanError, match="does not run ZeRO-3"):
-        _check_compilable(autopar.Plan(zero=3))
-    _check_compilable(autopar.Plan(zero=2))  # nothing to refuse
+    _check_compilable(autopar.Plan(zero=3))  # each layer compiled on its own
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_zero3_and_full_recompute_compile_each_layer_and_train_like_one_process():
+    """ZeRO-3 gathers each captured layer before it runs and frees it after, and full
+    recompute checkpoints each block: under compile, each layer is compiled on its own
+    (``layer_regions``, as torchtitan compiles each block) with the gathers, frees and
+    checkpoints around the compiled code. GPT-2 (2 blocks), 2 gloo ranks, 3 AdamW steps over 2
+    micro-batches: the losses and every parameter equal the single-process run's (rel 1e-5 /
+    atol 1e-5, tests/test_parallelize.py's bounds: micro-batch sums and reductions reorder fp32
+    additions); every layer of each rank's stages ran compiled (pre, 2 blocks, post: 4 regions,
+    or 2 and more per stage in a pipeline); under full recompute each block ran twice per micro-batch (its
+    forward and one recompute)."""
+    import parallelize_jobs as jobs
+
+    from autopar.runtime.local_pool import LocalPool
+
+    def pins(dp, pp, zero, recompute):
+        return dict(dp=dp, pp=pp, tp=1, schedule="1f1b", virtual_stages=1,
+                    num_micro_batches=2, sequence_parallel=False, zero=zero,
+                    recompute=recompute)
+
+    configs = [("gpt", pins(2, 1, 3, "none"), {"compile": "aot_eager"}),
+               ("gpt", pins(2, 1, 3, "full"), {"compile": "aot_eager"}),
+               ("gpt", pins(1, 2, 0, "full"), {"compile": "aot_eager"})]
+    reference = jobs.reference("gpt")
+    with LocalPool(2, timeout_s=600) as pool:
+        per_rank = pool.run(jobs.train, configs, timeout_s=600)
+    for k, (name, p, _) in enumerate(configs):
+        what = f"compiled {p}"
+        result = per_rank[0][k]
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), what
+        for key, want in reference["state"].items():
+            if torch.is_floating_point(want):
+                torch.testing.assert_close(result["state"][key], want, rtol=0, atol=1e-5,
+                                           msg=f"{what}: {key}")
+        regions = [r[k]["compiled_regions"] for r in per_rank]
+        # at least one region per layer of the rank's stages (a layer's nodes interrupted by
+        # an unlabeled one, as the last stage's, make two)
+        assert regions == [4, 4] if p["pp"] == 1 else min(regions) >= 2, (what, regions)
+        if p["recompute"] == "full":
+            for r in per_rank:
+                runs, blocks = r[k]["block_runs"]
+                assert runs == 2 * 2 * blocks > 0, (what, r[k]["block_runs"])

@@ -258,6 +258,14 @@ def test_zero3_gathers_one_layer_at_a_time():
     third of the stage; gathering the whole stage would hold all of it."""
     with LocalPool(2, timeout_s=300) as pool:
         found = pool.run(jobs.zero_memory, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3))
+        # under compile each layer is compiled on its own, the gathers and frees between them:
+        # the same gathers, the same peak, the same loss
+        compiled = pool.run(jobs.zero_memory, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3),
+                            compile="aot_eager")
+    for r, c in zip(found, compiled):
+        assert (c["peak"], c["gathers"], c["units"]) == (r["peak"], r["gathers"], r["units"])
+        assert (c["compiled"], r["compiled"]) == (8, 0)  # pre, 6 blocks, post
+        assert float(c["loss"]) == pytest.approx(float(r["loss"]), rel=1e-6)
     for r in found:
         layers = r["layers"]
         block = max(v for k, v in layers.items() if k.startswith("blocks."))
