@@ -340,18 +340,21 @@ def shard_program(captured: "CapturedGraph", plan: Plan, *, cost: "TPCostSpec | 
 def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.device
                   ) -> StagedProgram:
     """Cut the sharded program into the plan's stages (selective recompute's regions marked)
-    and build the schedule's action lists; the stages must sit where the schedule runs them."""
+    and build the schedule's action lists, lowered for the transport (NCCL on a GPU pairs
+    messages by order: ``add_communication(match="order")``); the stages must sit where the
+    schedule runs them."""
     from autopar.passes.recompute import recompute_attention_cores
     from autopar.passes.split_stages import split_into_stages
     from autopar.runtime.schedules import add_communication, build_schedule
 
     plan = planned.plan
     captured = planned.captured
+    nccl = torch.device(device).type == "cuda"
     schedule = add_communication(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches,
-                                                plan.virtual_stages))
-    if torch.device(device).type == "cuda":  # NCCL pairs messages by order: its own lowering
-        nccl = add_communication(schedule, match="order")
-        problem = nccl.link_order_mismatch() or nccl.rendezvous_deadlock()
+                                                plan.virtual_stages),
+                                 match="order" if nccl else "tag")
+    if nccl:  # what the lowering for NCCL guarantees, checked on the lists the ranks run
+        problem = schedule.link_order_mismatch() or schedule.rendezvous_deadlock()
         if problem is not None:
             raise InvalidPlanError(f"the {plan.schedule.value} schedule cannot run over NCCL",
                                    expected="every link's messages taken in the order they are "
