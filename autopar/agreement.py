@@ -29,7 +29,7 @@ from autopar.runtime.comm import collective
 from autopar.runtime.schedules import schedule_spec
 
 __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check_plan",
-           "check_ep", "rank_device"]
+           "check_ep", "rank_device", "agree_on_success"]
 
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
@@ -206,6 +206,43 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
                                 found=f"a world of {world}",
                                 fix=f"launch {chosen.world_size} processes, or re-plan")
     return Planned(captured, chosen, prediction, int(payload["seed"]), search)
+
+
+def agree_on_success(error: BaseException | None, what: str) -> None:
+    """Every rank tells every other whether its part ``what`` (e.g. "building its program")
+    succeeded, before the collectives that come after it. A rank that failed raises its own
+    error; every other rank raises the first failed rank's (same class, same message, naming
+    that rank), at once rather than at the timeout of a collective the failed rank never
+    joins."""
+    mine = b"" if error is None else json.dumps(_error_parts(error)).encode()
+    gathered = _all_gather_bytes(mine, f"the all-gather of every rank's outcome of {what}")
+    failed = [(rank, data) for rank, data in enumerate(gathered) if data]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, data = failed[0]
+    parts = json.loads(data.decode())
+    others = f" (and rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+    parts["summary"] = f"rank {rank}{others} failed {what}: {parts['summary']}"
+    raise error_from_parts(**parts)
+
+
+def _all_gather_bytes(data: bytes, what: str) -> list[bytes]:
+    device = rank_device()
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    collective(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64,
+                                                    device=device), what=what)
+    longest = max(int(s.item()) for s in sizes)
+    if longest == 0:
+        return [b""] * world
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    collective(dist.all_gather, bufs, buf, what=what)
+    return [bytes(b[:int(s.item())].cpu().tolist()) for b, s in zip(bufs, sizes)]
 
 
 def _error_parts(exc: BaseException) -> dict[str, Any]:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.agreement import PINNABLE, agree_on_plan, plan_argument, rank_device
+from autopar.agreement import (PINNABLE, agree_on_plan, agree_on_success, plan_argument,
+                               rank_device)
 from autopar.compiler import Planned, compile_program
 from autopar.errors import (
     InvalidInputError,
@@ -188,31 +189,39 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",
                                 found="no offload_dir", fix="pass offload_dir")
-    planned = _at_micro_batch(planned, model, example_inputs, example_targets, loss_fn,
-                              mixed_precision)
-    chosen = planned.plan
-    if tp_cost is None:  # the numbers the planner priced the plan with: the same layout
-        from autopar.planner.tp_layout import tp_cost_spec
+    # Each rank compiles its own program and makes its own shards, without collectives: a rank
+    # that fails there (an op its stage cannot shard, no memory for its weights) tells the
+    # others before the mesh's collectives, which it would never join
+    failure: Exception | None = None
+    try:
+        planned = _at_micro_batch(planned, model, example_inputs, example_targets, loss_fn,
+                                  mixed_precision)
+        chosen = planned.plan
+        if tp_cost is None:  # the numbers the planner priced the plan with: the same layout
+            from autopar.planner.tp_layout import tp_cost_spec
 
-        tp_cost = tp_cost_spec(cl, "bf16" if mixed_precision else "fp32")
-    program = compile_program(planned, dist.get_rank(), cost=tp_cost, device=device,
-                              sizes={"b": chosen.micro_batch_size,
-                                     "s": max(1, seq // chosen.cp)})  # as planned
+            tp_cost = tp_cost_spec(cl, "bf16" if mixed_precision else "fp32")
+        program = compile_program(planned, dist.get_rank(), cost=tp_cost, device=device,
+                                  sizes={"b": chosen.micro_batch_size,
+                                         "s": max(1, seq // chosen.cp)})  # as planned
+        # the capture and the compile leave cyclic garbage (fx graphs, fake tensors): free it
+        # before this rank allocates its weights, so loading a large model does not peak on it
+        gc.collect()
+        if source is not None:
+            shards = program.read_shards(source, functools.partial(_buffer_value, model))
+        elif resume is not None and on_meta:  # the parameters come from the checkpoint below
+            shards = program.blank_shards(functools.partial(_buffer_value, model))
+        elif init_rng is not None:  # the random state ends where one device's init leaves it
+            shards = program.init_shards(model, init, rng_state=init_rng)
+        else:
+            shards = program.shards(program.staged.sharded.full_tensors(model))
+    except Exception as exc:  # noqa: BLE001 - every rank must learn that this one failed
+        failure = exc
+    agree_on_success(failure, "building its program and shards")
     mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp, ep=chosen.ep,
                         cp_innermost=chosen.cp_innermost,
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         device_type=device.type)
-    # the capture and the compile leave cyclic garbage (fx graphs, fake tensors): free it before
-    # this rank allocates its weights, so loading a large model does not peak on top of it
-    gc.collect()
-    if source is not None:
-        shards = program.read_shards(source, functools.partial(_buffer_value, model))
-    elif resume is not None and on_meta:  # the parameters come from the checkpoint below
-        shards = program.blank_shards(functools.partial(_buffer_value, model))
-    elif init_rng is not None:  # the random state ends where one device's init leaves it
-        shards = program.init_shards(model, init, rng_state=init_rng)
-    else:
-        shards = program.shards(program.staged.sharded.full_tensors(model))
     pm = program.instantiate(mesh, training, shards=shards)
     if resume is not None:  # each rank reads only the blocks its layout needs
         pm.load(resume)

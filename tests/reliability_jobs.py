@@ -151,6 +151,35 @@ def die(pins: dict, culprit: int, timeout_s: float):
     return "finished"
 
 
+def construction_error(pins: dict, culprit: int, timeout_s: float):
+    """Rank ``culprit`` fails to compile its program (an injected PassError); every rank must
+    raise at once, not at the timeout of a collective the culprit never joins. Returns
+    (class, seconds, message)."""
+    import autopar.api as api
+
+    data = batches(1)
+    compile_program = api.compile_program
+
+    def failing(*args, **kwargs):
+        program = compile_program(*args, **kwargs)
+        if dist.get_rank() == culprit:
+            from autopar.errors import PassError
+
+            raise PassError("injected: no sharding rule for this rank's stage",
+                                    fix="nothing: a test")
+        return program
+
+    api.compile_program = failing
+    start = time.monotonic()
+    try:
+        _parallelize("gpt", pins, data, timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the class is what is checked
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    finally:
+        api.compile_program = compile_program
+    return "no error", time.monotonic() - start, ""
+
+
 def planning_error_everywhere(pins: dict):
     """Rank 0 fails to plan; every rank must raise the same class with the same message."""
     data = batches(1)

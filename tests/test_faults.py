@@ -33,6 +33,19 @@ def test_rank0_planning_error_is_raised_on_every_rank_as_itself(pool2):
     assert out[0][0] == "InvalidInputError" and "does not split as pinned" in out[0][1]
 
 
+def test_a_rank_that_fails_to_build_its_program_stops_every_rank_at_once(pool2):
+    """pp=2: rank 1's compile fails (injected). Every rank learns it before the mesh's
+    collectives: rank 1 raises its own error, rank 0 the same class and message naming rank 1,
+    both in seconds, where rank 0 used to wait the whole collective timeout (30 s here) for a
+    peer that had given up and then report a timeout."""
+    out = pool2.run(jobs.construction_error, {"dp": 1, "tp": 1, "pp": 2}, 1, 30.0)
+    (kind0, seconds0, message0), (kind1, _, message1) = out
+    assert kind0 == kind1 == "PassError", out
+    assert message0.startswith("rank 1 failed building its program and shards: injected"), out
+    assert message1.startswith("injected") and "fix:" in message0, out
+    assert seconds0 < 15, out  # the capture and compile only; the timeout is 30 s
+
+
 def test_a_rank_that_stops_answering_times_out_the_others(pool2):
     """tp=2: rank 1 sleeps before its second step; rank 0 waits in a tensor-parallel collective
     and must give up after TIMEOUT_S, naming itself and the collective."""
