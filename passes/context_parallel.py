@@ -20,9 +20,12 @@ element-wise ops, the embedding lookup. What is not, :func:`context_parallelize`
   ranks), so the data-parallel engine's average over replicas is one device's mean even when
   ranks count different tokens (``ignore_index``).
 
-Everything else that would mix tokens across the sequence is refused by name
-(:class:`autopar.errors.ShardingError`), never run on a piece: attention written out by hand
-(a ``[.., s, s]`` score tensor, a product contracting the sequence, a softmax along it), an
+Attention written out by hand (``softmax(q k^T scale + causal mask) v``) is first made one
+``scaled_dot_product_attention`` where it measurably computes one
+(:mod:`autopar.passes.attention_fusion`). Everything else that would mix tokens across the
+sequence is refused by name (:class:`autopar.errors.ShardingError`), never run on a piece:
+attention written out otherwise (a ``[.., s, s]`` score tensor, a product contracting the
+sequence, a softmax along it: a padding mask, a bias, dropout on the probabilities), an
 attention mask (data-dependent: the attention-mask simplification turns causal and all-true
 masks into ``is_causal``), attention dropout, a slice, gather, concatenation or cumulative op
 along the sequence (BERT's pooler reading token 0), a reduction over the sequence that is not the
@@ -42,6 +45,7 @@ import torch.fx
 
 from autopar.errors import ShardingError
 from autopar.ir import META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, info, op_name
+from autopar.passes.attention_fusion import fuse_written_attention, written_attention
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.runtime import cp as cp_runtime
 from autopar.runtime import tp as tp_runtime
@@ -185,7 +189,22 @@ def _node(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: dict, like: torch
 
 def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new per-rank program computing ``gm`` on this rank's tokens (``gm`` is not changed);
-    it reads a :class:`autopar.runtime.cp.CPGroup` from a placeholder ``cp``."""
+    it reads a :class:`autopar.runtime.cp.CPGroup` from a placeholder ``cp``. Attention written
+    out by hand is first made one ``scaled_dot_product_attention`` where it measurably is one
+    (``passes/attention_fusion.py``)."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and META_KEY in n.meta
+              and info(n).kind is NodeKind.INPUT]
+    if inputs and not any(_seq_dims(_spec(n)) for n in inputs):
+        raise ShardingError(
+            "context parallelism needs the sequence length symbolic in the captured graph",
+            expected="an input dim whose size is the symbol s (torch.export traced the "
+                     "sequence as dynamic)",
+            found="no input dim holds tokens: the capture kept the sequence length fixed "
+                  f"({', '.join(f'{n.name} {_spec(n)}' for n in inputs[:3])})",
+            fix="let the sequence length vary in the model (a slice of a fixed-size buffer "
+                "by it, such as a causal mask buffer, pins it: build the mask from "
+                "torch.arange or use is_causal), or plan with cp=1")
+    gm, fused = _written_attention_fused(gm)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
@@ -221,7 +240,10 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         elif name == "slice" and node.args and node.args[0] in tables and not _is_full_slice(node):
             _rewrite_table_slice(graph, node, cp)
         elif node.target is tp_runtime.dropout:
-            _mark_dropout(node)
+            try:
+                _mark_dropout(node)
+            except ShardingError as exc:  # on attention probabilities: the core explains it
+                refused.append(exc)
         elif _mean_loss(node) is not None:
             _rewrite_mean_loss(graph, node, cp)
         elif node.target is not operator.getitem:
@@ -234,7 +256,18 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph.eliminate_dead_code()
     result = torch.fx.GraphModule(gm, graph)
     result.meta["cp_attention_sites"] = attention
+    result.meta["cp_fused_attention"] = fused
     return result
+
+
+def _written_attention_fused(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """``gm``, or a copy of it with its written-out attention fused, and how many were."""
+    if not written_attention(gm):
+        return gm, 0
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = torch.fx.GraphModule(gm, graph)
+    return copy, fuse_written_attention(copy)
 
 
 def _is_token_index(node: torch.fx.Node) -> bool:

@@ -29,7 +29,7 @@ import torch.fx
 from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, info, op_name, spec_from_value
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
-__all__ = ["normalize_graph", "NORMALIZE_PASSES"]
+__all__ = ["normalize_graph", "NORMALIZE_PASSES", "shape_only_value", "erase_unused", "MASK_PROBES"]
 
 aten = torch.ops.aten
 
@@ -186,10 +186,10 @@ def fold_conv1d_into_linear(gm: torch.fx.GraphModule, ctx: PassContext) -> PassR
 _SDPA = aten.scaled_dot_product_attention.default
 #: Sizes the mask is evaluated at to prove it causal (b, s): two sequence lengths, so a mask
 #: that is causal at one length only is left alone.
-_MASK_PROBES = ({"b": 2, "s": 5}, {"b": 1, "s": 12})
+MASK_PROBES = ({"b": 2, "s": 5}, {"b": 1, "s": 12})
 
 
-def _shape_only_value(mask: torch.fx.Node, sizes: dict[str, int]) -> torch.Tensor | None:
+def shape_only_value(mask: torch.fx.Node, sizes: dict[str, int]) -> torch.Tensor | None:
     """Evaluate ``mask`` from the graph's sizes alone (its ancestors reach no tensor input,
     parameter, buffer or constant except through ``sym_size``), or None when it cannot be."""
     env: dict[torch.fx.Node, Any] = {}
@@ -262,8 +262,8 @@ def _simplifiable_mask(node: torch.fx.Node) -> str | None:
     if q_spec is None or k_spec is None:
         return None
     kinds = set()
-    for sizes in _MASK_PROBES:
-        value = _shape_only_value(mask, sizes)
+    for sizes in MASK_PROBES:
+        value = shape_only_value(mask, sizes)
         if value is None:
             return None
         q_len = _at(q_spec.shape[-2], sizes)
@@ -300,7 +300,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> Pass
         if dropout_p is not None or "dropout_p" in node.kwargs:
             kwargs["dropout_p"] = node.kwargs.get("dropout_p", dropout_p)
         node.args, node.kwargs = (q, k, v), kwargs
-        _erase_unused(mask)
+        erase_unused(mask)
         modified = True
     if modified:
         gm.recompile()
@@ -316,7 +316,7 @@ def _at(expr: Any, sizes: dict[str, int]) -> int | None:
     return int(value) if value.is_Integer else None
 
 
-def _erase_unused(node: torch.fx.Node) -> None:
+def erase_unused(node: torch.fx.Node) -> None:
     """Erase ``node`` and then each of its ancestors that is left without users (the mask's
     construction), never a placeholder."""
     graph, stack, erased = node.graph, [node], set()

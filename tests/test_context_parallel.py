@@ -79,18 +79,88 @@ def test_transform_rewrites_attention_and_positions(tiny_models, family):
     assert sum(op_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes) == before
 
 
-def test_eager_attention_is_refused_by_name():
-    """Attention written out (softmax(q k^T) v) cannot be split: the error names the op."""
+def test_written_attention_becomes_one_fused_attention_where_it_is_one():
+    """Attention written out (Hugging Face's eager path: ``softmax(q k^T * scale + causal_mask)
+    v``, its mask built from ``arange``) is fused into one ``scaled_dot_product_attention``
+    (is_causal, scale 1/sqrt(16)) before the sequence is split, one per block; the fused
+    program computes what the written one does."""
     from autopar import capture
+    from autopar.ir import op_name
+    from autopar.passes.attention_fusion import written_attention
     from autopar.passes.context_parallel import context_parallelize
 
-    model, loss_fn = jobs.make_model("llama_eager")
-    inputs, targets = jobs.batches("llama", 1)[0]
-    captured = capture(model, inputs, loss_fn, example_targets=targets)
-    with pytest.raises(ShardingError, match="two sequence dims|contracting a sequence|softmax"
-                       ) as err:
-        context_parallelize(_program(captured))
-    assert "scaled_dot_product_attention" in err.value.fix
+    for name in ("llama_eager", "gpt_eager"):
+        model, loss_fn = jobs.make_model(name)
+        inputs, targets = jobs.batches(name.split("_")[0], 1)[0]
+        captured = capture(model, inputs, loss_fn, example_targets=targets)
+        program = _program(captured)
+        assert [(causal, scale) for _, causal, scale in written_attention(program)] == \
+            [(True, 0.25)] * 2, name
+        out = context_parallelize(program)
+        assert out.meta["cp_fused_attention"] == 2 and out.meta["cp_attention_sites"] == 2
+        assert not [n for n in out.graph.nodes if op_name(n) in ("softmax", "matmul")], name
+
+
+class _Written(torch.nn.Module):
+    """Attention written as nanoGPT writes it (masked_fill with -inf; the mask here built from
+    the sizes, where nanoGPT slices a tril buffer); ``variant`` makes it something else that
+    must not be fused."""
+
+    def __init__(self, variant: str = "causal"):
+        super().__init__()
+        self.variant = variant
+        self.qkv = torch.nn.Linear(16, 48)
+        self.register_buffer("bias", torch.ones(32, 32).tril().view(1, 1, 32, 32))
+        self.slopes = torch.nn.Parameter(torch.randn(2, 1, 1))
+
+    def forward(self, x, mask=None):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / 8 ** 0.5)
+        if self.variant == "causal":
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~causal, float("-inf"))
+        elif self.variant == "buffer":  # nanoGPT's: read from a buffer (data, for the pass)
+            att = att.masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
+        elif self.variant == "padding":  # a mask from the data
+            att = att.masked_fill(~mask, float("-inf"))
+        elif self.variant == "bias":  # ALiBi-like: a learned bias, not a mask
+            att = att + self.slopes * torch.arange(s, device=x.device)
+        elif self.variant == "dropout":
+            att = torch.nn.functional.dropout(att.softmax(-1), p=0.5, training=True) * 1.0
+            return (att @ v).transpose(1, 2).flatten(2)
+        att = att.softmax(dim=-1)
+        return (att @ v).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("variant", ["causal", "none", "padding", "bias", "dropout", "buffer"])
+def test_written_attention_is_fused_only_where_it_computes_attention(variant):
+    """The core is measured, not pattern-matched: nanoGPT's masked_fill with a tril buffer is
+    causal attention, and without a mask plain attention; a mask from the data (padding), an
+    additive bias and dropout on the probabilities are something else, left written out, and
+    context parallelism refuses them by name. So is a mask read from a buffer (nanoGPT's tril):
+    the pass evaluates masks from the sizes alone."""
+    from autopar import capture
+    from autopar.passes.attention_fusion import written_attention
+    from autopar.passes.context_parallel import context_parallelize
+
+    h = torch.randn(2, 12, 16)  # (a sequence as long as the hidden dim could not be symbolic)
+    args = (h, torch.rand(2, 1, 12, 12) > 0.3) if variant == "padding" else (h,)
+    captured = capture(_Written(variant), args, lambda out: out.pow(2).mean())
+    program = _program(captured)
+    found = [(causal, round(scale, 6)) for _, causal, scale in written_attention(program)]
+    if variant in ("causal", "none"):
+        assert found == [(variant == "causal", round(8 ** -0.5, 6))]
+        assert context_parallelize(program).meta["cp_fused_attention"] == 1
+    else:
+        assert found == []
+        # refused by name: the written core, or (a mask input, a buffer sliced by the length
+        # pin the sequence length at capture) the static sequence
+        with pytest.raises(ShardingError, match="context parallelism") as err:
+            context_parallelize(program)
+        assert ("scaled_dot_product_attention" in err.value.fix
+                if variant in ("bias", "dropout") else "sequence length symbolic"
+                in str(err.value)), str(err.value)
 
 
 class _Pooled(torch.nn.Module):
@@ -129,7 +199,7 @@ def test_token_mixing_and_masks_are_refused_by_name():
     h = torch.randn(2, 16, 16)
     mask = torch.rand(2, 1, 16, 16) > 0.3
     captured = capture(_Masked(), (h, mask), lambda out: out.pow(2).mean())
-    with pytest.raises(ShardingError, match="attention mask"):
+    with pytest.raises(ShardingError, match="attention mask|sequence length symbolic"):
         context_parallelize(_program(captured))
 
 
@@ -216,6 +286,7 @@ TRAIN = [
     ("llama", dict(cp=2, dp=2, micro_batch_size=4, zero=1), dict(mixed_precision=True)),
     ("llama", dict(cp=2, pp=2, num_micro_batches=2, schedule="zb-v", virtual_stages=2), {}),
     ("gpt", dict(cp=2, tp=2, micro_batch_size=8, sequence_parallel=True), {}),
+    ("gpt_eager", dict(cp=2, tp=2, micro_batch_size=8, sequence_parallel=True), {}),
     ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="zb-h1", recompute="full"), {}),
     ("gpt", dict(cp=2, pp=2, num_micro_batches=4, schedule="interleaved-1f1b",
                  virtual_stages=2), {}),
@@ -228,7 +299,10 @@ TRAIN = [
 ]
 #: cp 2 alone, on two processes.
 TRAIN2 = [(name, dict(cp=2, micro_batch_size=8), {}) for name in ("llama", "gpt", "own_gpt",
-                                                                   "bert")]
+                                                                   "bert")] + \
+    [("llama_eager", dict(cp=2, micro_batch_size=8), {})]
+#: (the eager families write attention out: fused into one attention before the split, else
+#: refused; gpt_eager runs in TRAIN, with tp and sequence parallelism)
 #: Only cp pinned: the search decides the rest (dp, tp, pp, micro-batch, schedule, ...).
 SEARCHED = ("llama", dict(cp=2), {})
 
@@ -243,7 +317,8 @@ def _full_pins(pins):
 @pytest.mark.distributed
 def test_context_parallel_training_equals_one_process():
     configs = [(name, _full_pins(pins), options) for name, pins, options in TRAIN] + [SEARCHED]
-    refs = {name: jobs.reference(name) for name in {c[0] for c in configs} | {"bert"}}
+    refs = {name: jobs.reference(name)
+            for name in {c[0] for c in configs} | {"bert", "llama_eager", "gpt_eager"}}
     mixed = {(n, p["dp"] * p.get("num_micro_batches", 1)):
              jobs.reference_mixed(n, p["dp"] * p.get("num_micro_batches", 1))
              for n, p, o in configs if o.get("mixed_precision")}
