@@ -19,7 +19,8 @@ schedule's m micro-batches and walks the rank's actions:
 - runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
   group over its pipeline column, every message tagged with (sending stage, direction,
   micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
-  waited at the end of the step. NCCL ignores tags and pairs the messages of a link by their
+  waited at the end of the step, or dropped with their tensors once completed
+  (:func:`reap_completed`, at each run of transfers: on NCCL). NCCL ignores tags and pairs the messages of a link by their
   order: there (``match="order"``) the lists are lowered so that every link is taken in the
   order it is sent and no cycle of waits forms on NCCL's stream
   (``add_communication(match="order")``; interleaved 1F1B and ZB-V post each receive where its
@@ -95,7 +96,7 @@ from autopar.runtime.split_backward import (
     weight_groups,
 )
 
-__all__ = ["PipelineExecutor", "ExecutorHooks", "StageProgram", "StageModule", "bind_sizes", "split_microbatches",
+__all__ = ["PipelineExecutor", "ExecutorHooks", "StageProgram", "StageModule", "bind_sizes", "split_microbatches", "reap_completed",
            "module_attribute"]
 
 
@@ -256,6 +257,9 @@ class PipelineExecutor:
         self._last_weight = self._final_microbatch(ActionKind.BACKWARD_WEIGHT)
         self._inference = False
         self.peak_held = 0
+        #: The most sends (and so sent tensors) this rank kept in flight at once in the last
+        #: step: completed sends are dropped at each run of transfers (:func:`reap_completed`).
+        self.peak_sends_held = 0
         self._reset()
 
     def _final_microbatch(self, *kinds: ActionKind) -> dict[int, int]:
@@ -616,6 +620,7 @@ class PipelineExecutor:
         """Post one run of transfers as one ``batch_isend_irecv``. Sends are waited at the end of
         the step. Receives are waited here, or, with ``_early_receives`` (posted one compute
         ahead) or lists lowered in send order, by the compute that needs them (:meth:`_land`)."""
+        self._pending_sends = reap_completed(self._pending_sends, self._wait)
         ops: list[dist.P2POp] = []
         kinds: list[tuple[bool, str]] = []
         landing: list[tuple[Action, list[torch.Tensor]]] = []
@@ -658,6 +663,7 @@ class PipelineExecutor:
         for work, op, (is_send, what) in zip(works, ops, kinds):
             if is_send:  # keep the sent tensor alive until its send is waited
                 self._pending_sends.append((work, what, op.tensor))
+                self.peak_sends_held = max(self.peak_sends_held, len(self._pending_sends))
             elif later:
                 receives.append((work, what))
             else:
@@ -689,6 +695,24 @@ class PipelineExecutor:
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, what, self.timeout)  # CommunicationTimeoutError naming rank and action
+
+
+def reap_completed(pending: list[tuple[Any, str, torch.Tensor]],
+                   wait: Callable[[Any, str], None]) -> list[tuple[Any, str, torch.Tensor]]:
+    """The sends of ``pending`` (work, what, tensor) still in flight. Each completed one is
+    waited (at once: it raises its failure, if it failed) and dropped with its tensor, so a rank
+    holds the tensors of the sends in flight, not of every send of the step until its end (2 m
+    boundary tensors per stage). ``is_completed`` does not block (NCCL: a CUDA event query).
+    gloo reports a send completed only once it is waited, so there every send stays to the end
+    of the step (host memory, where the boundary tensors are small next to the activations)."""
+    still = []
+    for entry in pending:
+        work = entry[0]
+        if work is None or work.is_completed():
+            wait(work, entry[1])
+        else:
+            still.append(entry)
+    return still
 
 
 def _announced(module: Callable[..., Any], hook: Callable[[int, int], None], stage: int,

@@ -125,3 +125,33 @@ def test_failing_stage_releases_its_peer_at_once(tiny_models):
     assert "failed on rank(s) [0, 1]" in str(err.value)  # both answered: nobody was killed
     assert "lost a peer on 0RECV_B" in str(err.value)
     assert elapsed < 10
+
+
+def test_completed_sends_are_dropped_and_their_failures_raised():
+    """The executor keeps each send's tensor until the send completes: at each run of
+    transfers it drops the completed ones (a non-blocking ``is_completed``, then ``wait``,
+    which raises a failed send's error) and keeps those in flight. (gloo reports a send
+    completed only once waited, so there they stay to the end of the step; NCCL's work
+    answers from its CUDA event.)"""
+    from autopar.runtime.pipeline import reap_completed
+
+    class Work:
+        def __init__(self, done, error=None):
+            self.done, self.error, self.waited = done, error, 0
+
+        def is_completed(self):
+            return self.done
+
+    def wait(work, what):
+        if work is not None:
+            work.waited += 1
+            if work.error:
+                raise RuntimeError(f"{what}: {work.error}")
+
+    done, flying = Work(True), Work(False)
+    pending = [(done, "0SEND_F0", torch.zeros(1)), (flying, "0SEND_F1", torch.zeros(1)),
+               (None, "nothing to send", torch.zeros(0))]
+    assert [w for w, _, _ in reap_completed(pending, wait)] == [flying]
+    assert (done.waited, flying.waited) == (1, 0)
+    with pytest.raises(RuntimeError, match="0SEND_F2: connection closed"):
+        reap_completed([(Work(True, "connection closed"), "0SEND_F2", torch.zeros(1))], wait)
