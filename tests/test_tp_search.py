@@ -260,7 +260,13 @@ def test_training_precision_scales_the_bytes_on_the_wire():
 
 
 def test_gpt3_175b_searched_in_seconds():
-    zm = models.build("gpt3-175b", device="meta", vocab=50304)
+    """GPT-3 175B's shapes at tp 8: the sharding ILP solves in seconds and gives every block
+    Megatron's layout. CI captures 24 of the 96 blocks (torch.export takes ~0.2 s a block on a
+    2-core runner, the ILP a fraction of it); ``AUTOPAR_SWEEP=all`` captures all 96."""
+    import os
+
+    layers = 96 if os.environ.get("AUTOPAR_SWEEP") == "all" else 24
+    zm = models.build("gpt3-175b", device="meta", vocab=50304, layers=layers)
     inputs, targets = zm.example_inputs(batch=2, seq=16)
     captured = capture(zm.model, inputs, zm.loss_fn, example_targets=targets)
     start = time.perf_counter()
@@ -268,13 +274,14 @@ def test_gpt3_175b_searched_in_seconds():
     elapsed = time.perf_counter() - start
     assert program.solution.solve_s < 5.0 and elapsed < 30.0, (program.solution.solve_s, elapsed)
     blocks = block_layers(program)
-    assert len(blocks) == 96
+    assert len(blocks) == layers
     assert all(is_megatron_block(program, b) for b in blocks)
     kinds = list(program.gemm_sharding.values())
-    assert kinds.count(GemmSharding.COLUMN) == 96 * 2 + 1 and kinds.count(GemmSharding.ROW) == 96 * 2
+    assert kinds.count(GemmSharding.COLUMN) == layers * 2 + 1
+    assert kinds.count(GemmSharding.ROW) == layers * 2
     _closed_form_check(program, 8, zm.spec.hidden)
     assert zm.spec.hidden == 12288
-    print(f"gpt3-175b tp=8: ILP {program.solution.num_variables} variables solved in "
+    print(f"gpt3-175b ({layers} blocks) tp=8: ILP {program.solution.num_variables} variables solved in "
           f"{program.solution.solve_s:.2f} s; tensor_parallelize {elapsed:.1f} s")
 
 
