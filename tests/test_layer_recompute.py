@@ -115,13 +115,20 @@ print(json.dumps({"measured": measured, "predicted": ev.ranks[0].activations}))
 """
 
 
-def _peak(recompute: str, zero: int = 0) -> dict:
+def _peaks(*runs: tuple[str, int]) -> list[dict]:
+    """Each (recompute, zero) measured in a process of its own, the processes at once: what is
+    measured is each one's own peak resident set, which the others do not move."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", _MEASURE, recompute, str(zero)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, "-c", _MEASURE, recompute, str(zero)], env=env,
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for recompute, zero in runs]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 @pytest.mark.slow
@@ -131,7 +138,7 @@ def test_per_block_recompute_lowers_the_measured_peak_as_priced():
     blocks, one re-materialized at a time), and each is within 35% of the cost model's
     activations (the model counts autograd's saved tensors; the allocator rounds and the
     backward's own temporaries come and go)."""
-    none, full, zero3 = _peak("none"), _peak("full"), _peak("full", zero=3)
+    none, full, zero3 = _peaks(("none", 0), ("full", 0), ("full", 3))
     print(none, full, zero3)
     assert full["measured"] < 0.4 * none["measured"], (none, full)
     # inside ZeRO-3's per-layer gathers too (it checkpointed the stage whole before 2026-11-29)

@@ -320,11 +320,11 @@ def test_the_console_script_writes_everything_before_its_fast_exit(tmp_path):
     small = ["plan", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128",
              "--seq", "32", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "16"]
     out = tmp_path / "plan.json"
-    done = subprocess.run([*exe, *small, "--out", str(out), "--json"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    printed = json.loads(done.stdout)  # the whole document, flushed before the exit
+    runs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for args in ([*exe, *small, "--out", str(out), "--json"], [*exe, *small, "--tp", "3"])]
+    (stdout, stderr), (_, bad_stderr) = (p.communicate(timeout=300) for p in runs)
+    assert runs[0].returncode == 0, stderr[-2000:]
+    printed = json.loads(stdout)  # the whole document, flushed before the exit
     assert json.loads(out.read_text()) == printed and printed["plan"]["dp"] >= 1
-    bad = subprocess.run([*exe, *small, "--tp", "3"], capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 1 and "InfeasiblePlanError" in bad.stderr and "fix:" in bad.stderr
+    assert runs[1].returncode == 1 and "InfeasiblePlanError" in bad_stderr and \
+        "fix:" in bad_stderr

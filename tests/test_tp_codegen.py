@@ -114,13 +114,15 @@ CLI = ["codegen", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--v
 def test_cli_writes_identical_files_across_processes(tmp_path, capsys):
     """Every rank's file, written by this process and by another one with another hash seed,
     byte for byte; ``--rank`` writes just that rank's file, the same bytes."""
-    assert main(CLI + ["--out", str(tmp_path / "a")]) == 0
-    out = capsys.readouterr().out
-    assert "wrote" in out and "rank1.py" in out
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     code = "import sys; from autopar.cli import main; sys.exit(main(sys.argv[1:]))"
-    subprocess.run([sys.executable, "-c", code, *CLI, "--out", str(tmp_path / "b")],
-                   check=True, env=env, cwd=ROOT, timeout=300, capture_output=True)
+    other = subprocess.Popen([sys.executable, "-c", code, *CLI, "--out", str(tmp_path / "b")],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert main(CLI + ["--out", str(tmp_path / "a")]) == 0  # while the other process runs
+    out = capsys.readouterr().out
+    assert "wrote" in out and "rank1.py" in out
+    _, stderr = other.communicate(timeout=300)
+    assert other.returncode == 0, stderr[-2000:]
     files = sorted(os.listdir(tmp_path / "a"))
     assert files == ["rank0.py", "rank1.py"] == sorted(os.listdir(tmp_path / "b"))
     for name in files:
