@@ -45,7 +45,7 @@ import torch.fx
 
 from autopar.errors import ShardingError
 from autopar.ir import META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, info, op_name
-from autopar.passes.attention_fusion import fuse_written_attention, written_attention
+from autopar.passes.attention_fusion import fuse_written_attention
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.runtime import cp as cp_runtime
 from autopar.runtime import tp as tp_runtime
@@ -262,12 +262,11 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _written_attention_fused(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
     """``gm``, or a copy of it with its written-out attention fused, and how many were."""
-    if not written_attention(gm):
-        return gm, 0
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = torch.fx.GraphModule(gm, graph)
-    return copy, fuse_written_attention(copy)
+    fused = fuse_written_attention(copy)
+    return (copy, fused) if fused else (gm, 0)
 
 
 def _is_token_index(node: torch.fx.Node) -> bool:

@@ -152,12 +152,12 @@ def layer_regions(gm: torch.fx.GraphModule, *, checkpoint: frozenset[str] = froz
         if index not in wrapped:
             continue
         region = getattr(split, node.target)
-        global_rng = draws_global_rng(region)
         if compile_backend is not None:
             setattr(split, node.target, torch.compile(region, backend=compile_backend,
                                                       dynamic=False))
         if not wrapped[index]:
             continue
+        global_rng = draws_global_rng(region)
         with graph.inserting_before(node):
             block = graph.get_attr(node.target)
             call = graph.call_function(checkpointed, (block, global_rng, *node.args),

@@ -19,8 +19,8 @@ schedule's m micro-batches and walks the rank's actions:
 - runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
   group over its pipeline column, every message tagged with (sending stage, direction,
   micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
-  waited at the end of the step, or dropped with their tensors once completed
-  (:func:`reap_completed`, at each run of transfers: on NCCL). NCCL ignores tags and pairs the messages of a link by their
+  waited at the end of the step, or, on NCCL, dropped with their tensors once completed
+  (:func:`reap_completed`, at each run of transfers). NCCL ignores tags and pairs the messages of a link by their
   order: there (``match="order"``) the lists are lowered so that every link is taken in the
   order it is sent and no cycle of waits forms on NCCL's stream
   (``add_communication(match="order")``; interleaved 1F1B and ZB-V post each receive where its
@@ -237,8 +237,11 @@ class PipelineExecutor:
         #: point-to-point operations are matched by tag and progress independently (gloo): on
         #: NCCL, sends and receives to one peer share a stream in issue order, and a receive
         #: posted early could hold back a send the peer is waiting for.
-        self._early_receives = (self._p2p is not None and match == "tag"
-                                and dist.get_backend(self._p2p) == dist.Backend.GLOO)
+        gloo = self._p2p is not None and dist.get_backend(self._p2p) == dist.Backend.GLOO
+        self._early_receives = gloo and match == "tag"
+        #: Drop completed sends at each run of transfers (:func:`reap_completed`); gloo
+        #: reports a send completed only once it is waited, so there the poll would find none.
+        self._reap_sends = self._p2p is not None and not gloo
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
@@ -257,9 +260,6 @@ class PipelineExecutor:
         self._last_weight = self._final_microbatch(ActionKind.BACKWARD_WEIGHT)
         self._inference = False
         self.peak_held = 0
-        #: The most sends (and so sent tensors) this rank kept in flight at once in the last
-        #: step: completed sends are dropped at each run of transfers (:func:`reap_completed`).
-        self.peak_sends_held = 0
         self._reset()
 
     def _final_microbatch(self, *kinds: ActionKind) -> dict[int, int]:
@@ -620,7 +620,8 @@ class PipelineExecutor:
         """Post one run of transfers as one ``batch_isend_irecv``. Sends are waited at the end of
         the step. Receives are waited here, or, with ``_early_receives`` (posted one compute
         ahead) or lists lowered in send order, by the compute that needs them (:meth:`_land`)."""
-        self._pending_sends = reap_completed(self._pending_sends, self._wait)
+        if self._reap_sends:
+            self._pending_sends = reap_completed(self._pending_sends, self._wait)
         ops: list[dist.P2POp] = []
         kinds: list[tuple[bool, str]] = []
         landing: list[tuple[Action, list[torch.Tensor]]] = []
@@ -663,7 +664,6 @@ class PipelineExecutor:
         for work, op, (is_send, what) in zip(works, ops, kinds):
             if is_send:  # keep the sent tensor alive until its send is waited
                 self._pending_sends.append((work, what, op.tensor))
-                self.peak_sends_held = max(self.peak_sends_held, len(self._pending_sends))
             elif later:
                 receives.append((work, what))
             else:

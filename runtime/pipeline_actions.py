@@ -228,15 +228,14 @@ class PipelineSchedule:
         taken: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
         for rank, actions in enumerate(lowered.ranks):
             for a in actions:
-                s, mb = a.stage, a.microbatch
-                if a.kind is ActionKind.SEND_F:
-                    sent.setdefault((rank, where[s + 1]), []).append((s, "F", mb))
-                elif a.kind is ActionKind.SEND_B:
-                    sent.setdefault((rank, where[s - 1]), []).append((s, "B", mb))
-                elif a.kind is ActionKind.RECV_F:
-                    taken.setdefault((where[s - 1], rank), []).append((s - 1, "F", mb))
-                elif a.kind is ActionKind.RECV_B:
-                    taken.setdefault((where[s + 1], rank), []).append((s + 1, "B", mb))
+                if not a.kind.is_comm:
+                    continue
+                link, is_send = _link(a, rank, where)
+                forward = a.kind in (ActionKind.SEND_F, ActionKind.RECV_F)
+                # the message as (sending stage, direction, micro-batch)
+                sender = a.stage if is_send else a.stage - 1 if forward else a.stage + 1
+                (sent if is_send else taken).setdefault(link, []).append(
+                    (sender, "F" if forward else "B", a.microbatch))
         for link in sorted(sent):
             for i, (out, got) in enumerate(zip(sent[link], taken.get(link, []))):
                 if out != got:
@@ -424,23 +423,12 @@ def add_communication(schedule: PipelineSchedule, *, match: str = "tag") -> Pipe
     if schedule.has_communication:
         return schedule
     where = schedule.stage_to_rank
-    last = len(where) - 1
     ranks = []
     for rank, actions in enumerate(schedule.ranks):
         out: list[Action] = []
         for a in actions:
-            s, mb = a.stage, a.microbatch
-            if a.kind is ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
-                out.append(Action(s, ActionKind.RECV_F, mb))
-            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s < last \
-                    and where[s + 1] != rank:
-                out.append(Action(s, ActionKind.RECV_B, mb))
-            out.append(a)
-            if a.kind is ActionKind.FORWARD and s < last and where[s + 1] != rank:
-                out.append(Action(s, ActionKind.SEND_F, mb))
-            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s > 0 \
-                    and where[s - 1] != rank:
-                out.append(Action(s, ActionKind.SEND_B, mb))
+            receive, send = _crossings(a, rank, where)
+            out += [x for x in (receive, a, send) if x is not None]
         ranks.append(tuple(_sends_first(out)))
     return PipelineSchedule(tuple(ranks), schedule.num_microbatches, schedule.kind)
 
@@ -455,38 +443,29 @@ def _lower_in_send_order(schedule: PipelineSchedule) -> PipelineSchedule:
     tests/test_schedules.py). The receives come early: the executor waits for each when its
     compute needs it."""
     where = schedule.stage_to_rank
-    last = len(where) - 1
     todo = [list(actions) for actions in schedule.ranks]
     nxt = [0] * len(todo)
     out: list[list[Action]] = [[] for _ in todo]
-    posted: set[tuple[int, ActionKind, int]] = set()  # (receiving stage, RECV kind, micro-batch)
+    posted: set[Action] = set()  # the receives appended so far
     while any(n < len(actions) for n, actions in zip(nxt, todo)):
         moved = False
         for rank, actions in enumerate(todo):
             if nxt[rank] == len(actions):
                 continue
             a = actions[nxt[rank]]
-            s, mb = a.stage, a.microbatch
-            needs = None
-            if a.kind is ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
-                needs = (s, ActionKind.RECV_F, mb)
-            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s < last \
-                    and where[s + 1] != rank:
-                needs = (s, ActionKind.RECV_B, mb)
+            needs, send = _crossings(a, rank, where)
             if needs is not None and needs not in posted:
                 continue
             nxt[rank] += 1
             moved = True
             out[rank].append(a)
-            if a.kind is ActionKind.FORWARD and s < last and where[s + 1] != rank:
-                out[rank].append(Action(s, ActionKind.SEND_F, mb))
-                out[where[s + 1]].append(Action(s + 1, ActionKind.RECV_F, mb))
-                posted.add((s + 1, ActionKind.RECV_F, mb))
-            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s > 0 \
-                    and where[s - 1] != rank:
-                out[rank].append(Action(s, ActionKind.SEND_B, mb))
-                out[where[s - 1]].append(Action(s - 1, ActionKind.RECV_B, mb))
-                posted.add((s - 1, ActionKind.RECV_B, mb))
+            if send is not None:
+                out[rank].append(send)
+                peer = send.stage + 1 if send.kind is ActionKind.SEND_F else send.stage - 1
+                receive = Action(peer, ActionKind.RECV_F if send.kind is ActionKind.SEND_F
+                                 else ActionKind.RECV_B, send.microbatch)
+                out[where[peer]].append(receive)
+                posted.add(receive)
         if not moved:
             stuck = [f"rank {r}: {todo[r][nxt[r]]}" for r in range(len(todo))
                      if nxt[r] < len(todo[r])]
@@ -494,6 +473,19 @@ def _lower_in_send_order(schedule: PipelineSchedule) -> PipelineSchedule:
                                 found="; ".join(stuck),
                                 fix="every compute needs a tensor an earlier compute sends")
     return PipelineSchedule(tuple(map(tuple, out)), schedule.num_microbatches, schedule.kind)
+
+
+def _crossings(a: Action, rank: int, where: Sequence[int]) -> tuple[Action | None, Action | None]:
+    """The receive compute ``a`` on ``rank`` needs first and the send that follows it: its
+    input from, or its output to, a stage on another rank (None where none crosses)."""
+    s, mb, last = a.stage, a.microbatch, len(where) - 1
+    if a.kind is ActionKind.FORWARD:
+        return (Action(s, ActionKind.RECV_F, mb) if s > 0 and where[s - 1] != rank else None,
+                Action(s, ActionKind.SEND_F, mb) if s < last and where[s + 1] != rank else None)
+    if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+        return (Action(s, ActionKind.RECV_B, mb) if s < last and where[s + 1] != rank else None,
+                Action(s, ActionKind.SEND_B, mb) if s > 0 and where[s - 1] != rank else None)
+    return None, None
 
 
 def _link(a: Action, rank: int, where: Sequence[int]) -> tuple[tuple[int, int], bool]:

@@ -112,8 +112,8 @@ class StageModule(nn.Module):
         layers around the blocks. With an empty set (a caller that names no layers) the stage
         is checkpointed whole (:attr:`checkpoints_whole`). Under ``compile_backend`` with
         ``layer_units`` or ``recompute_blocks``, each captured layer is compiled on its own
-        (:attr:`compiled_per_layer`; the gathers and checkpoints stay around the compiled
-        layers), else the stage's graph whole."""
+        (``layer_regions``: the gathers and checkpoints stay around the compiled layers), else
+        the stage's graph whole."""
         super().__init__()
         self.index = stage.index
         graph = getattr(stage, "gm", None)
@@ -137,22 +137,19 @@ class StageModule(nn.Module):
         self.recomputes_layers = False
         #: Full recompute checkpoints the stage call whole (the executor does it).
         self.checkpoints_whole = False
-        #: Under compile, each captured layer is compiled on its own (``layer_regions``) rather
-        #: than the stage's graph whole: with ZeRO-3's per-layer gathers between the layers,
-        #: and with full recompute per block (a checkpoint around each compiled block).
-        self.compiled_per_layer = False
         checkpoint: frozenset[str] = frozenset()
         if recompute_blocks is not None:
             if recompute_blocks and graph is not None:
                 checkpoint = recompute_blocks
             else:
                 self.checkpoints_whole = True
+        # under compile, each captured layer on its own where ZeRO-3's gathers or the blocks'
+        # checkpoints lie between the layers; else (or with no layer found) the graph whole
         whole = graph
         if graph is not None and (checkpoint or (compile_backend is not None and layer_units)):
             graph, runs = layer_regions(graph, checkpoint=checkpoint,
                                         compile_backend=compile_backend)
             self.recomputes_layers = runs > 0
-            self.compiled_per_layer = compile_backend is not None and graph is not whole
         if compile_backend is not None and graph is not None and graph is whole:
             graph = torch.compile(graph, backend=compile_backend, dynamic=False)
         object.__setattr__(self, "_graph", graph)  # not a submodule: no params
