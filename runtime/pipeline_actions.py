@@ -217,6 +217,25 @@ class PipelineSchedule:
         return max((sum(c) for c in self.in_flight(rank, release_at_input=release_at_input)),
                    default=0)
 
+    def peak_receives_ahead(self, rank: int) -> int:
+        """On lowered lists: the most receives ``rank`` holds posted for a later compute while it
+        runs a compute, when each receive is posted where its list puts it and taken by the
+        compute that needs it (the executor under ``match="order"``). Each holds a boundary
+        tensor (a stage input, or an output's gradient) on top of the activations: 0 where every
+        receive comes right before its compute (the lowering for tags); up to p - 1 under
+        interleaved 1F1B lowered in send order (:func:`add_communication`)."""
+        held: set[Action] = set()
+        peak = 0
+        for a in self.ranks[rank]:
+            if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                held.add(a)
+            elif a.kind.is_compute:
+                if a.kind is not ActionKind.BACKWARD_WEIGHT:  # W takes no transfer
+                    held.discard(Action(a.stage, ActionKind.RECV_F if a.kind is
+                                        ActionKind.FORWARD else ActionKind.RECV_B, a.microbatch))
+                peak = max(peak, len(held))
+        return peak
+
     def link_order_mismatch(self) -> str | None:
         """The first link (sending rank -> receiving rank) whose receiver takes its messages in
         another order than the sender sends them, described; None when every link agrees.

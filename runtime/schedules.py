@@ -102,6 +102,11 @@ class ScheduleSpec:
     #: peak, in units of its whole per-micro-batch activations (all its chunks); the closed form
     #: of ``PipelineSchedule.peak_in_flight`` (tests hold them equal).
     in_flight: Callable[[int, int, int, int], float]
+    #: ``receives_ahead(p, v, m, rank)``: boundary tensors rank ``rank`` holds received ahead
+    #: of their compute at its peak, when the lists are lowered for a transport that pairs
+    #: messages by their order (NCCL: ``add_communication(match="order")``); the closed form of
+    #: ``PipelineSchedule.peak_receives_ahead`` (tests hold them equal, or a bound where said).
+    receives_ahead: Callable[[int, int, int, int], int] = lambda p, v, m, rank: 0
     #: The backward is split into input gradients (I) and weight gradients (W).
     splits_backward: bool = False
     min_virtual_stages: int = 1
@@ -207,6 +212,31 @@ def _zb_v_in_flight(p: int, v: int, m: int, rank: int) -> float:
     return min(2 * p, 2 * m, m + 1 + rank) / 2
 
 
+def _interleaved_receives_ahead(p: int, v: int, m: int, rank: int) -> int:
+    """Lowered in send order (the lowering for tags stalls under NCCL), with m >= 2p: rank 0
+    posts the receives of its second chunk's inputs as the last rank sends them, p - 1 of them
+    during its warm-up; the last rank holds p // 3 + 1 (at least 2), the others 2. With m = p
+    every forward comes first and nothing is received ahead. Counted on the lists: tests hold
+    it equal for p <= 12, at p = 13, 16 and 32 (found equal up to p = 64 by hand)."""
+    if p == 1 or m < 2 * p:
+        return 0
+    if rank == 0:
+        return p - 1
+    return max(2, p // 3 + 1) if rank == p - 1 else 2
+
+
+def _zb_v_receives_ahead(p: int, v: int, m: int, rank: int) -> int:
+    """Lowered in send order (ZB-V's lists take a link's messages in another order than they
+    are sent): with m >= 2p, 1 on rank 0 and 2 on the others; with fewer micro-batches at most
+    3 (a bound: the exact count wanders between 0 and 3). Tests hold both for p <= 10 and at
+    p = 16 (found so up to p = 32 by hand)."""
+    if p == 1:
+        return 0
+    if m >= 2 * p:
+        return 1 if rank == 0 else 2
+    return 3
+
+
 def _zb_h1_in_flight(p: int, v: int, m: int, rank: int) -> float:
     """p on every rank: rank r defers its weight gradients by r micro-batches, and the executor
     holds a micro-batch's activations until its W (Qi et al. 2024: 1F1B's peak)."""
@@ -223,14 +253,16 @@ SCHEDULES.update({spec.kind: spec for spec in (
                  "2021)", StageILPForm.LOOPED, _one_f_one_b_in_flight),
     ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, lambda p, m, v: interleaved_1f1b(p, v, m),
                  "1F1B over v chunks per rank (Narayanan et al. 2021)",
-                 StageILPForm.INTERLEAVED, _interleaved_in_flight, min_virtual_stages=2,
+                 StageILPForm.INTERLEAVED, _interleaved_in_flight,
+                 receives_ahead=_interleaved_receives_ahead, min_virtual_stages=2,
                  max_virtual_stages=None, micro_batches_divisible_by_pp=True),
     ScheduleSpec(ScheduleKind.ZB_H1, lambda p, m, v: zb_h1(p, m),
                  "1F1B with the weight gradient deferred into the bubble (Qi et al. 2024)",
                  StageILPForm.LOOPED, _zb_h1_in_flight, splits_backward=True),
     ScheduleSpec(ScheduleKind.ZB_V, lambda p, m, v: zb_v(p, m),
                  "two chunks per rank in a V, the weight gradient in the bubble (Qi et al. 2024, "
-                 "section 6)", StageILPForm.V_SHAPE, _zb_v_in_flight, splits_backward=True,
+                 "section 6)", StageILPForm.V_SHAPE, _zb_v_in_flight,
+                 receives_ahead=_zb_v_receives_ahead, splits_backward=True,
                  min_virtual_stages=2, max_virtual_stages=2, placement=StagePlacement.V),
 )})
 

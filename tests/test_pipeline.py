@@ -123,22 +123,26 @@ def train_pipelines(configs, dp=1, pp=None, tp=1, match=None):
             losses.append(None if loss is None else loss.item())
         params = {k: p.detach().clone() for k, p in executor.named_parameters()}
         results.append(dict(losses=losses, grads=grads, params=params, receives_ahead=ahead[0],
-                            seconds=time.perf_counter() - start))
+                            peak_ahead=ahead[1], seconds=time.perf_counter() - start))
     return results
 
 
 def _count_receives_ahead(executor):
     """Count the computes that start with a later compute's receive already posted (on gloo the
-    executor posts each compute's receives one compute ahead, so the transfer overlaps it)."""
+    executor posts each compute's receives one compute ahead, so the transfer overlaps it), and
+    the most such receives held at once (what the memory model charges:
+    ``ScheduleSpec.receives_ahead`` when paired by order, one on gloo)."""
     from autopar.runtime.schedules import Action, ActionKind
 
-    count = [0]
+    count = [0, 0]
     compute = executor._compute
 
     def counted(a):
         own = Action(a.stage, ActionKind.RECV_F if a.kind is ActionKind.FORWARD
                      else ActionKind.RECV_B, a.microbatch)
-        count[0] += any(k != own for k in executor._posted)
+        ahead = sum(k != own for k in executor._posted)
+        count[0] += ahead > 0
+        count[1] = max(count[1], ahead)
         compute(a)
 
     executor._compute = counted
@@ -168,6 +172,20 @@ def _check(cases, configs, per_rank, label):
         assert seen == want, f"{what}: parameters {sorted(want - seen)[:3]} held by no rank"
 
 
+def _check_receives_ahead(configs, per_rank, ordered):
+    """The receives each rank held posted ahead of their compute at once, at most: what the
+    memory model charges (``ScheduleSpec.receives_ahead`` when paired by order, as on NCCL;
+    one on gloo, which posts each compute's receives one compute ahead)."""
+    from autopar.runtime.schedules import schedule_spec
+
+    p = len(per_rank)
+    for i, (name, _, _, _, kind, v, m) in enumerate(configs):
+        held = [r[i]["peak_ahead"] for r in per_rank]
+        want = [schedule_spec(kind).receives_ahead(p, v, m, r) if ordered else 1
+                for r in range(p)]
+        assert held == want, (name, kind.value, v, m, held, want)
+
+
 def _configs(cases, p):
     return [(name, case["splits"][(p, v)], case["tensors"], case["batches"], kind, v, m)
             for name, case in cases.items() for kind, v in SCHEDULES for m in (p, 2 * p)]
@@ -192,6 +210,8 @@ def test_pipeline_matches_single_process_pp2(cases):
         per_rank_ordered = pool.run(train_pipelines, ordered, match="order")
     _check(cases, ordered, per_rank_ordered, "pp=2 paired by order")
     _check(cases, configs, per_rank, "pp=2")
+    _check_receives_ahead(ordered, per_rank_ordered, ordered=True)
+    _check_receives_ahead(configs, per_rank, ordered=False)
     # every configuration overlapped some receive with the compute before it (gloo)
     for i, config in enumerate(configs):
         assert sum(r[i]["receives_ahead"] for r in per_rank) > 0, config[0]
@@ -215,6 +235,7 @@ def test_pipeline_matches_single_process_pp4(cases):
         ordered = _in_order_configs(cases, 4)
         per_rank_ordered = pool.run(train_pipelines, ordered, match="order")
     _check(cases, ordered, per_rank_ordered, "pp=4 paired by order")
+    _check_receives_ahead(ordered, per_rank_ordered, ordered=True)
     for column in ((0, 2), (1, 3)):
         _check(cases, mesh_configs, [per_rank[r] for r in column], f"tp column {column}")
     split8 = cases["hf-gpt"]["splits"][(4, 2)]

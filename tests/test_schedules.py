@@ -186,7 +186,8 @@ def test_the_lowering_for_nccl_keeps_every_link_in_order_and_never_stalls():
     """NCCL pairs the messages of a link by their order, and a large send completes only once
     its receive is posted (behind what that rank posted before on its stream). The lowering in
     send order passes both checks for every generated schedule up to 12 ranks, ZB-V included,
-    and keeps every rank's computes in the schedule's order. GPipe, 1F1B and ZB-H1 keep the
+    keeps every rank's computes in the schedule's order, and holds the receives ahead the
+    memory model charges (:func:`_check_receives_ahead`). GPipe, 1F1B and ZB-H1 keep the
     lowering for tags, which passes both."""
     count = 0
     for kind, p, v, m in [*_all_schedules(12),
@@ -199,8 +200,48 @@ def test_the_lowering_for_nccl_keeps_every_link_in_order_and_never_stalls():
         assert nccl.compute_only() == schedule.compute_only()
         if kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1):
             assert nccl == schedule  # the lowering for tags passes: kept
+        _check_receives_ahead(kind, p, v, m, schedule, nccl)
         count += 1
     assert count == 233  # 186 of the five schedules above, 47 of ZB-V
+
+
+def _check_receives_ahead(kind, p, v, m, schedule, nccl):
+    """The spec's closed form of the receives held ahead under the lowering for NCCL equals
+    the lists' count (bounds it for ZB-V with m < 2p); none under the lowering for tags.
+    Returns whether the bound was not reached."""
+    from autopar.runtime.schedules import schedule_spec
+
+    assert all(schedule.peak_receives_ahead(r) == 0 for r in range(p)), (kind, p, v, m)
+    form, loose = schedule_spec(kind).receives_ahead, False
+    for r in range(p):
+        counted, closed = nccl.peak_receives_ahead(r), form(p, v, m, r)
+        if kind is ScheduleKind.ZB_V and m < 2 * p:
+            assert counted <= closed, (kind, p, v, m, r)
+            loose |= counted < closed
+        else:
+            assert counted == closed, (kind, p, v, m, r)
+    return loose
+
+
+def test_receives_held_ahead_under_the_nccl_lowering_match_the_closed_forms():
+    """What the memory model charges GPU pipelines for: the boundary tensors a rank holds
+    received ahead of their compute under the lowering for NCCL, on more shapes than the
+    lowering test above checks (which checks them for every schedule it lowers)."""
+    cases = [(ScheduleKind.INTERLEAVED_1F1B, p, v, 3 * p) for p in (2, 5, 9, 16) for v in (2, 4)]
+    cases += [(ScheduleKind.INTERLEAVED_1F1B, p, 2, 2 * p) for p in (13, 16, 32)]
+    cases += [(ScheduleKind.ZB_V, p, 2, m) for p in range(1, 11) for m in range(1, 2 * p + 2)]
+    cases += [(ScheduleKind.ZB_V, 16, 2, m) for m in (9, 20, 31, 32, 33)]
+    loose = 0
+    for kind, p, v, m in cases:
+        schedule = build_schedule(kind, p, m, v)
+        loose += _check_receives_ahead(kind, p, v, m, schedule,
+                                       add_communication(schedule, match="order"))
+    assert loose > 0  # ZB-V's bound is not always reached
+    # interleaved 1F1B's first rank holds p - 1 (its second chunk's inputs, sent by the last
+    # rank during its warm-up)
+    nccl = add_communication(build_schedule(ScheduleKind.INTERLEAVED_1F1B, 8, 16, 2),
+                             match="order")
+    assert [nccl.peak_receives_ahead(r) for r in range(8)] == [7, 2, 2, 2, 2, 2, 2, 3]
 
 
 def test_the_rendezvous_model_finds_the_cycle_gloo_lists_hit_on_nccl():

@@ -114,6 +114,10 @@ class RankSums:
     expert_params: float = 0.0
     #: Parameter tensors this rank holds (what an optimizer's per-tensor cost multiplies).
     tensors: int = 0
+    #: The largest tensor this rank receives from another pipeline rank per micro-batch (a
+    #: stage's input, or its output's gradient; per tp rank): what each receive posted ahead of
+    #: its compute holds (``ScheduleSpec.receives_ahead``).
+    received_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

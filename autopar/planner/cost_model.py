@@ -301,7 +301,8 @@ class CostModel:
         if memory_first:
             peak, least = peak_rank_memory(c, st.ranks, self._rank_activations(c, m, st),
                                            self.setup.dtype,
-                                           self.cluster.host_link_bandwidth > 0)
+                                           self.cluster.host_link_bandwidth > 0,
+                                           self._receives_ahead(c, m))
             reason = self._out_of_memory((peak,))
             if reason is not None:
                 return Evaluation(c, reason, ranks=(peak,), stages=st.stages,
@@ -629,7 +630,21 @@ class CostModel:
         if rank_acts is None:
             rank_acts = self._rank_activations(c, m, st)
         return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
-                           self.cluster.host_link_bandwidth > 0)
+                           self.cluster.host_link_bandwidth > 0, self._receives_ahead(c, m))
+
+    def _receives_ahead(self, c: Candidate, m: int) -> tuple[int, ...]:
+        """Per pipeline rank, the boundary tensors received ahead of their compute
+        (``runtime/pipeline.py``): on NCCL, which pairs messages by their order, interleaved
+        1F1B and ZB-V are lowered with each receive posted where its send is
+        (``add_communication(match="order")``) and held until its compute
+        (``ScheduleSpec.receives_ahead``); on gloo, which pairs them by tag, every receive is
+        posted one compute ahead, so one is held."""
+        if c.pp == 1:
+            return ()
+        if self.cluster.backend != "nccl":
+            return (1,) * c.pp
+        spec = c.schedule.spec
+        return tuple(spec.receives_ahead(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
 
     def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
         """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in

@@ -137,7 +137,7 @@ class RankMemory:
     gradients: float
     optimizer: float
     activations: float
-    #: ZeRO-3 gathered parameters, and other transient buffers.
+    #: ZeRO-3 gathered parameters and the pipeline's receives posted ahead of their compute.
     buffers: float = 0.0
     #: The optimizer step's temporary (:func:`optimizer_step_bytes`): allocated after the
     #: backward, when the activations and buffers are freed.
@@ -167,7 +167,8 @@ def _peak_bytes(weights: float, gradients: float, optimizer: float, activations:
 
 
 def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
-                 dtype: str, separate_host: bool) -> Iterator[tuple[float, ...]]:
+                 dtype: str, separate_host: bool, receives_ahead: Sequence[int] = ()
+                 ) -> Iterator[tuple[float, ...]]:
     """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
     bytes, as :func:`rank_memory` documents them."""
     w_bytes, g_bytes, full_o_bytes = STATE_BYTES[dtype]
@@ -182,13 +183,15 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
     g_ex = g_bytes / (ne if zero >= 2 else 1)
     o_ex = o_bytes / (ne if zero >= 1 else 1)
     gathered = zero == 3 and not c.reshard_after_forward
-    for rs, acts in zip(ranks, activations):
+    for r, (rs, acts) in enumerate(zip(ranks, activations)):
         if gathered:
             buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
         elif zero == 3:
             buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes)
         else:
             buffers = 0.0
+        if receives_ahead:
+            buffers += receives_ahead[r] * rs.received_bytes
         ex = rs.expert_params
         dense = rs.params - ex
         stepped = dense / n + ex / ne if zero >= 1 else rs.params
@@ -197,7 +200,8 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
 
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
-                dtype: str, separate_host: bool) -> list[RankMemory]:
+                dtype: str, separate_host: bool, receives_ahead: Sequence[int] = ()
+                ) -> list[RankMemory]:
     """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
     its dp x cp replicas (:func:`model_state_bytes`, inlined: the search calls this for every
     rank of every candidate; experts' shards span the dp / ep ranks holding the same experts),
@@ -205,14 +209,19 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     ``activations[r]`` (the schedule's in-flight micro-batches), and ZeRO-3's gathered buffers:
     the weights of the layer running and of the one prefetched and the unsharded gradients of
     the layer computed and of the one reduce-scattered; kept gathered between forward and
-    backward (``reshard_after_forward=False``), the whole stage's weights; and the optimizer
-    step's temporary over the parameters the rank steps (:func:`optimizer_step_bytes`)."""
+    backward (``reshard_after_forward=False``), the whole stage's weights;
+    ``receives_ahead[r]`` boundary tensors received ahead of their compute
+    (``ScheduleSpec.receives_ahead``: under interleaved 1F1B and ZB-V on a transport that pairs
+    messages by their order, NCCL), each the largest the rank receives; and the optimizer step's
+    temporary over the parameters the rank steps (:func:`optimizer_step_bytes`)."""
     return [RankMemory(r, *fields)
-            for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host))]
+            for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
+                                                    receives_ahead))]
 
 
 def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
-                     dtype: str, separate_host: bool) -> tuple[RankMemory, float]:
+                     dtype: str, separate_host: bool, receives_ahead: Sequence[int] = ()
+                     ) -> tuple[RankMemory, float]:
     """The rank of :func:`rank_memory` with the highest total (the first of equals) and the
     least total without the optimizer state over all ranks, without a :class:`RankMemory` per
     rank: the search's memory screen asks this of every candidate, most of which do not fit
@@ -220,7 +229,8 @@ def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: S
     peak = -1.0
     best: tuple[int, tuple[float, ...]] | None = None
     least = math.inf
-    for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host)):
+    for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
+                                       receives_ahead)):
         total = _peak_bytes(*f)
         if total > peak:
             peak, best = total, (r, f)

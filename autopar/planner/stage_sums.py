@@ -215,6 +215,12 @@ class StageSums:
             rank = rank_of[s]
             stages.append(StageCost(s, (first, last), rank, chunks[rank].index(s), f, b, w,
                                     R[hi] - R[lo], T[hi] - T[lo], p2p, A[hi] - A[lo]))
+        # what each stage receives from another rank: its input, and its output's gradient
+        received = [max(costs[first - 1].boundary_bytes if s > 0 and rank_of[s - 1] != rank_of[s]
+                        else 0.0,
+                        costs[last].boundary_bytes if s < len(cuts) - 1
+                        and rank_of[s + 1] != rank_of[s] else 0.0)
+                    for s, (first, last) in enumerate(cuts)]
         ranks = []
         for rank in range(p):
             mine = [stages[s] for s in chunks[rank]]
@@ -230,7 +236,8 @@ class StageSums:
                 backward=sum(st.backward_s + st.weight_s for st in mine),
                 backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
                 recompute=sum(st.recompute_s for st in mine),
-                tp_comm=sum(st.tp_comm_s for st in mine), tensors=tensors))
+                tp_comm=sum(st.tp_comm_s for st in mine), tensors=tensors,
+                received_bytes=max((received[s] for s in chunks[rank]), default=0.0)))
         # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
         # not computing: on shared cores it takes no core (runtime/simulator.py)
         a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
