@@ -189,9 +189,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",
                                 found="no offload_dir", fix="pass offload_dir")
-    # Each rank compiles its own program and makes its own shards, without collectives: a rank
-    # that fails there (an op its stage cannot shard, no memory for its weights) tells the
-    # others before the mesh's collectives, which it would never join
+    # Each rank compiles its own program, makes its own shards and checks its own offload
+    # directory, without collectives: a rank that fails there (an op its stage cannot shard, no
+    # memory for its weights, a disk it cannot write) tells the others before the mesh's
+    # collectives, which it would never join
     failure: Exception | None = None
     try:
         planned = _at_micro_batch(planned, model, example_inputs, example_targets, loss_fn,
@@ -215,6 +216,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
             shards = program.init_shards(model, init, rng_state=init_rng)
         else:
             shards = program.shards(program.staged.sharded.full_tensors(model))
+        if chosen.offload == "disk" and offload_dir is not None:  # (None refused above)
+            from autopar.runtime.offload import state_directory
+
+            state_directory(offload_dir, dist.get_rank(), keep=False)  # this rank's disk
     except Exception as exc:  # noqa: BLE001 - every rank must learn that this one failed
         failure = exc
     agree_on_success(failure, "building its program and shards")

@@ -36,7 +36,7 @@ import torch
 
 from autopar.errors import OffloadError
 
-__all__ = ["StatePager"]
+__all__ = ["StatePager", "state_directory"]
 
 
 #: Each state tensor starts at a multiple of this many bytes in its bucket's file.
@@ -62,6 +62,30 @@ def _fix(directory: Path) -> str:
             f"last checkpoint (ParallelModel.save)")
 
 
+def state_directory(directory: str | os.PathLike, rank: int, *, keep: bool = True) -> Path:
+    """This process's folder under ``directory``, created and probed with a written, synced
+    file (removed again unless ``keep``): an :class:`OffloadError` when it cannot be.
+    ``parallelize`` probes it while each rank builds its program, so a rank whose disk refuses
+    stops every rank at once."""
+    base = Path(directory)
+    root = base / f"rank{rank}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".probe"
+        with open(probe, "wb") as fh:
+            fh.write(b"autopar")
+            fh.flush()
+            os.fsync(fh.fileno())
+        probe.unlink()
+    except OSError as exc:
+        raise OffloadError("the offload directory cannot be written",
+                           expected="a directory this process can create files in",
+                           found=f"{base}: {exc.strerror or exc}", fix=_fix(base)) from None
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return root
+
+
 class StatePager:
     """Pages the element-wise optimizer state of ``buckets`` to files under ``directory``."""
 
@@ -69,20 +93,7 @@ class StatePager:
                  buckets: Sequence[Any]) -> None:
         self.optimizer = optimizer
         self.buckets = [b for b in buckets if b.requires_grad and b.pieces]
-        base = Path(directory)
-        self.root = base / f"rank{rank}-{os.getpid()}"
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".probe"
-            with open(probe, "wb") as fh:
-                fh.write(b"autopar")
-                fh.flush()
-                os.fsync(fh.fileno())
-            probe.unlink()
-        except OSError as exc:
-            raise OffloadError("the offload directory cannot be written",
-                               expected="a directory this process can create files in",
-                               found=f"{base}: {exc.strerror or exc}", fix=_fix(base)) from None
+        self.root = state_directory(directory, rank)
         self._index: dict[int, list[_Entry]] = {}  # bucket index -> its file's entries
         self._on_disk: set[int] = set()
         self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-offload-read")

@@ -180,6 +180,26 @@ def construction_error(pins: dict, culprit: int, timeout_s: float):
     return "no error", time.monotonic() - start, ""
 
 
+def offload_dir_fails_on_one_rank(pins: dict, culprit: int, timeout_s: float, root: str):
+    """Rank ``culprit``'s offload directory cannot be created (a file stands in its path, as a
+    node whose local disk is read-only); every rank must raise at once. Returns (class,
+    seconds, message)."""
+    data = batches(1)
+    blocker = os.path.join(root, "a-file")
+    if dist.get_rank() == 0:
+        with open(blocker, "w") as fh:
+            fh.write("not a directory")
+    dist.barrier()
+    directory = os.path.join(blocker if dist.get_rank() == culprit else root, "state")
+    start = time.monotonic()
+    try:
+        pm = _parallelize("gpt", pins, data, timeout_s=timeout_s, offload_dir=directory)
+        pm.close()
+    except Exception as exc:  # noqa: BLE001 - the class is what is checked
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "no error", time.monotonic() - start, ""
+
+
 def planning_error_everywhere(pins: dict):
     """Rank 0 fails to plan; every rank must raise the same class with the same message."""
     data = batches(1)

@@ -46,6 +46,22 @@ def test_a_rank_that_fails_to_build_its_program_stops_every_rank_at_once(pool2):
     assert seconds0 < 15, out  # the capture and compile only; the timeout is 30 s
 
 
+def test_an_offload_directory_one_rank_cannot_write_stops_every_rank_at_once(pool2, tmp_path):
+    """dp=2 with the optimizer state on disk: rank 1's directory cannot be created (one node's
+    disk). It is checked with the program, before the mesh: rank 1 raises its OffloadError,
+    rank 0 the same naming rank 1, in seconds rather than at the collective timeout (30 s)."""
+    out = pool2.run(jobs.offload_dir_fails_on_one_rank,
+                    {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "offload": "disk"}, 1, 30.0,
+                    str(tmp_path))
+    (kind0, seconds0, message0), (kind1, _, message1) = out
+    assert kind0 == kind1 == "OffloadError", out
+    assert message0.startswith("rank 1 failed building its program and shards: the offload "
+                               "directory cannot be written"), out
+    assert "a-file" in message1 and "offload_dir" in message0, out
+    assert seconds0 < 15, out
+    assert not list((tmp_path / "state").iterdir())  # rank 0's probe left nothing behind
+
+
 def test_a_rank_that_stops_answering_times_out_the_others(pool2):
     """tp=2: rank 1 sleeps before its second step; rank 0 waits in a tensor-parallel collective
     and must give up after TIMEOUT_S, naming itself and the collective."""
