@@ -18,13 +18,16 @@ schedule's m micro-batches and walks the rank's actions:
   (:meth:`PipelineExecutor.runs_whole_at_input`).
 - runs of ``SEND``/``RECV`` actions: one ``dist.batch_isend_irecv`` on the executor's own
   group over its pipeline column, every message tagged with (sending stage, direction,
-  micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the mesh's timeout) at the end of their batch; sends are
-  waited at the end of the step, or, on NCCL, dropped with their tensors once completed
-  (:func:`reap_completed`, at each run of transfers). NCCL ignores tags and pairs the messages of a link by their
-  order: there (``match="order"``) the lists are lowered so that every link is taken in the
-  order it is sent and no cycle of waits forms on NCCL's stream
-  (``add_communication(match="order")``; interleaved 1F1B and ZB-V post each receive where its
-  send is), and each receive is waited by the compute that needs it. Receive buffers take the crossing tensors' shapes with ``b``
+  micro-batch, tensor) so that messages cannot be confused. Receives are waited (with the
+  mesh's timeout) at the end of their batch; sends are waited at the end of the step, or, on
+  NCCL, dropped with their tensors once completed (:func:`reap_completed`, at each run of
+  transfers). NCCL ignores tags and pairs the messages of a link by their order: there
+  (``match="order"``) the lists are lowered with each receive posted where its send is
+  (``add_communication(match="order")``: every link taken in the order it is sent), each
+  transfer is issued on its own on a two-rank group of its pair of ranks (a NCCL stream per
+  pair, so that a receive waiting for one neighbour holds back no send to another; no cycle of
+  waits forms: :meth:`PipelineSchedule.rendezvous_deadlock`), and each receive is waited by the
+  compute that needs it. Receive buffers take the crossing tensors' shapes with ``b``
   and ``s`` evaluated at the micro-batch's sizes, and their captured dtype (under mixed
   precision the model is captured with its parameters in the compute dtype, so the hidden state
   and its gradient cross in bf16, as they are computed); a stage whose output has another dtype
@@ -179,10 +182,10 @@ class PipelineExecutor:
                 dist.get_backend() == dist.Backend.NCCL else "tag"
         #: How the transport pairs messages: by the executor's tags (gloo) or by their order on
         #: each link (NCCL). Under ``"order"`` the lists are lowered for it
-        #: (``add_communication(match="order")``: every link's messages in one order on both
-        #: ends, no cycle of waits on the communication streams; interleaved 1F1B and ZB-V post
-        #: each receive where its send is), and each receive is waited by the compute that
-        #: needs it.
+        #: (``add_communication(match="order")``: each receive posted where its send is, every
+        #: link's messages in one order on both ends), each transfer goes on its own on its pair
+        #: of ranks' group (:meth:`_make_groups`), and each receive is waited by the compute
+        #: that needs it.
         self.match = match
         self.schedule = add_communication(schedule, match=match)
         self.mesh = mesh
@@ -231,7 +234,11 @@ class PipelineExecutor:
         self.device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)),
                            torch.device("cpu"))
         self._tied = self._make_tied_groups() if sync_tied else []
-        self._p2p = self._make_p2p_group()
+        #: The group each peer's messages go on, by the peer's global rank: the pipeline
+        #: column's one group (gloo, tags), or under ``"order"`` one two-rank group per pipeline
+        #: link, so that on NCCL each pair of ranks has a stream of its own (:meth:`_make_groups`).
+        self._groups = self._make_groups()
+        self._p2p = next(iter(self._groups.values()), None)
         #: Post each compute's receives before the compute ahead of it, so the transfer overlaps
         #: that compute (torch.distributed.pipelining places receives ahead likewise). Only where
         #: point-to-point operations are matched by tag and progress independently (gloo): on
@@ -290,18 +297,38 @@ class PipelineExecutor:
             p.grad = None
 
     # -- groups ---------------------------------------------------------------------------------
-    def _make_p2p_group(self) -> Any:
-        """This executor's own group over its pipeline column, for the activations and their
-        gradients (one per (dp, tp) column, every rank creating every group in the same order).
-        Holding the only reference is what lets a failing rank close it (:meth:`_shut_down`)."""
+    def _make_groups(self) -> dict[int, Any]:
+        """The groups for the activations and their gradients, by peer (global rank), every
+        rank creating every group in the same order; kept for the process's next model of this
+        layout (runtime/groups.py). Holding the only reference is what lets a failing rank close
+        them (:meth:`_shut_down`).
+
+        Matched by tag (gloo): one group over the pipeline column. Matched by order (NCCL): one
+        two-rank group per pair of pipeline ranks that exchange tensors, each operation issued
+        on its own (:meth:`_communicate`). NCCL runs a group's operations on one stream, in issue
+        order, and a receive posted ahead of its data blocks that stream until the data comes:
+        on one stream per rank (batched, or point-to-point operations on a communicator shared
+        by every peer, as an eagerly initialized process group shares it), a receive waiting
+        for one neighbour holds back the sends another waits for. A stream per pair of ranks
+        does not (docs/pipeline.md, "Lowering for NCCL")."""
         mesh = self.mesh
         if mesh.pp == 1:
-            return None
-        columns = [tuple(mesh.rank_at(d, q, t) for q in range(mesh.pp))
-                   for d in range(mesh.replicas) for t in range(mesh.tp)]
-        # kept for the process's next model of this layout (runtime/groups.py)
-        groups = shared_new_groups("p2p", columns, self.timeout)
-        return next(g for ranks, g in zip(columns, groups) if mesh.rank in ranks)
+            return {}
+        where = self.stage_to_rank
+        columns = [(d, t) for d in range(mesh.replicas) for t in range(mesh.tp)]
+        if self.match == "order":
+            pairs = sorted({(min(where[s], where[s + 1]), max(where[s], where[s + 1]))
+                            for s in range(len(where) - 1) if where[s] != where[s + 1]})
+        else:
+            pairs = [tuple(range(mesh.pp))]
+        lists = [tuple(mesh.rank_at(d, q, t) for q in pair) for d, t in columns for pair in pairs]
+        groups = shared_new_groups("p2p" if self.match == "tag" else "p2p-pairs", lists,
+                                   self.timeout)
+        out: dict[int, Any] = {}
+        for ranks, group in zip(lists, groups):
+            if mesh.rank in ranks:
+                out.update({r: group for r in ranks if r != mesh.rank})
+        return out
 
     def _shut_down(self, exc: BaseException) -> None:
         """After a failure: drop the point-to-point group (on gloo the last reference going
@@ -311,22 +338,23 @@ class PipelineExecutor:
         self._broken = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
         self._pending_sends = []
         note_failure()  # the shared groups are created anew for the next model
-        group, self._p2p = self._p2p, None
-        if group is not None:
+        groups = list({id(g): g for g in self._groups.values()}.values())
+        self._groups, self._p2p = {}, None
+        for group in groups:
             forget(group)
             try:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001 - best effort; the original error matters
                 pass
-            del group
-            gc.collect()
+        del groups
+        gc.collect()
 
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise PlanMismatchError("this pipeline executor failed in an earlier step and was shut "
                                     "down", found=self._broken,
                                     fix="rebuild the parallel model (autopar.parallelize) to go on")
-        if forgotten(self._p2p):
+        if any(forgotten(g) for g in self._groups.values()):
             raise PlanMismatchError("this pipeline executor's point-to-point group was closed by "
                                     "another model of the same layout, which failed",
                                     expected="groups shared with live models only",
@@ -617,15 +645,17 @@ class PipelineExecutor:
         return self.mesh.stage_rank(self.stage_to_rank[stage])
 
     def _communicate(self, batch: list[Action]) -> None:
-        """Post one run of transfers as one ``batch_isend_irecv``. Sends are waited at the end of
-        the step. Receives are waited here, or, with ``_early_receives`` (posted one compute
-        ahead) or lists lowered in send order, by the compute that needs them (:meth:`_land`)."""
+        """Post one run of transfers: as one ``batch_isend_irecv`` on the column's group
+        (matched by tag), or each on its own on its pair of ranks' group, in list order
+        (matched by order: :meth:`_make_groups`). Sends are waited at the end of the step (on
+        NCCL dropped once completed). Receives are waited here, or, with ``_early_receives``
+        (posted one compute ahead) or lists lowered in send order, by the compute that needs
+        them (:meth:`_land`)."""
         if self._reap_sends:
             self._pending_sends = reap_completed(self._pending_sends, self._wait)
-        ops: list[dist.P2POp] = []
+        ops: list[tuple[Callable[..., Any], torch.Tensor, int, int]] = []
         kinds: list[tuple[bool, str]] = []
         landing: list[tuple[Action, list[torch.Tensor]]] = []
-        group = self._p2p
         for a in batch:
             s, mb = a.stage, a.microbatch
             if a in self._posted:
@@ -635,8 +665,7 @@ class PipelineExecutor:
                 tensors = self._to_send.pop((s, direction, mb))
                 peer = self._peer(s + 1 if direction == "F" else s - 1)
                 for i, t in enumerate(tensors):
-                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group,
-                                          tag=self._tag(s, direction, mb, i)))
+                    ops.append((dist.isend, t.contiguous(), peer, self._tag(s, direction, mb, i)))
                     kinds.append((True, f"{a} to rank {peer}"))
             else:
                 sizes = self._sizes[mb]
@@ -650,20 +679,23 @@ class PipelineExecutor:
                 buffers = [torch.empty(c.shape_at(**sizes), dtype=c.spec.dtype,
                                        device=self.device) for c in cuts]
                 for i, buf in enumerate(buffers):
-                    ops.append(dist.P2POp(dist.irecv, buf, peer, group,
-                                          tag=self._tag(sender, direction, mb, i)))
+                    ops.append((dist.irecv, buf, peer, self._tag(sender, direction, mb, i)))
                     kinds.append((False, f"{a} from rank {peer}"))
                 landing.append((a, buffers))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if works and len(works) != len(ops):  # a coalescing backend (NCCL): one for the batch
-            works = [works[0]] * len(ops)
+        if self.match == "order":  # one operation at a time, on the stream of its pair of ranks
+            works = [fn(t, peer, group=self._groups[peer], tag=tag) for fn, t, peer, tag in ops]
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self._groups[peer], tag=tag)
+                                            for fn, t, peer, tag in ops]) if ops else []
+            if works and len(works) != len(ops):  # a coalescing backend (NCCL): one for all
+                works = [works[0]] * len(ops)
         # Receives posted ahead of their compute (gloo's early receives, or the lists lowered in
         # send order) are waited by that compute (:meth:`_land`), the rest here.
         later = self._early_receives or self.match == "order"
         receives: list[tuple[Any, str]] = []
-        for work, op, (is_send, what) in zip(works, ops, kinds):
+        for work, (_, tensor, _, _), (is_send, what) in zip(works, ops, kinds):
             if is_send:  # keep the sent tensor alive until its send is waited
-                self._pending_sends.append((work, what, op.tensor))
+                self._pending_sends.append((work, what, tensor))
             elif later:
                 receives.append((work, what))
             else:

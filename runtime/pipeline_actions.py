@@ -40,14 +40,14 @@ import enum
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from autopar.errors import ScheduleError
 
 if TYPE_CHECKING:
     from autopar.runtime.schedules import ScheduleSpec
 
-__all__ = ["ScheduleKind", "ActionKind", "Action", "PipelineSchedule", "SCHEDULES",
+__all__ = ["ScheduleKind", "ActionKind", "Action", "PipelineSchedule", "SCHEDULES", "StreamRun",
            "add_communication", "comm_batches", "COMPUTE_KINDS", "COMM_KINDS"]
 
 #: The registry, one :class:`~autopar.runtime.schedules.ScheduleSpec` per schedule; its entries
@@ -103,6 +103,15 @@ COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
                         ActionKind.RECV_B})
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRun:
+    """What :meth:`PipelineSchedule.on_nccl_streams` found: the step's end (None when the lists
+    stop) and where each rank stopped, described (None when all finish)."""
+
+    step_time: float | None
+    stuck: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,57 +273,122 @@ class PipelineSchedule:
 
     def rendezvous_deadlock(self) -> str | None:
         """Where the lowered lists stop under NCCL's semantics, described; None when every rank
-        finishes. The model (no durations, the executor's use of NCCL):
+        finishes: :meth:`on_nccl_streams` without durations, each transfer on its own on the
+        stream of its pair of ranks (the executor's use of NCCL, ``match="order"``).
 
-        - each run of transfers (one ``batch_isend_irecv``, :func:`comm_batches`) is one group
-          on the rank's one communication stream, which runs its groups in order, each once the
-          computes before it (its sends' data) are done;
-        - a group completes once the group holding each of its messages' other end has started:
-          a send may not complete before its receive is posted (a message larger than NCCL's
-          buffers, as activations are), and the i-th send on a link matches the i-th receive;
-        - a compute waits for every group before it (stricter than the executor, which waits
-          only for its receives: a list that finishes here finishes there).
+        Lists fit for gloo can stop here: under the lowering for tags (p = 2), 1F1B's rank 0
+        posts ``0SEND_F1`` before ``0RECV_B0`` on the stream it shares with rank 1, and rank 1
+        posts ``1SEND_B0`` before ``1RECV_F1``: each send waits for a receive queued behind the
+        other (tests/test_schedules.py). The lowering in send order never stops."""
+        return self.on_nccl_streams().stuck
 
-        A list fit for gloo can stop here: under the lowering for tags, interleaved 1F1B's rank
-        0 sends a gradient that rank 1 takes only after its own send to rank 0 completes, which
-        waits behind that first send (tests/test_schedules.py)."""
+    def on_nccl_streams(self, *, per_pair: bool = True,
+                        compute_s: Callable[[Action], float] | None = None,
+                        transfer_s: Callable[[Action], float] | None = None) -> "StreamRun":
+        """Run the lowered lists under NCCL's semantics (a model; no durations: where they
+        stop). ``compute_s(a)``: a compute's seconds; ``transfer_s(a)``: a send's (the time its
+        message takes once both ends have started).
+
+        - ``per_pair`` (the executor): each transfer is one operation on the stream of its
+          pair of ranks (a two-rank process group per pipeline link, both directions on it).
+          Else each run of transfers is one group (``batch_isend_irecv``) on the rank's one
+          stream (a group over the pipeline column; also what point-to-point operations
+          become on an eagerly initialized process group, which shares one communicator).
+        - A stream runs its operations in issue order: one starts once the one before it is
+          complete and the computes issued before it are done (NCCL's stream waits for the
+          compute stream at issue); it completes once the operation holding each of its
+          messages' other end has started, plus the transfer: a send may not complete before
+          its receive is posted (a message larger than NCCL's buffers, as activations are), and
+          the i-th send on a link matches the i-th receive.
+        - The computes run in list order, each once its receive is complete.
+        """
         lowered = add_communication(self)
         where = lowered.stage_to_rank
-        runs = [comm_batches(actions) for actions in lowered.ranks]
+        compute_s = compute_s or (lambda a: 0.0)
         counted: dict[tuple[tuple[int, int], bool], int] = {}
-        #: per (rank, run index): its messages as (link, index on the link, is a send)
-        messages: dict[tuple[int, int], list[tuple[tuple[int, int], int, bool]]] = {}
-        home: dict[tuple[tuple[int, int], int, bool], tuple[int, int]] = {}
-        for rank, rank_runs in enumerate(runs):
-            for i, run in enumerate(rank_runs):
+        # per rank: its computes in order, each with the group of its receive and its seconds
+        computes: list[list[tuple[Action, int | None, float]]] = []
+        # per group: (rank, computes issued before it, its transfers)
+        groups: list[tuple[int, int, list[tuple[tuple[tuple[int, int], int, bool], float,
+                                                Action]]]] = []
+        streams: dict[tuple, list[int]] = {}
+        home: dict[tuple[tuple[int, int], int, bool], int] = {}  # message end -> its group
+        for rank, actions in enumerate(lowered.ranks):
+            mine: list[tuple[Action, int | None, float]] = []
+            received: dict[Action, int] = {}
+            for i, run in enumerate(comm_batches(actions)):
                 if not run[0].kind.is_comm:
+                    a = run[0]
+                    needs, _ = _crossings(a, rank, where)
+                    mine.append((a, received.get(needs) if needs is not None else None,
+                                 compute_s(a)))
                     continue
-                ours = []
-                for a in run:
-                    link, is_send = _link(a, rank, where)
-                    n = counted.get((link, is_send), 0)
-                    counted[(link, is_send)] = n + 1
-                    ours.append((link, n, is_send))
-                    home[(link, n, is_send)] = (rank, i)
-                messages[(rank, i)] = ours
-        started: set[tuple[int, int]] = set()
-        pos = [0] * len(runs)
+                for part in ([[a] for a in run] if per_pair else [run]):
+                    g = len(groups)
+                    ends = []
+                    for a in part:
+                        link, is_send = _link(a, rank, where)
+                        n = counted.get((link, is_send), 0)
+                        counted[(link, is_send)] = n + 1
+                        home[(link, n, is_send)] = g
+                        if not is_send:
+                            received[a] = g
+                        seconds = transfer_s(a if is_send else _sender(a)) \
+                            if transfer_s is not None else 0.0
+                        ends.append(((link, n, is_send), seconds, a))
+                    key = (rank, min(link), max(link)) if per_pair else (rank,)
+                    streams.setdefault(key, []).append(g)
+                    groups.append((rank, len(mine), ends))
+            computes.append(mine)
+        ended: list[list[float]] = [[] for _ in computes]  # each rank's computes' end times
+        start: dict[int, float] = {}
+        complete: dict[int, float] = {}
+        heads = {key: 0 for key in streams}
         moved = True
         while moved:
             moved = False
-            for rank, rank_runs in enumerate(runs):
-                while pos[rank] < len(rank_runs):
-                    key = (rank, pos[rank])
-                    if key in messages:
-                        started.add(key)
-                        if not all(home.get((link, n, not is_send)) in started
-                                   for link, n, is_send in messages[key]):
+            for key, queue in streams.items():
+                free = complete[queue[heads[key] - 1]] if heads[key] else 0.0
+                while heads[key] < len(queue):
+                    g = queue[heads[key]]
+                    rank, before, ends = groups[g]
+                    if g not in start:
+                        if len(ended[rank]) < before:
                             break
-                    pos[rank] += 1
+                        start[g] = max(free, ended[rank][before - 1] if before else 0.0)
+                        moved = True
+                    finish = start[g]
+                    for (link, n, is_send), seconds, _ in ends:
+                        other = start.get(home.get((link, n, not is_send), -1))
+                        if other is None:
+                            break
+                        finish = max(finish, max(start[g], other) + seconds)
+                    else:
+                        free = complete[g] = finish
+                        heads[key] += 1
+                        moved = True
+                        continue
+                    break
+            for rank, mine in enumerate(computes):
+                done = ended[rank]
+                while len(done) < len(mine):
+                    a, receive, seconds = mine[len(done)]
+                    if receive is not None and receive not in complete:
+                        break
+                    begin = max(done[-1] if done else 0.0,
+                                complete[receive] if receive is not None else 0.0)
+                    done.append(begin + seconds)
                     moved = True
-        stuck = [f"rank {rank} at {' '.join(map(str, runs[rank][pos[rank]]))}"
-                 for rank in range(len(runs)) if pos[rank] < len(runs[rank])]
-        return "; ".join(stuck) if stuck else None
+        stuck = []
+        for rank, mine in enumerate(computes):
+            waiting = [" ".join(str(a) for _, _, a in groups[q[heads[key]]][2])
+                       for key, q in streams.items() if key[0] == rank and heads[key] < len(q)]
+            if len(ended[rank]) < len(mine) or waiting:
+                at = str(mine[len(ended[rank])][0]) if len(ended[rank]) < len(mine) else "the end"
+                stuck.append(f"rank {rank} at {at}, transfers waiting: "
+                             f"{' '.join(waiting) or 'none'}")
+        step = max([t for done in ended for t in done] + list(complete.values()), default=0.0)
+        return StreamRun(None if stuck else step, "; ".join(stuck) if stuck else None)
 
     def compute_only(self) -> "PipelineSchedule":
         return PipelineSchedule(tuple(tuple(a for a in actions if a.kind.is_compute)
@@ -425,19 +499,20 @@ def add_communication(schedule: PipelineSchedule, *, match: str = "tag") -> Pipe
     ``match="tag"`` (gloo, which matches the executor's tags): a receive right before the
     compute that needs it; between two computes the sends of the first come before the receives
     of the second, so the executor batches them into one ``batch_isend_irecv``.
-    ``match="order"`` (NCCL): that list where it takes every link's messages in the order they
-    are sent and cannot stall under NCCL's semantics (:meth:`PipelineSchedule.link_order_mismatch`,
-    :meth:`PipelineSchedule.rendezvous_deadlock`: GPipe, 1F1B, ZB-H1), else each receive where
-    its send is posted (:func:`_lower_in_send_order`: interleaved 1F1B, ZB-V).
+    ``match="order"`` (NCCL, which pairs a link's messages by their order and lets a large send
+    complete only once its receive is posted): each receive where its send is posted
+    (:func:`_lower_in_send_order`), every link's messages in one order on both ends, which the
+    executor runs one operation at a time on a stream per pair of ranks
+    (:meth:`PipelineSchedule.rendezvous_deadlock`).
     Stages on the same rank hand tensors over locally. A schedule that has its transfers
     already is returned as it is (under ``"order"``, if it passes both checks).
     """
     if match not in ("tag", "order"):
         raise ScheduleError(f"unknown message matching {match!r}", expected="'tag' or 'order'")
     if match == "order":
-        lowered = add_communication(schedule)
-        if lowered.link_order_mismatch() is None and lowered.rendezvous_deadlock() is None:
-            return lowered
+        if schedule.has_communication and schedule.link_order_mismatch() is None \
+                and schedule.rendezvous_deadlock() is None:
+            return schedule
         return _lower_in_send_order(schedule.compute_only())
     if schedule.has_communication:
         return schedule
@@ -505,6 +580,13 @@ def _crossings(a: Action, rank: int, where: Sequence[int]) -> tuple[Action | Non
         return (Action(s, ActionKind.RECV_B, mb) if s < last and where[s + 1] != rank else None,
                 Action(s, ActionKind.SEND_B, mb) if s > 0 and where[s - 1] != rank else None)
     return None, None
+
+
+def _sender(receive: Action) -> Action:
+    """The send whose message ``receive`` takes."""
+    if receive.kind is ActionKind.RECV_F:
+        return Action(receive.stage - 1, ActionKind.SEND_F, receive.microbatch)
+    return Action(receive.stage + 1, ActionKind.SEND_B, receive.microbatch)
 
 
 def _link(a: Action, rank: int, where: Sequence[int]) -> tuple[tuple[int, int], bool]:

@@ -104,8 +104,9 @@ class ScheduleSpec:
     in_flight: Callable[[int, int, int, int], float]
     #: ``receives_ahead(p, v, m, rank)``: boundary tensors rank ``rank`` holds received ahead
     #: of their compute at its peak, when the lists are lowered for a transport that pairs
-    #: messages by their order (NCCL: ``add_communication(match="order")``); the closed form of
-    #: ``PipelineSchedule.peak_receives_ahead`` (tests hold them equal, or a bound where said).
+    #: messages by their order (NCCL: ``add_communication(match="order")``, each receive posted
+    #: where its send is); the closed form of ``PipelineSchedule.peak_receives_ahead`` (tests
+    #: hold them equal, or a bound where said). GPipe: none.
     receives_ahead: Callable[[int, int, int, int], int] = lambda p, v, m, rank: 0
     #: The backward is split into input gradients (I) and weight gradients (W).
     splits_backward: bool = False
@@ -212,14 +213,31 @@ def _zb_v_in_flight(p: int, v: int, m: int, rank: int) -> float:
     return min(2 * p, 2 * m, m + 1 + rank) / 2
 
 
+def _one_f_one_b_receives_ahead(p: int, v: int, m: int, rank: int) -> int:
+    """Lowered in send order: every rank but the first posts the receive of its next forward's
+    input while it runs a backward, once m > p - r (its warm-up has room for one more
+    forward); the first rank receives only gradients, each right when its backward comes.
+    Tests hold it equal to the lists for p <= 12."""
+    return 1 if rank > 0 and m > p - rank else 0
+
+
+def _zb_h1_receives_ahead(p: int, v: int, m: int, rank: int) -> int:
+    """As 1F1B, and the first rank too once m > p (a deferred W then stands between a
+    gradient's arrival and its I). Tests hold it equal to the lists for p <= 12."""
+    return 1 if p > 1 and m > p - rank else 0
+
+
 def _interleaved_receives_ahead(p: int, v: int, m: int, rank: int) -> int:
     """Lowered in send order (the lowering for tags stalls under NCCL), with m >= 2p: rank 0
     posts the receives of its second chunk's inputs as the last rank sends them, p - 1 of them
     during its warm-up; the last rank holds p // 3 + 1 (at least 2), the others 2. With m = p
-    every forward comes first and nothing is received ahead. Counted on the lists: tests hold
-    it equal for p <= 12, at p = 13, 16 and 32 (found equal up to p = 64 by hand)."""
-    if p == 1 or m < 2 * p:
+    every forward comes first and nothing is received ahead, but for one tensor on each rank
+    at p = 2. Counted on the lists: tests hold it equal for p <= 12, at p = 13, 16 and 32
+    (found equal up to p = 64 by hand)."""
+    if p == 1:
         return 0
+    if m < 2 * p:
+        return 1 if p == 2 else 0
     if rank == 0:
         return p - 1
     return max(2, p // 3 + 1) if rank == p - 1 else 2
@@ -250,7 +268,8 @@ SCHEDULES.update({spec.kind: spec for spec in (
                  StageILPForm.PHASED, _gpipe_in_flight),
     ScheduleSpec(ScheduleKind.ONE_F_ONE_B, lambda p, m, v: one_f_one_b(p, m),
                  "one forward, one backward after a warm-up (PipeDream-Flush, Narayanan et al. "
-                 "2021)", StageILPForm.LOOPED, _one_f_one_b_in_flight),
+                 "2021)", StageILPForm.LOOPED, _one_f_one_b_in_flight,
+                 receives_ahead=_one_f_one_b_receives_ahead),
     ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, lambda p, m, v: interleaved_1f1b(p, v, m),
                  "1F1B over v chunks per rank (Narayanan et al. 2021)",
                  StageILPForm.INTERLEAVED, _interleaved_in_flight,
@@ -258,7 +277,8 @@ SCHEDULES.update({spec.kind: spec for spec in (
                  max_virtual_stages=None, micro_batches_divisible_by_pp=True),
     ScheduleSpec(ScheduleKind.ZB_H1, lambda p, m, v: zb_h1(p, m),
                  "1F1B with the weight gradient deferred into the bubble (Qi et al. 2024)",
-                 StageILPForm.LOOPED, _zb_h1_in_flight, splits_backward=True),
+                 StageILPForm.LOOPED, _zb_h1_in_flight, receives_ahead=_zb_h1_receives_ahead,
+                 splits_backward=True),
     ScheduleSpec(ScheduleKind.ZB_V, lambda p, m, v: zb_v(p, m),
                  "two chunks per rank in a V, the weight gradient in the bubble (Qi et al. 2024, "
                  "section 6)", StageILPForm.V_SHAPE, _zb_v_in_flight,

@@ -57,7 +57,8 @@ from autopar.cluster import processor_share
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import Action, ActionKind, PipelineSchedule, add_communication
 
-__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate", "processor_share",
+__all__ = ["Durations", "TimelineEvent", "SimulationResult", "simulate", "simulate_nccl",
+           "processor_share",
            "Processors", "Dedicated", "SharedCores"]
 
 
@@ -324,6 +325,34 @@ def simulate(schedule: PipelineSchedule, durations: Durations, *,
     finally:
         if collecting:
             gc.enable()
+
+
+def simulate_nccl(schedule: PipelineSchedule, durations: Durations, *,
+                  per_pair: bool = True, match: str = "order") -> float:
+    """The step time of ``schedule`` lowered for NCCL (``add_communication(match="order")``;
+    ``match="tag"``: the lowering for gloo) under NCCL's stream semantics
+    (:meth:`PipelineSchedule.on_nccl_streams`; a GPU per rank): each transfer on the stream of
+    its pair of ranks, as the executor issues them, or with ``per_pair=False`` each run of
+    transfers batched on the rank's one stream. A :class:`ScheduleError` where the lists
+    stop."""
+    if durations.num_stages != schedule.num_stages:
+        raise ScheduleError("durations and schedule disagree on the number of stages",
+                            expected=f"{schedule.num_stages} stages",
+                            found=f"{durations.num_stages}")
+    d = durations
+    seconds = {ActionKind.FORWARD: d.forward, ActionKind.BACKWARD: d.backward,
+               ActionKind.BACKWARD_INPUT: d.backward_input,
+               ActionKind.BACKWARD_WEIGHT: d.backward_weight}
+
+    def transfer(a: Action) -> float:  # a send
+        return d.p2p[a.stage] if a.kind is ActionKind.SEND_F else d.p2p_grad[a.stage - 1]
+
+    run = add_communication(schedule, match=match).on_nccl_streams(
+        per_pair=per_pair, compute_s=lambda a: seconds[a.kind][a.stage], transfer_s=transfer)
+    if run.step_time is None:
+        raise ScheduleError("the pipeline schedule stops on NCCL's streams", found=run.stuck,
+                            fix="lower it with add_communication(match='order')")
+    return run.step_time
 
 
 class _Running:

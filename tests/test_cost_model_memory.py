@@ -400,10 +400,11 @@ def test_the_searchs_memory_screen_reads_the_peak_of_every_rank(gpt2_small):
 
 def test_receives_posted_ahead_are_charged_per_transport(gpt2_small):
     """A receive posted ahead of its compute holds a boundary tensor (b s h at the precision's
-    activation bytes, per tp rank) on top of the activations: on NCCL (paired by order) as many
-    as the schedule's lowering holds (interleaved 1F1B at p = 4: 3 on the first rank, 2 on the
-    others; 1F1B none), on gloo one per rank (posted one compute ahead); reference: the counts
-    on the lowered lists (tests/test_schedules.py) and the executor's (tests/test_pipeline.py)."""
+    activation bytes, per tp rank) on top of the activations: on NCCL (paired by order, each
+    receive posted where its send is) as many as the lists hold (interleaved 1F1B at p = 4: 3
+    on the first rank, 2 on the others; 1F1B one on every rank but the first, GPipe none), on
+    gloo one per rank (posted one compute ahead); reference: the counts on the lowered lists
+    (tests/test_schedules.py) and the executor's (tests/test_pipeline.py)."""
     import dataclasses
 
     _, _, costs = gpt2_small
@@ -417,5 +418,6 @@ def test_receives_posted_ahead_are_charged_per_transport(gpt2_small):
     boundary = 1 * 1024 * 768 * 4  # b s h in fp32
     nccl = A100.with_devices(4)
     assert buffers(nccl, ScheduleKind.INTERLEAVED_1F1B, 2) == [3 * boundary] + [2 * boundary] * 3
-    assert buffers(nccl, ScheduleKind.ONE_F_ONE_B, 1) == [0.0] * 4
+    assert buffers(nccl, ScheduleKind.ONE_F_ONE_B, 1) == [0.0] + [boundary] * 3
+    assert buffers(nccl, ScheduleKind.GPIPE, 1) == [0.0] * 4
     assert buffers(gloo, ScheduleKind.ONE_F_ONE_B, 1) == [boundary] * 4

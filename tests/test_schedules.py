@@ -184,11 +184,10 @@ def test_deadlock_is_detected_and_explained():
 
 def test_the_lowering_for_nccl_keeps_every_link_in_order_and_never_stalls():
     """NCCL pairs the messages of a link by their order, and a large send completes only once
-    its receive is posted (behind what that rank posted before on its stream). The lowering in
-    send order passes both checks for every generated schedule up to 12 ranks, ZB-V included,
-    keeps every rank's computes in the schedule's order, and holds the receives ahead the
-    memory model charges (:func:`_check_receives_ahead`). GPipe, 1F1B and ZB-H1 keep the
-    lowering for tags, which passes both."""
+    its receive is posted (behind what that rank posted before on its pair's stream). The
+    lowering in send order passes both checks for every generated schedule up to 12 ranks, ZB-V
+    included, keeps every rank's computes in the schedule's order, and holds the receives ahead
+    the memory model charges (:func:`_check_receives_ahead`)."""
     count = 0
     for kind, p, v, m in [*_all_schedules(12),
                           *((ScheduleKind.ZB_V, p, 2, m) for p in range(1, 13)
@@ -198,8 +197,6 @@ def test_the_lowering_for_nccl_keeps_every_link_in_order_and_never_stalls():
         assert nccl.link_order_mismatch() is None, (kind, p, v, m)
         assert nccl.rendezvous_deadlock() is None, (kind, p, v, m)
         assert nccl.compute_only() == schedule.compute_only()
-        if kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1):
-            assert nccl == schedule  # the lowering for tags passes: kept
         _check_receives_ahead(kind, p, v, m, schedule, nccl)
         count += 1
     assert count == 233  # 186 of the five schedules above, 47 of ZB-V
@@ -246,17 +243,49 @@ def test_receives_held_ahead_under_the_nccl_lowering_match_the_closed_forms():
 
 def test_the_rendezvous_model_finds_the_cycle_gloo_lists_hit_on_nccl():
     """The lowering for tags (receives right before their compute) runs on gloo, whose sends
-    never wait for their receive, but not on NCCL: under interleaved 1F1B (p = 2, m = 4), rank
-    0's run [2SEND_B0] completes once rank 1 posts 1RECV_B0, in its run [1SEND_F2, 1RECV_B0]
-    after its run [3SEND_B1, 1RECV_F2], which completes once rank 0 posts 2RECV_B1, in its run
-    [0SEND_F3, 2RECV_B1] after [2SEND_B0]: a cycle. ZB-V's links also carry their messages out of order. GPipe,
-    1F1B and ZB-H1 lowered for tags pass (their transfers pair up in each run)."""
-    stuck = build_schedule(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2).rendezvous_deadlock()
-    assert stuck == "rank 0 at 2SEND_B0; rank 1 at 3SEND_B1 1RECV_F2"
+    never wait for their receive, but not on NCCL's stream per pair of ranks: under 1F1B
+    (p = 2), rank 0 posts 0SEND_F1 before 0RECV_B0 and rank 1 posts 1SEND_B0 before 1RECV_F1,
+    so each send waits for a receive queued behind the other's send. Interleaved 1F1B, ZB-H1
+    and ZB-V stall likewise (ZB-V's links also carry their messages out of order); GPipe,
+    whose transfers all go one way at a time, does not."""
+    stuck = build_schedule(ScheduleKind.ONE_F_ONE_B, 2, 4).rendezvous_deadlock()
+    assert stuck == ("rank 0 at 0B0, transfers waiting: 0SEND_F1; "
+                     "rank 1 at 1F1, transfers waiting: 1SEND_B0")
+    for kind, v in ((ScheduleKind.INTERLEAVED_1F1B, 2), (ScheduleKind.ZB_H1, 1),
+                    (ScheduleKind.ZB_V, 2)):
+        assert build_schedule(kind, 2, 4, v).rendezvous_deadlock() is not None, kind
     assert build_schedule(ScheduleKind.ZB_V, 2, 4, 2).link_order_mismatch() is not None
-    for kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1):
-        for p in (2, 3, 4):
-            assert build_schedule(kind, p, 2 * p).rendezvous_deadlock() is None, (kind, p)
+    for p in (2, 3, 4):
+        assert build_schedule(ScheduleKind.GPIPE, p, 2 * p).rendezvous_deadlock() is None, p
+
+
+def test_on_a_nccl_stream_per_pair_of_ranks_transfers_cost_what_they_cost_on_gloo():
+    """The executor's use of NCCL (each transfer on its own, on its pair of ranks' stream,
+    lists lowered in send order) against the simulator's semantics (gloo's: sends never wait,
+    an independent engine): with instant transfers the same step for every generated schedule
+    on random stage times. Batched on one stream per rank (one group over the column), a
+    receive posted ahead blocks the sends behind it: interleaved 1F1B, ZB-V and even 1F1B
+    lose time there, which the model must see (the reason for the stream per pair)."""
+    from autopar.runtime.simulator import Durations, simulate, simulate_nccl
+
+    rng = random.Random(3)
+    count = 0
+    for kind, p, v, m in [*_all_schedules(6), *((ScheduleKind.ZB_V, p, 2, m)
+                                              for p in range(1, 7) for m in (p, 2 * p + 1))]:
+        n = p * v
+        d = Durations([rng.uniform(0.5, 2) for _ in range(n)], [rng.uniform(1, 4) for _ in range(n)])
+        schedule = build_schedule(kind, p, m, v)
+        assert simulate_nccl(schedule, d) == pytest.approx(simulate(schedule, d).step_time,
+                                                           rel=1e-12), (kind, p, v, m)
+        count += 1
+    assert count == 102  # 90 of the five schedules above, 12 of ZB-V
+    for kind, v in ((ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED_1F1B, 2),
+                    (ScheduleKind.ZB_V, 2)):
+        schedule = build_schedule(kind, 4, 16, v)
+        d = Durations.uniform(4 * v, 1.0, 2.0)
+        gloo = simulate(schedule, d).step_time
+        assert simulate_nccl(schedule, d) == gloo
+        assert simulate_nccl(schedule, d, per_pair=False) > 1.03 * gloo, kind
 
 
 def test_lowering_batches_sends_before_receives():

@@ -634,10 +634,10 @@ class CostModel:
 
     def _receives_ahead(self, c: Candidate, m: int) -> tuple[int, ...]:
         """Per pipeline rank, the boundary tensors received ahead of their compute
-        (``runtime/pipeline.py``): on NCCL, which pairs messages by their order, interleaved
-        1F1B and ZB-V are lowered with each receive posted where its send is
-        (``add_communication(match="order")``) and held until its compute
-        (``ScheduleSpec.receives_ahead``); on gloo, which pairs them by tag, every receive is
+        (``runtime/pipeline.py``): on NCCL, which pairs messages by their order, the lists are
+        lowered with each receive posted where its send is (``add_communication(match=
+        "order")``) and held until its compute (``ScheduleSpec.receives_ahead``: up to p - 1
+        on interleaved 1F1B's first rank); on gloo, which pairs them by tag, every receive is
         posted one compute ahead, so one is held."""
         if c.pp == 1:
             return ()
