@@ -316,7 +316,7 @@ class PipelineSchedule:
         for rank, actions in enumerate(lowered.ranks):
             mine: list[tuple[Action, int | None, float]] = []
             received: dict[Action, int] = {}
-            for i, run in enumerate(comm_batches(actions)):
+            for run in comm_batches(actions):
                 if not run[0].kind.is_comm:
                     a = run[0]
                     needs, _ = _crossings(a, rank, where)
