@@ -211,9 +211,10 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     the layer computed and of the one reduce-scattered; kept gathered between forward and
     backward (``reshard_after_forward=False``), the whole stage's weights;
     ``receives_ahead[r]`` boundary tensors received ahead of their compute
-    (``ScheduleSpec.receives_ahead``: under interleaved 1F1B and ZB-V on a transport that pairs
-    messages by their order, NCCL), each the largest the rank receives; and the optimizer step's
-    temporary over the parameters the rank steps (:func:`optimizer_step_bytes`)."""
+    (``ScheduleSpec.receives_ahead`` on a transport that pairs messages by their order, NCCL:
+    up to p - 1 on interleaved 1F1B's first rank; one on gloo), each the largest the rank
+    receives; and the optimizer step's temporary over the parameters the rank steps
+    (:func:`optimizer_step_bytes`)."""
     return [RankMemory(r, *fields)
             for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
                                                     receives_ahead))]
