@@ -238,17 +238,17 @@ class PipelineExecutor:
         #: column's one group (gloo, tags), or under ``"order"`` one two-rank group per pipeline
         #: link, so that on NCCL each pair of ranks has a stream of its own (:meth:`_make_groups`).
         self._groups = self._make_groups()
-        self._p2p = next(iter(self._groups.values()), None)
         #: Post each compute's receives before the compute ahead of it, so the transfer overlaps
         #: that compute (torch.distributed.pipelining places receives ahead likewise). Only where
         #: point-to-point operations are matched by tag and progress independently (gloo): on
         #: NCCL, sends and receives to one peer share a stream in issue order, and a receive
         #: posted early could hold back a send the peer is waiting for.
-        gloo = self._p2p is not None and dist.get_backend(self._p2p) == dist.Backend.GLOO
+        backends = {dist.get_backend(g) for g in self._groups.values()}
+        gloo = backends == {dist.Backend.GLOO}
         self._early_receives = gloo and match == "tag"
         #: Drop completed sends at each run of transfers (:func:`reap_completed`); gloo
         #: reports a send completed only once it is waited, so there the poll would find none.
-        self._reap_sends = self._p2p is not None and not gloo
+        self._reap_sends = bool(backends) and not gloo
         self._broken: str | None = None
         #: One module per local stage, owning its parameters: stage calls go through it, so
         #: module hooks (ZeRO-3 gathers) wrap every forward. In chunk order.
@@ -331,7 +331,7 @@ class PipelineExecutor:
         return out
 
     def _shut_down(self, exc: BaseException) -> None:
-        """After a failure: drop the point-to-point group (on gloo the last reference going
+        """After a failure: drop the point-to-point groups (on gloo the last reference going
         closes its connections, so the neighbours' pending receives fail now rather than at the
         timeout) and refuse further steps."""
         text = str(exc)
@@ -339,7 +339,7 @@ class PipelineExecutor:
         self._pending_sends = []
         note_failure()  # the shared groups are created anew for the next model
         groups = list({id(g): g for g in self._groups.values()}.values())
-        self._groups, self._p2p = {}, None
+        self._groups = {}
         for group in groups:
             forget(group)
             try:

@@ -261,7 +261,7 @@ class PipelineSchedule:
                 link, is_send = _link(a, rank, where)
                 forward = a.kind in (ActionKind.SEND_F, ActionKind.RECV_F)
                 # the message as (sending stage, direction, micro-batch)
-                sender = a.stage if is_send else a.stage - 1 if forward else a.stage + 1
+                sender = a.stage if is_send else _sender(a).stage
                 (sent if is_send else taken).setdefault(link, []).append(
                     (sender, "F" if forward else "B", a.microbatch))
         for link in sorted(sent):
@@ -555,10 +555,8 @@ def _lower_in_send_order(schedule: PipelineSchedule) -> PipelineSchedule:
             out[rank].append(a)
             if send is not None:
                 out[rank].append(send)
-                peer = send.stage + 1 if send.kind is ActionKind.SEND_F else send.stage - 1
-                receive = Action(peer, ActionKind.RECV_F if send.kind is ActionKind.SEND_F
-                                 else ActionKind.RECV_B, send.microbatch)
-                out[where[peer]].append(receive)
+                receive = _receiver(send)
+                out[where[receive.stage]].append(receive)
                 posted.add(receive)
         if not moved:
             stuck = [f"rank {r}: {todo[r][nxt[r]]}" for r in range(len(todo))
@@ -587,6 +585,13 @@ def _sender(receive: Action) -> Action:
     if receive.kind is ActionKind.RECV_F:
         return Action(receive.stage - 1, ActionKind.SEND_F, receive.microbatch)
     return Action(receive.stage + 1, ActionKind.SEND_B, receive.microbatch)
+
+
+def _receiver(send: Action) -> Action:
+    """The receive that takes ``send``'s message."""
+    if send.kind is ActionKind.SEND_F:
+        return Action(send.stage + 1, ActionKind.RECV_F, send.microbatch)
+    return Action(send.stage - 1, ActionKind.RECV_B, send.microbatch)
 
 
 def _link(a: Action, rank: int, where: Sequence[int]) -> tuple[tuple[int, int], bool]:

@@ -122,6 +122,12 @@ class Durations:
     def num_stages(self) -> int:
         return len(self.forward)
 
+    def compute_seconds(self) -> dict[ActionKind, tuple[float, ...]]:
+        """Each compute kind's seconds per stage."""
+        return {ActionKind.FORWARD: self.forward, ActionKind.BACKWARD: self.backward,
+                ActionKind.BACKWARD_INPUT: self.backward_input,
+                ActionKind.BACKWARD_WEIGHT: self.backward_weight}
+
     @classmethod
     def uniform(cls, num_stages: int, forward: float = 1.0, backward: float = 2.0, *,
                 weight: float | None = None, p2p: float = 0.0,
@@ -340,9 +346,7 @@ def simulate_nccl(schedule: PipelineSchedule, durations: Durations, *,
                             expected=f"{schedule.num_stages} stages",
                             found=f"{durations.num_stages}")
     d = durations
-    seconds = {ActionKind.FORWARD: d.forward, ActionKind.BACKWARD: d.backward,
-               ActionKind.BACKWARD_INPUT: d.backward_input,
-               ActionKind.BACKWARD_WEIGHT: d.backward_weight}
+    seconds = d.compute_seconds()
 
     def transfer(a: Action) -> float:  # a send
         return d.p2p[a.stage] if a.kind is ActionKind.SEND_F else d.p2p_grad[a.stage - 1]
@@ -403,9 +407,7 @@ class _Engine:
         self.events: list[TimelineEvent] = []
         self.now = 0.0
         d = durations
-        self.compute_time = {ActionKind.FORWARD: d.forward, ActionKind.BACKWARD: d.backward,
-                             ActionKind.BACKWARD_INPUT: d.backward_input,
-                             ActionKind.BACKWARD_WEIGHT: d.backward_weight}
+        self.compute_time = d.compute_seconds()
         zeros = (0.0,) * d.num_stages  # the peer waits per kind: the loop's hottest lookup
         self.wait_time = {ActionKind.FORWARD: d.forward_wait, ActionKind.BACKWARD: d.backward_wait,
                           ActionKind.BACKWARD_INPUT: d.backward_wait,

@@ -108,6 +108,7 @@ class CostModel:
         self.tp_cost = tp_cost_spec(cluster, setup.dtype)
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
+        self._ahead_cache: dict[tuple, tuple[int, ...]] = {}
         self._check_cache: dict[tuple, str | None] = {}
         self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
@@ -643,8 +644,13 @@ class CostModel:
             return ()
         if self.cluster.backend != "nccl":
             return (1,) * c.pp
-        spec = c.schedule.spec
-        return tuple(spec.receives_ahead(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
+        key = (c.schedule, c.pp, c.virtual_stages, m)  # the search asks per candidate
+        ahead = self._ahead_cache.get(key)
+        if ahead is None:
+            spec = c.schedule.spec
+            ahead = self._ahead_cache[key] = tuple(
+                spec.receives_ahead(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
+        return ahead
 
     def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
         """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in
