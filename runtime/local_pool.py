@@ -84,17 +84,27 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout_
 
 #: What a pool's processes are forked with already imported (the forkserver imports them once per
 #: parent process): torch and autopar take ~2 s of CPU to import, which each spawned worker
-#: repeated, 4.5 s to start a pool of 4 on two cores.
-PRELOAD = ["torch", "torch.distributed", "autopar"]
+#: repeated, 4.5 s to start a pool of 4 on two cores. Dynamo (0.6 s) is what every capture
+#: imports on its first ``torch.export``. More modules (a caller's model libraries: importing
+#: transformers and one model family's module takes ~1.5 s per worker) come from the
+#: comma-separated :data:`PRELOAD_ENV`, read when the first pool of the process starts.
+PRELOAD = ["torch", "torch.distributed", "autopar", "torch._dynamo", "torch.export"]
+PRELOAD_ENV = "AUTOPAR_POOL_PRELOAD"
+
+
+def _preload() -> list[str]:
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    return PRELOAD + [m for m in extra if m not in PRELOAD]
 
 
 def _context() -> Any:
-    """Workers forked from a server that preloaded :data:`PRELOAD` (``forkserver``, where the
-    platform has it), else spawned. Either way each starts clean: a fresh CUDA state, no
+    """Workers forked from a server that preloaded :data:`PRELOAD` and the modules named in
+    :data:`PRELOAD_ENV` (``forkserver``, where the platform has it; a module that does not import
+    is skipped there and imported by the worker that needs it), else spawned. Either way each starts clean: a fresh CUDA state, no
     inherited threads or process groups, the parent's main module imported anew."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(_preload())
         return ctx
     return mp.get_context("spawn")
 

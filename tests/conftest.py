@@ -14,6 +14,11 @@ if ROOT not in sys.path:  # examples/ is not installed; tests import it from the
     sys.path.insert(0, ROOT)
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# every LocalPool's workers fork with the model libraries the tests build already imported
+# (~1.5 s of CPU per worker otherwise, 3-4 s per pool of 4 on two cores)
+os.environ.setdefault("AUTOPAR_POOL_PRELOAD", ",".join(
+    ["transformers", "transformers.masking_utils"]
+    + [f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert")]))
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 torch.set_num_threads(1)
 
@@ -86,10 +91,22 @@ def full_size():
 
 @pytest.fixture(scope="session")
 def shared_pool4():
-    """One LocalPool(4) for the reliability and property tests: started once (seconds each)."""
+    """One LocalPool(4) for every test that trains on 4 ranks and neither measures its
+    processes' memory, counts the groups they created, nor breaks them on purpose: started
+    once, and each model captured once per worker (tests/parallelize_jobs.shared_captures), where
+    a pool per test spent 3-5 s starting and capturing again. A job that fails restarts it."""
     from autopar.runtime.local_pool import LocalPool
 
     with LocalPool(4, timeout_s=900) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def shared_pool2():
+    """The same for 2 ranks."""
+    from autopar.runtime.local_pool import LocalPool
+
+    with LocalPool(2, timeout_s=600) as pool:
         yield pool
 
 

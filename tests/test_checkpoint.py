@@ -29,7 +29,6 @@ import torch
 import autopar
 from autopar import InvalidInputError, PlanMismatchError
 from autopar.runtime import checkpoint
-from autopar.runtime.local_pool import LocalPool
 
 import checkpoint_jobs as jobs
 from parallelize_jobs import make_model, reference
@@ -54,18 +53,17 @@ def _assert_resumed(result, saved, ref, what):
 
 
 @pytest.mark.distributed
-def test_checkpoint_loads_under_another_plan_and_world_size(tmp_path):
+def test_checkpoint_loads_under_another_plan_and_world_size(shared_pool4, shared_pool2, tmp_path):
     root = str(tmp_path)
     refs = {name: reference(name, steps=jobs.TOTAL) for name in MODELS}
-    with LocalPool(4, timeout_s=300) as pool:
-        saved = pool.run(jobs.train_and_save, [(n, SAVE) for n in MODELS], root)[0]
-        # GPT-2 resumes as a model on meta: parallelize(checkpoint=) restores everything
-        world4 = pool.run(jobs.load_and_continue,
-                          [(n, LOAD_WORLD4, n == "gpt") for n in MODELS], root)[0]
+    pool = shared_pool4
+    saved = pool.run(jobs.train_and_save, [(n, SAVE) for n in MODELS], root)[0]
+    # GPT-2 resumes as a model on meta: parallelize(checkpoint=) restores everything
+    world4 = pool.run(jobs.load_and_continue,
+                      [(n, LOAD_WORLD4, n == "gpt") for n in MODELS], root)[0]
     # GPT-2 skips the (2, 1, 1) ZeRO-3 load, which the own GPT covers (time: ~3 s)
     configs = [(n, pins) for n in MODELS for pins in LOAD_WORLD2][:3]
-    with LocalPool(2, timeout_s=300) as pool:
-        world2 = pool.run(jobs.load_and_continue, configs, root)[0]
+    world2 = shared_pool2.run(jobs.load_and_continue, configs, root)[0]
     for i, name in enumerate(MODELS):
         assert saved[i]["losses"] == pytest.approx(refs[name]["losses"][:jobs.SAVED_AT], rel=1e-5)
         _assert_resumed(world4[i], saved[i], refs[name], f"{name} -> world 4 {LOAD_WORLD4}")

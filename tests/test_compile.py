@@ -96,7 +96,7 @@ def test_compile_refuses_what_it_cannot_run():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_zero3_and_full_recompute_compile_each_layer_and_train_like_one_process():
+def test_zero3_and_full_recompute_compile_each_layer_and_train_like_one_process(shared_pool2):
     """ZeRO-3 gathers each captured layer before it runs and frees it after, and full
     recompute checkpoints each block: under compile, each layer is compiled on its own
     (``layer_regions``, as torchtitan compiles each block) with the gathers, frees and
@@ -108,7 +108,6 @@ def test_zero3_and_full_recompute_compile_each_layer_and_train_like_one_process(
     forward and one recompute)."""
     import parallelize_jobs as jobs
 
-    from autopar.runtime.local_pool import LocalPool
 
     def pins(dp, pp, zero, recompute):
         return dict(dp=dp, pp=pp, tp=1, schedule="1f1b", virtual_stages=1,
@@ -119,8 +118,8 @@ def test_zero3_and_full_recompute_compile_each_layer_and_train_like_one_process(
     configs = [("gpt", pins(2, 1, 3, "full"), {"compile": "aot_eager"}),
                ("gpt", pins(1, 2, 0, "full"), {"compile": "aot_eager"})]
     reference = jobs.reference("gpt")
-    with LocalPool(2, timeout_s=600) as pool:
-        per_rank = pool.run(jobs.train, configs, timeout_s=600)
+    pool = shared_pool2
+    per_rank = pool.run(jobs.train, configs, timeout_s=600)
     for k, (name, p, _) in enumerate(configs):
         what = f"compiled {p}"
         result = per_rank[0][k]

@@ -16,7 +16,6 @@ import parallelize_jobs as jobs
 from autopar.errors import InvalidPlanError, ShardingError
 from autopar.plan_types import Plan
 from autopar.runtime.cp import CPGroup, head_tail_positions
-from autopar.runtime.local_pool import LocalPool
 from test_parallelize import _compare, _compare_mixed
 
 
@@ -315,7 +314,7 @@ def _full_pins(pins):
 
 
 @pytest.mark.distributed
-def test_context_parallel_training_equals_one_process():
+def test_context_parallel_training_equals_one_process(shared_pool2, shared_pool4):
     configs = [(name, _full_pins(pins), options) for name, pins, options in TRAIN] + [SEARCHED]
     refs = {name: jobs.reference(name)
             for name in {c[0] for c in configs} | {"bert"}}
@@ -323,21 +322,20 @@ def test_context_parallel_training_equals_one_process():
              jobs.reference_mixed(n, p["dp"] * p.get("num_micro_batches", 1))
              for n, p, o in configs if o.get("mixed_precision")}
     alone = [(name, _full_pins(pins), options) for name, pins, options in TRAIN2]
-    with LocalPool(2, timeout_s=600) as pool:
-        per_rank2 = pool.run(jobs.train, alone, timeout_s=900)
-    with LocalPool(4, timeout_s=600) as pool:
-        errors = pool.run(cp_jobs.attention_errors, ATTENTION, timeout_s=300)
-        per_rank = pool.run(jobs.train, configs, timeout_s=900)
-        dropout = pool.run(cp_jobs.dropout_runs,
-                           [dict(dp=4, tp=1, pp=1, micro_batch_size=2),
-                            dict(dp=2, cp=2, tp=1, pp=1, micro_batch_size=4),
-                            dict(dp=1, cp=2, tp=2, pp=1, micro_batch_size=8,
-                                 sequence_parallel=True)], timeout_s=600)
-        bad = pool.run(cp_jobs.bad_sequence, dict(dp=2, cp=2, tp=1, pp=1, micro_batch_size=4),
-                       18, timeout_s=300)
-        ignored = pool.run(cp_jobs.ignored_targets,
-                           [dict(dp=1, tp=1, pp=1, cp=4, micro_batch_size=8),
-                            dict(dp=1, tp=2, pp=1, cp=2, micro_batch_size=8)], timeout_s=600)
+    per_rank2 = shared_pool2.run(jobs.train, alone, timeout_s=900)
+    pool = shared_pool4
+    errors = pool.run(cp_jobs.attention_errors, ATTENTION, timeout_s=300)
+    per_rank = pool.run(jobs.train, configs, timeout_s=900)
+    dropout = pool.run(cp_jobs.dropout_runs,
+                       [dict(dp=4, tp=1, pp=1, micro_batch_size=2),
+                        dict(dp=2, cp=2, tp=1, pp=1, micro_batch_size=4),
+                        dict(dp=1, cp=2, tp=2, pp=1, micro_batch_size=8,
+                             sequence_parallel=True)], timeout_s=600)
+    bad = pool.run(cp_jobs.bad_sequence, dict(dp=2, cp=2, tp=1, pp=1, micro_batch_size=4),
+                   18, timeout_s=300)
+    ignored = pool.run(cp_jobs.ignored_targets,
+                       [dict(dp=1, tp=1, pp=1, cp=4, micro_batch_size=8),
+                        dict(dp=1, tp=2, pp=1, cp=2, micro_batch_size=8)], timeout_s=600)
     # attention: fp32 rounding of a different summation order (measured <= 1.5e-6)
     for rank_errors in errors:
         for case, err in zip(ATTENTION, rank_errors):

@@ -30,24 +30,12 @@ from dp_toy3d import train_toy
 FAMILIES = ["own_gpt", "gpt", "llama"]
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with LocalPool(2, timeout_s=120) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with LocalPool(4, timeout_s=120) as pool:
-        yield pool
-
-
 # -- numerics on real models ----------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dp2_adamw_matches_single_process(pool2, family, zero):
-    out = pool2.run(train_and_compare, family, zero=zero)[0]
+def test_dp2_adamw_matches_single_process(shared_pool2, family, zero):
+    out = shared_pool2.run(train_and_compare, family, zero=zero)[0]
     assert_close_to_single_process(out)
 
 
@@ -55,26 +43,26 @@ def test_dp2_adamw_matches_single_process(pool2, family, zero):
 @pytest.mark.parametrize("zero,shard_size", [(0, None), (1, None), (2, None), (3, None),
                                              (1, 2), (2, 2), (3, 2)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dp4_adamw_matches_single_process(pool4, family, zero, shard_size):
-    out = pool4.run(train_and_compare, family, zero=zero, shard_size=shard_size)[0]
+def test_dp4_adamw_matches_single_process(shared_pool4, family, zero, shard_size):
+    out = shared_pool4.run(train_and_compare, family, zero=zero, shard_size=shard_size)[0]
     assert_close_to_single_process(out)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_gradient_accumulation_syncs_once(pool2, zero):
+def test_gradient_accumulation_syncs_once(shared_pool2, zero):
     """Two micro-batches per rank, the first under no_sync: the same as one process."""
-    out = pool2.run(train_and_compare, "gpt", zero=zero, micro_batches=2)[0]
+    out = shared_pool2.run(train_and_compare, "gpt", zero=zero, micro_batches=2)[0]
     assert_close_to_single_process(out)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero,shard_size", [(0, None), (1, None), (2, None), (3, None), (3, 2)])
-def test_clipping_matches_torch_clip_grad_norm(pool4, zero, shard_size):
+def test_clipping_matches_torch_clip_grad_norm(shared_pool4, zero, shard_size):
     """SGD (linear in the gradient, so scale errors show) with clipping at 0.5: the global norm
     equals torch.nn.utils.clip_grad_norm_ on one process, and so do the parameters. fp32 sums in
     another order differ by a few ulps: 1e-5 relative on norms, 1e-6 on parameters (moved ~0.1)."""
-    out = pool4.run(train_and_compare, "own_gpt", zero=zero, shard_size=shard_size,
+    out = shared_pool4.run(train_and_compare, "own_gpt", zero=zero, shard_size=shard_size,
                     optimizer="sgd", max_grad_norm=0.5)[0]
     assert len(out["norms"]) == len(out["ref_norms"]) == 3
     for got, want in zip(out["norms"], out["ref_norms"]):
@@ -85,10 +73,10 @@ def test_clipping_matches_torch_clip_grad_norm(pool4, zero, shard_size):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [0, 3])
-def test_activation_recompute(pool2, zero):
+def test_activation_recompute(shared_pool2, zero):
     """Blocks under torch.utils.checkpoint: their forward runs again inside backward, where
     ZeRO-3 must keep the unit gathered (and not free it after the recomputed forward)."""
-    out = pool2.run(train_and_compare, "own_gpt", zero=zero, recompute=True)[0]
+    out = shared_pool2.run(train_and_compare, "own_gpt", zero=zero, recompute=True)[0]
     assert_close_to_single_process(out)
 
 
@@ -112,10 +100,10 @@ def _launch_points():
 
 
 @pytest.mark.distributed
-def test_reductions_overlap_backward(pool2):
+def test_reductions_overlap_backward(shared_pool2):
     """Buckets are reduced while backward still runs: the first launch happens before the
     first quarter of the gradients has arrived, every bucket once, in order."""
-    points, num_params, num_buckets = pool2.run(_launch_points)[0]
+    points, num_params, num_buckets = shared_pool2.run(_launch_points)[0]
     assert num_buckets >= 4 and len(points) == num_buckets
     assert points[0] < num_params / 4 and points == sorted(points)
 
@@ -127,11 +115,11 @@ WORLD4_SHAPES = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4
 @pytest.mark.distributed
 @pytest.mark.parametrize("dp,pp,tp,zero", [(*shape, zero) for shape in WORLD4_SHAPES
                                            for zero in ([0, 1, 2, 3] if shape[0] > 1 else [0])])
-def test_toy_3d_every_world4_shape(pool4, dp, pp, tp, zero):
+def test_toy_3d_every_world4_shape(shared_pool4, dp, pp, tp, zero):
     """Tied embedding/head across stages, tp-sharded, tp-replicated and tp-partial parameters,
     two micro-batches with no_sync, clipped SGD: parameters and global norm as one process.
     Tolerance 1e-6: fp32 sums in another order (pipeline/tp all-reduces), parameters move ~0.07."""
-    outs = pool4.run(train_toy, dp, pp, tp, zero=zero, micro_batches=2, optimizer="sgd")
+    outs = shared_pool4.run(train_toy, dp, pp, tp, zero=zero, micro_batches=2, optimizer="sgd")
     for out in outs:
         assert out["diff"] < 1e-6 < 1e-2 < out["moved"], out
         for got, want in zip(out["norms"], out["ref_norms"]):
@@ -151,20 +139,20 @@ def test_toy_3d_world8_dp2_pp2_tp2():
 
 
 @pytest.mark.distributed
-def test_toy_3d_adamw_and_hybrid(pool4):
+def test_toy_3d_adamw_and_hybrid(shared_pool4):
     """AdamW (the toy has no zero-gradient elements, so no noise amplification: 1e-5) on dp x pp
     with ZeRO-3, and hybrid ZeRO-2 (shard 2 x replicate 2)."""
-    for out in pool4.run(train_toy, 2, 2, 1, zero=3, micro_batches=2):
+    for out in shared_pool4.run(train_toy, 2, 2, 1, zero=3, micro_batches=2):
         assert out["diff"] < 1e-5 and out["moved"] > 1e-2, out
-    for out in pool4.run(train_toy, 4, 1, 1, zero=2, shard_size=2, optimizer="sgd"):
+    for out in shared_pool4.run(train_toy, 4, 1, 1, zero=2, shard_size=2, optimizer="sgd"):
         assert out["diff"] < 1e-6 and out["moved"] > 1e-2, out
 
 
 @pytest.mark.distributed
-def test_tied_gradient_primitive_two_stages(pool2):
+def test_tied_gradient_primitive_two_stages(shared_pool2):
     """Rank 0 holds the embedding, rank 1 the LM head copy; TiedGroups sums their gradients and
     plain torch AdamW on each rank keeps both copies equal to the single-process tied weight."""
-    outs = pool2.run(train_toy, 1, 2, 1, use_engine=False, max_grad_norm=None)
+    outs = shared_pool2.run(train_toy, 1, 2, 1, use_engine=False, max_grad_norm=None)
     assert outs[0]["names"] != outs[1]["names"]  # different stages, one of them holds "head"
     for out in outs:
         assert out["diff"] < 1e-5 and out["moved"] > 1e-2, out
@@ -188,8 +176,8 @@ def _toy_without_tie_is_wrong():
 
 
 @pytest.mark.distributed
-def test_tied_spec_is_what_makes_it_right(pool2):
-    outs = pool2.run(_toy_without_tie_is_wrong)
+def test_tied_spec_is_what_makes_it_right(shared_pool2):
+    outs = shared_pool2.run(_toy_without_tie_is_wrong)
     assert max(out["diff"] for out in outs) > 1e-3
 
 
@@ -225,24 +213,24 @@ def _versus_ddp(steps: int = 3, backwards: int = 1, zero: int = 0):
 
 
 @pytest.mark.distributed
-def test_zero0_matches_torch_ddp(pool2):
+def test_zero0_matches_torch_ddp(shared_pool2):
     """Same gloo all-reduce of the same gradients: SGD parameters agree to fp32 rounding."""
-    for diff, _ in pool2.run(_versus_ddp):
+    for diff, _ in shared_pool2.run(_versus_ddp):
         assert diff < 1e-6
 
 
 @pytest.mark.distributed
-def test_every_backward_synced_matches_torch_ddp(pool2):
+def test_every_backward_synced_matches_torch_ddp(shared_pool2):
     """Two backwards per step, both synced (gradient accumulation without no_sync), as DDP
     allows. ZeRO-0's second reduction summed the first's average again, which came back dp
     times (parameters 0.1 off DDP's at dp 2, silently) until 2026-11-29; ZeRO-2 and 3
     reduce-scatter each backward into the shard. ZeRO-1, one reduce-scatter per step, refuses
     it by name."""
     for zero in (0, 2, 3):
-        for diff, _ in pool2.run(_versus_ddp, 3, 2, zero):
+        for diff, _ in shared_pool2.run(_versus_ddp, 3, 2, zero):
             assert diff < 1e-6, zero
     with pytest.raises(RemoteError, match="after this step's ZeRO-1 reduction"):
-        pool2.run(_versus_ddp, 3, 2, 1)
+        shared_pool2.run(_versus_ddp, 3, 2, 1)
 
 
 def _step_per_bucket_or_not(zero: int, mixed: bool):
@@ -273,11 +261,11 @@ def _step_per_bucket_or_not(zero: int, mixed: bool):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero, mixed", [(0, False), (1, True), (2, False), (3, True)])
-def test_the_step_bucket_by_bucket_is_the_same_step(pool2, zero, mixed):
+def test_the_step_bucket_by_bucket_is_the_same_step(shared_pool2, zero, mixed):
     """Stepping each bucket as its reduction comes in (the CPU default) gives every parameter
     bit for bit what one step after all the reductions gives, at every ZeRO stage, with fp32
     and bf16 compute; the optimizer runs once per bucket, and once when asked not to."""
-    for equal, per_bucket, whole, buckets in pool2.run(_step_per_bucket_or_not, zero, mixed):
+    for equal, per_bucket, whole, buckets in shared_pool2.run(_step_per_bucket_or_not, zero, mixed):
         assert buckets > 2 and equal
         assert (per_bucket, whole) == (buckets, 1)
 
@@ -312,9 +300,9 @@ def _train_with_unused_parameter(zero: int):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [0, 3])
-def test_unused_parameters_do_not_hang(pool2, zero):
+def test_unused_parameters_do_not_hang(shared_pool2, zero):
     """The end-of-backward callback reduces buckets whose parameters got no gradient (zeros)."""
-    assert pool2.run(_train_with_unused_parameter, zero) == [True, True]
+    assert shared_pool2.run(_train_with_unused_parameter, zero) == [True, True]
 
 
 def _assigned_weight_gradients(zero: int):
@@ -342,8 +330,8 @@ def _assigned_weight_gradients(zero: int):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [0, 1, 2])
-def test_gradients_assigned_outside_backward(pool2, zero):
-    assert max(pool2.run(_assigned_weight_gradients, zero)) < 1e-6
+def test_gradients_assigned_outside_backward(shared_pool2, zero):
+    assert max(shared_pool2.run(_assigned_weight_gradients, zero)) < 1e-6
 
 
 def _backward_after_step_without_zero_grad():
@@ -363,8 +351,8 @@ def _backward_after_step_without_zero_grad():
 
 
 @pytest.mark.distributed
-def test_backward_after_step_needs_zero_grad(pool2):
-    for message in pool2.run(_backward_after_step_without_zero_grad):
+def test_backward_after_step_needs_zero_grad(shared_pool2):
+    for message in shared_pool2.run(_backward_after_step_without_zero_grad):
         assert "zero_grad()" in message
 
 
@@ -375,9 +363,9 @@ def _tp_mesh_without_specs():
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_needs_param_specs(pool2):
+def test_tensor_parallel_needs_param_specs(shared_pool2):
     with pytest.raises(RemoteError, match="param_specs are needed"):
-        pool2.run(_tp_mesh_without_specs)
+        shared_pool2.run(_tp_mesh_without_specs)
 
 
 # -- no processes ---------------------------------------------------------------------------------

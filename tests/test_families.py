@@ -26,7 +26,6 @@ import os
 import pytest
 import torch
 
-from autopar.runtime.local_pool import LocalPool
 
 import families_jobs as jobs
 
@@ -42,9 +41,9 @@ else:
                + [(name, DP2_TP2_ZERO3) for name in ("gpt_neox", "vit")] + [("vit", "auto")])
 
 
-def test_families_train_as_one_process():
-    with LocalPool(4, timeout_s=600) as pool:
-        per_rank = pool.run(jobs.train, CONFIGS, timeout_s=1800)
+def test_families_train_as_one_process(shared_pool4):
+    pool = shared_pool4
+    per_rank = pool.run(jobs.train, CONFIGS, timeout_s=1800)
     failures = []
     references = {}
     for k, (name, plan) in enumerate(CONFIGS):

@@ -122,16 +122,15 @@ EP_PLANS = [
 
 
 @pytest.mark.distributed
-def test_expert_parallel_trains_as_one_process(tmp_path):
+def test_expert_parallel_trains_as_one_process(shared_pool4, tmp_path):
     """Every plan of EP_PLANS against one process; then a checkpoint saved at ep 2 resumes at
     ep 1 x tp 2 and at ep 4 with ZeRO-2 to the same losses, transformers loads the safetensors
     it wrote, and a model built on the meta device reads from them only its experts."""
-    from autopar.runtime.local_pool import LocalPool
 
-    with LocalPool(4, timeout_s=300) as pool:
-        per_rank = pool.run(jobs.train, [(name, plan) for name, plan, _ in EP_PLANS],
-                            timeout_s=900)
-        resumed = pool.run(jobs.checkpoint_round_trip, str(tmp_path / "ckpt"), timeout_s=600)
+    pool = shared_pool4
+    per_rank = pool.run(jobs.train, [(name, plan) for name, plan, _ in EP_PLANS],
+                        timeout_s=900)
+    resumed = pool.run(jobs.checkpoint_round_trip, str(tmp_path / "ckpt"), timeout_s=600)
     runs = resumed[0]
     assert runs.pop("meta_read_equal")  # a meta model read its slices of save_pretrained's files
     assert runs.pop("meta_expert_bytes") == 2 * (4 * 192 * 64 + 4 * 64 * 96) * 4 // 2

@@ -189,7 +189,7 @@ def _check_memory(per_rank, k, pins, mixed, what):
                                                                  kind, got, want)
 
 
-def test_every_world4_shape_with_zero_0_to_3(references):
+def test_every_world4_shape_with_zero_0_to_3(shared_pool4, references):
     configs = _world4_configs()
     dp_zero = {(n, p["zero"]) for n, p, _ in configs if p["dp"] > 1}
     assert dp_zero >= {(n, z) for n in MODELS for z in (1, 2, 3)}  # ZeRO that shards something
@@ -207,8 +207,8 @@ def test_every_world4_shape_with_zero_0_to_3(references):
     mixed_refs = {(name, pins["dp"] * pins["num_micro_batches"]):
                   jobs.reference_mixed(name, pins["dp"] * pins["num_micro_batches"])
                   for name, pins, options in configs if options.get("mixed_precision")}
-    with LocalPool(4, timeout_s=600) as pool:
-        per_rank = pool.run(jobs.train, configs, timeout_s=900)
+    pool = shared_pool4
+    per_rank = pool.run(jobs.train, configs, timeout_s=900)
     print("\n".join(f"{r['seconds']:5.1f} s  {n} {p} {o}" for r, (n, p, o) in
                     zip(per_rank[0], configs)))
     for k, (name, pins, options) in enumerate(configs):
@@ -250,18 +250,18 @@ def test_world8_dp2_pp2_tp2(references):
         _check_memory(per_rank, k, pins, False, what)
 
 
-def test_zero3_gathers_one_layer_at_a_time():
+def test_zero3_gathers_one_layer_at_a_time(shared_pool2):
     """ZeRO-3 through parallelize gathers per captured layer (runtime/layer_units.py), not the
     whole stage: on a 6-block GPT at dp=2 the most a rank holds gathered at once is the tied
     embedding / LM head (kept with the stage, as FSDP keeps it in its root), the head's layer,
     the block running and the one prefetched (Rajbhandari et al. 2020's per-layer fetch), about a
     third of the stage; gathering the whole stage would hold all of it."""
-    with LocalPool(2, timeout_s=300) as pool:
-        found = pool.run(jobs.zero_memory, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3))
-        # under compile each layer is compiled on its own, the gathers and frees between them:
-        # the same gathers, the same peak, the same loss
-        compiled = pool.run(jobs.zero_memory, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3),
-                            compile="aot_eager")
+    pool = shared_pool2
+    found = pool.run(jobs.zero_memory, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3))
+    # under compile each layer is compiled on its own, the gathers and frees between them:
+    # the same gathers, the same peak, the same loss
+    compiled = pool.run(jobs.zero_memory, 6, _pins(2, 1, 1, "1f1b", 1, 2, False, 3),
+                        compile="aot_eager")
     for r, c in zip(found, compiled):
         assert (c["peak"], c["gathers"], c["units"]) == (r["peak"], r["gathers"], r["units"])
         assert (c["compiled"], r["compiled"]) == (8, 0)  # pre, 6 blocks, post
@@ -277,10 +277,10 @@ def test_zero3_gathers_one_layer_at_a_time():
     # input side has run and the weight-gradient actions gather layer by layer, on both stages:
     # the first, with no input gradient, splits at the chain above two or more weights
     # (runtime/split_backward.py; it gathered its whole stage for one autograd call before)
-    with LocalPool(2, timeout_s=300) as pool:
-        kept = pool.run(jobs.zero_memory, 6,
-                        _pins(2, 1, 1, "1f1b", 1, 2, False, 3, reshard_after_forward=False))
-        split = pool.run(jobs.zero_memory, 8, _pins(1, 2, 1, "zb-h1", 1, 4, False, 3))
+    pool = shared_pool2
+    kept = pool.run(jobs.zero_memory, 6,
+                    _pins(2, 1, 1, "1f1b", 1, 2, False, 3, reshard_after_forward=False))
+    split = pool.run(jobs.zero_memory, 8, _pins(1, 2, 1, "zb-h1", 1, 4, False, 3))
     for r in split:
         layers = r["layers"]
         block = max(v for k, v in layers.items() if k.startswith("blocks."))
@@ -296,7 +296,7 @@ def test_zero3_gathers_one_layer_at_a_time():
         assert r["loss"] == again["loss"]
 
 
-def test_zero2_and_3_keep_no_full_gradient_between_micro_batches():
+def test_zero2_and_3_keep_no_full_gradient_between_micro_batches(shared_pool2):
     """ZeRO-2/3 reduce-scatter every micro-batch's gradients into the shard, one bucket in flight,
     so the full (unsharded) gradients never all exist at once, as Rajbhandari et al. 2020 count
     ZeRO-2's memory (2P + 14P/N); ZeRO-1 keeps its full buffer across the micro-batches by
@@ -305,9 +305,9 @@ def test_zero2_and_3_keep_no_full_gradient_between_micro_batches():
     gradient elements alive at once stays under a third of the stage's parameters under ZeRO-2
     and 3, and is all of them under ZeRO-1. The three runs give the same loss."""
     runs = {zero: _pins(2, 1, 1, "1f1b", 1, 4, False, zero) for zero in (1, 2, 3)}
-    with LocalPool(2, timeout_s=300) as pool:
-        found = {zero: pool.run(jobs.zero_memory, 6, pins, 0.025)
-                 for zero, pins in runs.items()}
+    pool = shared_pool2
+    found = {zero: pool.run(jobs.zero_memory, 6, pins, 0.025)
+             for zero, pins in runs.items()}
     for zero, per_rank in found.items():
         for r in per_rank:
             # ZeRO-3 buckets follow its units (one per layer); the others the bucket size
@@ -319,8 +319,8 @@ def test_zero2_and_3_keep_no_full_gradient_between_micro_batches():
             assert r["loss"] == pytest.approx(found[1][0]["loss"], rel=1e-6)
 
 
-def test_a_meta_model_trains_from_a_checkpoint_and_initializes_like_one_device(references,
-                                                                             tmp_path):
+def test_a_meta_model_trains_from_a_checkpoint_and_initializes_like_one_device(
+        shared_pool4, references, tmp_path):
     """Initialized: built on meta from seed 0 and parallelized with ``init=`` (no weights
     anywhere), every rank's shards are, to the bit, the values one device holds after the same
     initialization from the same seed (transformers' to_empty + init_weights, or the own GPT's
@@ -353,9 +353,9 @@ def test_a_meta_model_trains_from_a_checkpoint_and_initializes_like_one_device(r
                     ("gpt", _pins(2, 2, 1, "1f1b", 1, 2, False, 3)),
                     ("own_gpt", _pins(1, 4, 1, "1f1b", 1, 4, False, 0)),
                     ("bert", _pins(2, 1, 2, "1f1b", 1, 1, False, 1))]
-    with LocalPool(4, timeout_s=600) as pool:
-        per_rank = pool.run(jobs.train, configs, timeout_s=900)
-        initialized = pool.run(jobs.init_states, init_configs, timeout_s=600)
+    pool = shared_pool4
+    per_rank = pool.run(jobs.train, configs, timeout_s=900)
+    initialized = pool.run(jobs.init_states, init_configs, timeout_s=600)
     for k, (name, pins) in enumerate(init_configs):
         want, rng = jobs.reference_init(name)
         got = initialized[0][k]["state"]
@@ -505,7 +505,7 @@ def test_mixed_precision_computes_the_loss_in_fp32():
     assert abs(got - want) <= 1e-3 * abs(want), (got, want)
 
 
-def test_an_odd_vocabulary_is_padded_and_trains_like_one_process(tmp_path):
+def test_an_odd_vocabulary_is_padded_and_trains_like_one_process(shared_pool2, tmp_path):
     """A vocabulary of 101 (prime: no tp divides it) is padded to a multiple of 128 x tp
     (Megatron-LM's default; passes/pad_vocab.py): under tp 2, with the tied GPT-2 head and with
     LLaMA's untied one (and sequence parallelism), 3 AdamW steps give the single-process losses
@@ -526,10 +526,10 @@ def test_an_odd_vocabulary_is_padded_and_trains_like_one_process(tmp_path):
     save_pins = _pins(1, 1, 2, "1f1b", 1, 2, False, 0)
     load_pins = _pins(2, 1, 1, "1f1b", 1, 1, False, 1)
     root = str(tmp_path / "ckpt")
-    with LocalPool(2, timeout_s=300) as pool:
-        per_rank = pool.run(jobs.train, configs, timeout_s=600)
-        saved = pool.run(ckpt.train_and_save, [("gpt:101", save_pins)], root)[0]
-        resumed = pool.run(ckpt.load_and_continue, [("gpt:101", load_pins)], root)[0]
+    pool = shared_pool2
+    per_rank = pool.run(jobs.train, configs, timeout_s=600)
+    saved = pool.run(ckpt.train_and_save, [("gpt:101", save_pins)], root)[0]
+    resumed = pool.run(ckpt.load_and_continue, [("gpt:101", load_pins)], root)[0]
     for k, (name, pins, _) in enumerate(configs):
         result = per_rank[0][k]
         _compare(result, refs[name], f"{name} {pins}")

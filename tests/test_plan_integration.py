@@ -65,15 +65,14 @@ def test_plan_stages_and_layout_reach_the_json(small_gpt):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_parallelize_builds_the_searched_layout():
+def test_parallelize_builds_the_searched_layout(shared_pool2):
     """autopar.parallelize with tp pinned and the rest searched (2 gloo processes): the program
     it builds has the searched plan's GEMM layout (its TP pass is pinned to it)."""
-    from autopar.runtime.local_pool import LocalPool
 
     import plan_jobs
 
-    with LocalPool(2, timeout_s=240) as pool:
-        per_rank = pool.run(plan_jobs.searched_layout, timeout_s=240)
+    pool = shared_pool2
+    per_rank = pool.run(plan_jobs.searched_layout, timeout_s=240)
     for rank in per_rank:
         assert rank["built"] == rank["planned"] and rank["planned"], rank
         assert rank["stage_method"] == "single stage"

@@ -35,7 +35,6 @@ import random
 import pytest
 
 from autopar.plan_types import ScheduleKind
-from autopar.runtime.local_pool import LocalPool
 from autopar.runtime.schedules import build_schedule
 
 import parallelize_jobs as jobs
@@ -144,41 +143,41 @@ def test_the_sample_covers_every_value_of_every_field():
     assert any("offload" in p for p, _ in drawn)
 
 
-def test_plan_fields_in_combination_train_like_one_process():
+def test_plan_fields_in_combination_train_like_one_process(shared_pool2):
     drawn = sample()
     configs = [(MODEL, pins, dict(mixed_precision=True) if mixed else {})
                for pins, mixed in drawn]
     fp32 = jobs.reference(MODEL)
     mixed_refs = {m: jobs.reference_mixed(MODEL, m)
                   for m in {p["dp"] * p["num_micro_batches"] for p, mixed in drawn if mixed}}
-    with LocalPool(2, timeout_s=300) as pool:
-        # in runs of CHUNK: each run's results (rank 0's whole state per plan) travel back at
-        # once, and torch shares their tensors by file descriptor
-        for first in range(0, len(configs), CHUNK):
-            per_rank = pool.run(jobs.train, configs[first:first + CHUNK], timeout_s=600)
-            for k, (pins, mixed) in enumerate(drawn[first:first + CHUNK]):
-                what = f"{pins} {'bf16' if mixed else 'fp32'}"
-                result = per_rank[0][k]
-                assert len({r[k]["losses"][-1] for r in per_rank}) == 1, what  # one loss
-                schedule = build_schedule(ScheduleKind(pins["schedule"]), pins["pp"],
-                                          pins["num_micro_batches"], pins["virtual_stages"])
-                whole = schedule.splits_backward and pins["recompute"] == "full"
-                for r in per_rank:
-                    # the activations each rank held at once, as the cost model counts them:
-                    # to W, or to I where a recomputed stage runs its whole backward there
-                    pp_rank = r[k]["coordinates"][1]
-                    assert r[k]["peak_held"] == schedule.peak_in_flight(
-                        pp_rank, release_at_input=whole), (what, pp_rank, r[k]["peak_held"])
-                    # a checkpointed block, or an attention core, runs twice per micro-batch:
-                    # its forward and one recompute (under a zero-bubble schedule too)
-                    runs, blocks = r[k]["block_runs"]
-                    regions = {"full": blocks, "selective": r[k]["regions"]}.get(
-                        pins["recompute"], 0)
-                    if pins["recompute"] != "none":
-                        assert regions > 0 and runs == 2 * pins["num_micro_batches"] * regions, \
-                            (what, runs, regions)
-                if mixed:
-                    _compare_mixed(result, mixed_refs[pins["dp"] * pins["num_micro_batches"]],
-                                   fp32, what)
-                else:
-                    _compare(result, fp32, what)
+    pool = shared_pool2
+    # in runs of CHUNK: each run's results (rank 0's whole state per plan) travel back at
+    # once, and torch shares their tensors by file descriptor
+    for first in range(0, len(configs), CHUNK):
+        per_rank = pool.run(jobs.train, configs[first:first + CHUNK], timeout_s=600)
+        for k, (pins, mixed) in enumerate(drawn[first:first + CHUNK]):
+            what = f"{pins} {'bf16' if mixed else 'fp32'}"
+            result = per_rank[0][k]
+            assert len({r[k]["losses"][-1] for r in per_rank}) == 1, what  # one loss
+            schedule = build_schedule(ScheduleKind(pins["schedule"]), pins["pp"],
+                                      pins["num_micro_batches"], pins["virtual_stages"])
+            whole = schedule.splits_backward and pins["recompute"] == "full"
+            for r in per_rank:
+                # the activations each rank held at once, as the cost model counts them:
+                # to W, or to I where a recomputed stage runs its whole backward there
+                pp_rank = r[k]["coordinates"][1]
+                assert r[k]["peak_held"] == schedule.peak_in_flight(
+                    pp_rank, release_at_input=whole), (what, pp_rank, r[k]["peak_held"])
+                # a checkpointed block, or an attention core, runs twice per micro-batch:
+                # its forward and one recompute (under a zero-bubble schedule too)
+                runs, blocks = r[k]["block_runs"]
+                regions = {"full": blocks, "selective": r[k]["regions"]}.get(
+                    pins["recompute"], 0)
+                if pins["recompute"] != "none":
+                    assert regions > 0 and runs == 2 * pins["num_micro_batches"] * regions, \
+                        (what, runs, regions)
+            if mixed:
+                _compare_mixed(result, mixed_refs[pins["dp"] * pins["num_micro_batches"]],
+                               fp32, what)
+            else:
+                _compare(result, fp32, what)

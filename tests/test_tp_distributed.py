@@ -30,13 +30,7 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def pool2():
-    with LocalPool(2, timeout_s=300) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
+def shared_pool4():
     with LocalPool(4, timeout_s=300) as pool:
         yield pool
 
@@ -117,18 +111,18 @@ def _assert_sharded(programs):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_forward_and_backward(world, pool2, pool4):
+def test_collectives_forward_and_backward(world, shared_pool2, shared_pool4):
     """Each TPGroup collective and its backward (Megatron's f and g, all-gather / reduce-scatter
     / all-to-all, the block-interleaved layout of fused QKV, vocab-parallel embedding and
     cross-entropy) against the full computation on one rank: rounding-level agreement."""
-    pool = pool2 if world == 2 else pool4
+    pool = shared_pool2 if world == 2 else shared_pool4
     for rank, errs in enumerate(pool.run(check_collectives, timeout_s=120)):
         assert len(errs) == 25
         bad = {k: v for k, v in errs.items() if v > 1e-5}
         assert not bad, (rank, bad)
 
 
-def test_tp2_matches_single_process(tiny_models, pool2):
+def test_tp2_matches_single_process(tiny_models, shared_pool2):
     """The fixture's models, plus the own GPT with torch's nn.RMSNorm (``aten.rms_norm``, its
     own sharding rule: replicated weight, sequence-split under SP), plus a prefix-sum mixer
     whose ``cumsum`` runs on hidden shards by the strategy borrowed from DTensor."""
@@ -151,11 +145,11 @@ def test_tp2_matches_single_process(tiny_models, pool2):
                     assert got in ({}, {Collective.ALL_GATHER: 1}), got
                 else:
                     assert got == {Collective.ALL_REDUCE: 1}, got
-    results = pool2.run(run_rank_programs, configs, timeout_s=300)
+    results = shared_pool2.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 2)
 
 
-def test_tp4_matches_single_process(tiny_models, pool4):
+def test_tp4_matches_single_process(tiny_models, shared_pool4):
     """tp=4: GPT-2, BERT and the own GPT as in the fixture (4 heads); LLaMA twice: the
     fixture's kv_heads=2 < tp (keys and values cannot be split by head: the search replicates
     or gathers them) and heads=8, kv_heads=4 (grouped-query attention split by kv head)."""
@@ -169,14 +163,14 @@ def test_tp4_matches_single_process(tiny_models, pool4):
                            capture(zm.model, inputs, zm.loss_fn, example_targets=targets))
     configs, programs, refs = _configs(models, 4, with_graph={("bert", True)})
     _assert_sharded(programs)
-    results = pool4.run(run_rank_programs, configs, timeout_s=300)
+    results = shared_pool4.run(run_rank_programs, configs, timeout_s=300)
     _check(results, programs, refs, 4)
     kv4 = programs[("llama_kv4", False)]
     kv_weights = [p.placement for p in kv4.layouts if p.fqn.endswith(("k_proj.weight", "v_proj.weight"))]
     assert kv_weights and all(type(p).__name__ == "Shard" and p.dim == 0 for p in kv_weights)
 
 
-def test_sequence_parallel_keeps_the_shard_of_a_gathered_gemm_input(pool2, pool4):
+def test_sequence_parallel_keeps_the_shard_of_a_gathered_gemm_input(shared_pool2, shared_pool4):
     """Under saved_gathers (active around every stage's forward) the column-parallel GEMMs after
     a sequence-parallel all-gather save this rank's shard, not the gathered input (Korthikanti
     et al. 2022, section 4.2.2): three GEMMs reading it save it three times, each time the
@@ -184,14 +178,14 @@ def test_sequence_parallel_keeps_the_shard_of_a_gathered_gemm_input(pool2, pool4
     are the same as when autograd keeps the gathered tensor (bitwise: the same ops)."""
     from tp_helpers import check_saved_gathers
 
-    for pool in (pool2, pool4):
+    for pool in (shared_pool2, shared_pool4):
         for diff, kept, gathers, shard_bytes in pool.run(check_saved_gathers, timeout_s=120):
             assert diff == 0.0
             assert kept == [shard_bytes] * 3
             assert gathers == 1
 
 
-def test_a_parallelized_model_under_sequence_parallelism_keeps_shards(pool2):
+def test_a_parallelized_model_under_sequence_parallelism_keeps_shards(shared_pool2):
     """Through parallelize and the executor: a 2-block GPT under tp 2 with SP keeps the gathered
     inputs of its column-parallel GEMMs as shards (QKV and FC1 of each block: 4; the search
     splits this small head by rows), as many as the cost model counts, and the loss is the one
@@ -201,8 +195,8 @@ def test_a_parallelized_model_under_sequence_parallelism_keeps_shards(pool2):
     from autopar.planner.model_costs import ModelCosts
     from tp_helpers import count_saved_gathers
 
-    with_sp = pool2.run(count_saved_gathers, True, timeout_s=300)
-    without = pool2.run(count_saved_gathers, False, timeout_s=300)
+    with_sp = shared_pool2.run(count_saved_gathers, True, timeout_s=300)
+    without = shared_pool2.run(count_saved_gathers, False, timeout_s=300)
     assert [k for k, _ in with_sp] == [4, 4], with_sp
     assert [k for k, _ in without] == [0, 0]
     zm = models.build("gpt", dropout=0.0, layers=2, hidden=64, heads=4, vocab=128, seq=32)

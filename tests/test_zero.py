@@ -25,18 +25,6 @@ from dp_harness import (assert_close_mixed_precision, build_model, compare, glob
                         train_and_compare)
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with LocalPool(2, timeout_s=120) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with LocalPool(4, timeout_s=120) as pool:
-        yield pool
-
-
 # -- memory ---------------------------------------------------------------------------------------
 def _measure_memory(zero: int, shard_size: int | None, grad_dtype: torch.dtype):
     from examples.gpt import GPT, GPTConfig, gpt_loss
@@ -76,8 +64,8 @@ def _formula(zero: int, n: int, num_params: int, grad_bytes: int) -> dict[str, f
     (0, None, torch.bfloat16), (1, None, torch.bfloat16), (2, None, torch.bfloat16),
     (3, None, torch.bfloat16), (1, 2, torch.bfloat16), (2, 2, torch.bfloat16),
     (3, 2, torch.bfloat16), (1, None, torch.float32), (3, None, torch.float32)])
-def test_memory_matches_mission_formulas(pool4, zero, shard_size, grad_dtype):
-    results = pool4.run(_measure_memory, zero, shard_size, grad_dtype)
+def test_memory_matches_mission_formulas(shared_pool4, zero, shard_size, grad_dtype):
+    results = shared_pool4.run(_measure_memory, zero, shard_size, grad_dtype)
     grad_bytes = torch.tensor([], dtype=grad_dtype).element_size()
     for num_params, report, module_bytes, n in results:
         assert n == (shard_size or 4)
@@ -100,22 +88,22 @@ def test_memory_matches_mission_formulas(pool4, zero, shard_size, grad_dtype):
 @pytest.mark.parametrize("family,zero,shard_size", [
     ("own_gpt", 0, None), ("own_gpt", 3, None), ("gpt", 1, None), ("gpt", 2, None),
     ("llama", 0, None), ("llama", 3, None), ("llama", 3, 2)])
-def test_mixed_precision_matches_single_process(pool4, family, zero, shard_size):
+def test_mixed_precision_matches_single_process(shared_pool4, family, zero, shard_size):
     """bf16 compute, fp32 master weights, fp32 gradient accumulation and reduction."""
-    out = pool4.run(train_and_compare, family, zero=zero, shard_size=shard_size,
+    out = shared_pool4.run(train_and_compare, family, zero=zero, shard_size=shard_size,
                     mp=MixedPrecision(), micro_batches=2 if zero == 2 else 1)[0]
     assert_close_mixed_precision(out)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [0, 2, 3])
-def test_bf16_gradient_reduction(pool4, zero):
+def test_bf16_gradient_reduction(shared_pool4, zero):
     """Gradients reduced in bf16 (the 16-bytes-per-parameter setting). A bf16 sum of 4 terms in
     another order than the reference's fp32 accumulation errs by up to ~3 bf16 ulps (2^-8 each)
     per element; SGD passes that on linearly, so the parameter update agrees with the
     single-process run to a few percent in L2 (measured ~0.4%; a missing or double-counted rank
     would be off by 25% or more)."""
-    out = pool4.run(train_and_compare, "gpt", zero=zero, optimizer="sgd",
+    out = shared_pool4.run(train_and_compare, "gpt", zero=zero, optimizer="sgd",
                     mp=MixedPrecision(grad_dtype=torch.bfloat16))[0]
     assert out["param_dtypes"] == ["torch.bfloat16"]
     assert out["rel_l2_vs_split"] < 0.03, out
@@ -154,11 +142,11 @@ def _versus_fsdp2(mixed: bool, steps: int = 3):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-def test_zero3_matches_torch_fsdp2(pool2, mixed):
+def test_zero3_matches_torch_fsdp2(shared_pool2, mixed):
     """fully_shard per block + root, SGD: the same parameters as our ZeRO-3. In bf16 both gather
     bf16 copies of the fp32 master, compute in bf16 and reduce fp32 gradients, so they agree to
     fp32 rounding too."""
-    for diff, _ in pool2.run(_versus_fsdp2, mixed):
+    for diff, _ in shared_pool2.run(_versus_fsdp2, mixed):
         assert diff < 1e-6
 
 
@@ -199,12 +187,12 @@ def _prefetch_against_none(steps: int = 3):
     return out
 
 
-def test_zero3_prefetch_changes_timing_not_numbers(pool2):
+def test_zero3_prefetch_changes_timing_not_numbers(shared_pool2):
     """With prefetch (the default), entering a unit launches the gather of the unit that ran
     after it, in forward and in backward, from the second step on (the order is learnt in the
     first): the parameters after every step equal the run without prefetch bit for bit, and one
     unit more than without prefetch is gathered at a unit's entry (the next one)."""
-    for r in pool2.run(_prefetch_against_none):
+    for r in shared_pool2.run(_prefetch_against_none):
         assert r[True]["units"] == 3
         for got, want in zip(r[True]["states"], r[False]["states"]):
             assert got.keys() == want.keys()
@@ -235,8 +223,8 @@ def _zero1_second_sync():
 
 
 @pytest.mark.distributed
-def test_zero1_rejects_a_second_reduction_per_step(pool2):
-    for message in pool2.run(_zero1_second_sync):
+def test_zero1_rejects_a_second_reduction_per_step(shared_pool2):
+    for message in shared_pool2.run(_zero1_second_sync):
         assert "no_sync()" in message
 
 
@@ -248,9 +236,9 @@ def _non_elementwise_optimizer_under_zero():
 
 
 @pytest.mark.distributed
-def test_non_elementwise_optimizer_is_refused_under_sharding(pool2):
+def test_non_elementwise_optimizer_is_refused_under_sharding(shared_pool2):
     with pytest.raises(RemoteError, match="Adafactor cannot run on ZeRO shards"):
-        pool2.run(_non_elementwise_optimizer_under_zero)
+        shared_pool2.run(_non_elementwise_optimizer_under_zero)
 
 
 def _one_rank_skips_the_step():
@@ -316,14 +304,14 @@ def _train_save_or_resume(path: str, zero: int, shard_size, resume: bool, bucket
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("save_zero,save_shard,load_zero", [(2, 2, 3), (3, None, 1), (0, None, 2)])
-def test_checkpoint_reshards_across_dp_sizes(pool4, pool2, tmp_path, save_zero, save_shard,
+def test_checkpoint_reshards_across_dp_sizes(shared_pool4, shared_pool2, tmp_path, save_zero, save_shard,
                                              load_zero):
     """Parameters and AdamW state saved by 4 ranks load into 2 ranks with another ZeRO stage and
     bucket size: the parameters come back bit for bit, and the resumed third step lands where
     the uninterrupted single-process run does (1e-5: see dp_harness)."""
     path = str(tmp_path / "ckpt")
-    _, saved, _ = pool4.run(_train_save_or_resume, path, save_zero, save_shard, False, 0.05)[0]
-    loaded, final, want = pool2.run(_train_save_or_resume, path, load_zero, None, True, 0.2)[0]
+    _, saved, _ = shared_pool4.run(_train_save_or_resume, path, save_zero, save_shard, False, 0.05)[0]
+    loaded, final, want = shared_pool2.run(_train_save_or_resume, path, load_zero, None, True, 0.2)[0]
     assert compare(loaded, saved)[0] == 0.0
     diff, frac = compare(final, want)
     assert diff < 1e-5 and frac < 1e-3
