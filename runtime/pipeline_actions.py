@@ -123,7 +123,8 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if type(self.kind) is not ActionKind:  # a kind's letter; Enum's lookup costs 1.5 us
+            object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.stage < 0 or self.microbatch < 0:
             raise ScheduleError(f"action {self.stage}{self.kind.value}{self.microbatch} has a "
                                 f"negative index", expected="stage >= 0 and micro-batch >= 0")
@@ -340,14 +341,29 @@ class PipelineSchedule:
                     streams.setdefault(key, []).append(g)
                     groups.append((rank, len(mine), ends))
             computes.append(mine)
+        # Event-driven: a stream is tried again when its rank's computes advance, when the
+        # group holding one of its head's messages' other end starts, and when its own head
+        # completes; a rank's computes when one of its groups completes. Each try moves as far
+        # as it can, so the work is linear in the actions (a rescan of every stream and rank
+        # until nothing moved took 1.2 s for 1F1B at p = 64, m = 256). The times are maxima
+        # over a fixed graph of waits: the order of the tries does not change them.
+        key_of = [None] * len(groups)
+        for key, queue in streams.items():
+            for g in queue:
+                key_of[g] = key
+        rank_streams: dict[int, list[tuple]] = {}
+        for key, queue in streams.items():
+            rank_streams.setdefault(groups[queue[0]][0], []).append(key)
         ended: list[list[float]] = [[] for _ in computes]  # each rank's computes' end times
         start: dict[int, float] = {}
         complete: dict[int, float] = {}
         heads = {key: 0 for key in streams}
-        moved = True
-        while moved:
-            moved = False
-            for key, queue in streams.items():
+        todo: list[tuple] = [("stream", key) for key in streams] + \
+            [("rank", r) for r in range(len(computes))]
+        while todo:
+            what, item = todo.pop()
+            if what == "stream":
+                key, queue = item, streams[item]
                 free = complete[queue[heads[key] - 1]] if heads[key] else 0.0
                 while heads[key] < len(queue):
                     g = queue[heads[key]]
@@ -356,7 +372,10 @@ class PipelineSchedule:
                         if len(ended[rank]) < before:
                             break
                         start[g] = max(free, ended[rank][before - 1] if before else 0.0)
-                        moved = True
+                        for (link, n, is_send), _, _ in ends:  # their other ends may complete
+                            other = home.get((link, n, not is_send))
+                            if other is not None and key_of[other] != key:
+                                todo.append(("stream", key_of[other]))
                     finish = start[g]
                     for (link, n, is_send), seconds, _ in ends:
                         other = start.get(home.get((link, n, not is_send), -1))
@@ -366,11 +385,12 @@ class PipelineSchedule:
                     else:
                         free = complete[g] = finish
                         heads[key] += 1
-                        moved = True
+                        todo.append(("rank", rank))
                         continue
                     break
-            for rank, mine in enumerate(computes):
-                done = ended[rank]
+            else:
+                rank, mine, done = item, computes[item], ended[item]
+                ran = False
                 while len(done) < len(mine):
                     a, receive, seconds = mine[len(done)]
                     if receive is not None and receive not in complete:
@@ -378,7 +398,9 @@ class PipelineSchedule:
                     begin = max(done[-1] if done else 0.0,
                                 complete[receive] if receive is not None else 0.0)
                     done.append(begin + seconds)
-                    moved = True
+                    ran = True
+                if ran:
+                    todo.extend(("stream", key) for key in rank_streams.get(rank, ()))
         stuck = []
         for rank, mine in enumerate(computes):
             waiting = [" ".join(str(a) for _, _, a in groups[q[heads[key]]][2])
