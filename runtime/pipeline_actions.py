@@ -344,10 +344,10 @@ class PipelineSchedule:
         # Event-driven: a stream is tried again when its rank's computes advance, when the
         # group holding one of its head's messages' other end starts, and when its own head
         # completes; a rank's computes when one of its groups completes. Each try moves as far
-        # as it can, so the work is linear in the actions (a rescan of every stream and rank
-        # until nothing moved took 1.2 s for 1F1B at p = 64, m = 256). The times are maxima
-        # over a fixed graph of waits: the order of the tries does not change them.
-        key_of = [None] * len(groups)
+        # as it can, so the work is linear in the actions (where rescanning every stream and
+        # rank until nothing moved was not). The times are maxima over a fixed graph of waits:
+        # the order of the tries does not change them.
+        key_of: list[tuple] = [()] * len(groups)
         for key, queue in streams.items():
             for g in queue:
                 key_of[g] = key
@@ -378,10 +378,10 @@ class PipelineSchedule:
                                 todo.append(("stream", key_of[other]))
                     finish = start[g]
                     for (link, n, is_send), seconds, _ in ends:
-                        other = start.get(home.get((link, n, not is_send), -1))
-                        if other is None:
+                        began = start.get(home.get((link, n, not is_send), -1))
+                        if began is None:
                             break
-                        finish = max(finish, max(start[g], other) + seconds)
+                        finish = max(finish, max(start[g], began) + seconds)
                     else:
                         free = complete[g] = finish
                         heads[key] += 1
