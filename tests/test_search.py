@@ -61,10 +61,14 @@ def test_branch_and_bound_equals_exhaustive(costs, name, cluster, n, batch, seq)
     assert full.evaluated > fast.evaluated or fast.pruned["bound"] == 0
     # and exhaustive search is the minimum over every candidate, priced one by one
     priced = [cm.evaluate(c) for c in enumerate_candidates(cm)]
-    # the per-candidate bound the search prunes with never exceeds the first pass's price
+    # the per-candidate bound the search prunes with never exceeds the first pass's price, nor
+    # the memory floor its screen skips with the busiest rank's peak
     for e in priced:
         if e.prediction is not None:
             assert cm.lower_bound(e.candidate) <= e.prediction.step_time_s * (1 + 1e-12), e
+        if e.ranks:
+            peak = max(r.total for r in e.ranks)
+            assert cm.memory_floor(e.candidate) <= peak * (1 + 1e-12), (e.candidate, peak)
     feasible = [e for e in priced if e.feasible]
     best = min(feasible, key=lambda e: (e.step_time_s, e.candidate.key()))
     assert full.best.candidate == best.candidate
@@ -177,6 +181,28 @@ def test_memory_decides_on_a_small_device(costs):
     assert result.pruned["memory"] > 0
     assert result.best.prediction.peak_memory_bytes <= 4 * 2**30
     assert any("GiB usable" in reason for _, reason in result.infeasible_examples)
+
+
+@pytest.mark.parametrize("offload", [None, "none"])
+def test_the_memory_screen_changes_nothing_but_the_candidates_priced(costs, monkeypatch, offload):
+    """The first pass skips a candidate whose memory floor (sums over the whole model, no stage
+    cut) is over the device before pricing it; on a small device where memory decides, the
+    search finds the same plans, best per mesh, prune counts and examples as pricing every
+    candidate, offload searched or not."""
+    import autopar.planner.search as search_module
+
+    cm = CostModel(costs["gpt2-small"], small_gpu(2).with_devices(16), TrainingSetup(64, 1024))
+    space = SearchSpace(offload=offload)
+    screened = search(cm, space, top_k=5)
+    monkeypatch.setattr(search_module._Pricing, "_over_memory", lambda self, c, found: False)
+    priced = search(cm, space, top_k=5)
+    assert screened.evaluated < priced.evaluated
+    assert screened.pruned == priced.pruned and screened.pruned["memory"] > 0
+    assert screened.infeasible_examples == priced.infeasible_examples
+    for a, b in zip((screened.best, *screened.alternatives, *screened.best_per_mesh),
+                    (priced.best, *priced.alternatives, *priced.best_per_mesh), strict=True):
+        assert (a.candidate, a.step_time_s, a.prediction) == (b.candidate, b.step_time_s,
+                                                             b.prediction)
 
 
 def test_finalists_are_cut_by_the_stage_ilp_and_timed_by_the_runtime_simulator(costs):

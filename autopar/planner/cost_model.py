@@ -109,6 +109,7 @@ class CostModel:
         self._layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
         self._ahead_cache: dict[tuple, tuple[int, ...]] = {}
+        self._fewest_cache: dict[tuple, float] = {}
         self._check_cache: dict[tuple, str | None] = {}
         self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
         # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
@@ -651,6 +652,37 @@ class CostModel:
             ahead = self._ahead_cache[key] = tuple(
                 spec.receives_ahead(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
         return ahead
+
+    def memory_floor(self, c: Candidate) -> float | None:
+        """Bytes below which the busiest pipeline rank of ``c`` cannot peak, from sums over the
+        whole model (no stage cut): its ranks' model states and in-flight activations, averaged
+        over the p ranks, bound the busiest one's (the peak adds buffers, working memory and the
+        optimizer step's temporary on top). With S the states of every layer on one tp rank (a
+        tied table once), A one micro-batch's activations of every layer and f the fewest
+        micro-batches any rank keeps in flight: max_r (S_r + f_r A_r) >= (S + f A) / p.
+        None for a model with experts (their shards span dp / ep ranks)."""
+        if self.model.num_experts:
+            return None
+        table = self.sums.table(c)
+        layers = len(table.costs)
+        params = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c), c.tp, c.ep)[0]
+        w, g, o = STATE_BYTES[self.setup.dtype]
+        o = offloaded_state_bytes(o, c.offload, self.cluster.host_link_bandwidth > 0)
+        n = c.dp * c.cp
+        per_param = (w / (n if c.zero >= 3 else 1) + g / (n if c.zero >= 2 else 1)
+                     + o / (n if c.zero >= 1 else 1))
+        m = self.setup.global_batch // (c.dp * c.micro_batch_size)
+        if c.schedule.spec.splits_backward and c.recompute is RecomputeKind.FULL:
+            # its stages may free their activations at I (:meth:`_rank_activations`), which
+            # only the action lists count (seconds each): the states alone bound it
+            fewest = 0.0
+        else:
+            key = (c.schedule, c.pp, c.virtual_stages, m)
+            fewest = self._fewest_cache.get(key)
+            if fewest is None:
+                fewest = self._fewest_cache[key] = min(
+                    c.schedule.spec.in_flight(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
+        return (params * per_param + fewest * table.prefix[5][-1]) / c.pp
 
     def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
         """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in
