@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from autopar.errors import ScheduleError
@@ -157,6 +157,10 @@ class PipelineSchedule:
     ranks: tuple[tuple[Action, ...], ...]
     num_microbatches: int
     kind: ScheduleKind | None = None
+    #: :attr:`stage_to_rank`, found on first use (a scan of every action: the planner asks it
+    #: per rank of each schedule it prices, 176 million dictionary lookups for a 1T GPT's
+    #: plan when it was not kept)
+    _owners: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in actions)
@@ -178,11 +182,13 @@ class PipelineSchedule:
 
     @property
     def stage_to_rank(self) -> tuple[int, ...]:
-        owner: dict[int, int] = {}
-        for rank, actions in enumerate(self.ranks):
-            for a in actions:
-                owner.setdefault(a.stage, rank)
-        return tuple(owner[s] for s in range(len(owner)))
+        if not self._owners:
+            owner: dict[int, int] = {}
+            for rank, actions in enumerate(self.ranks):
+                for a in actions:
+                    owner.setdefault(a.stage, rank)
+            object.__setattr__(self, "_owners", tuple(owner[s] for s in range(len(owner))))
+        return self._owners
 
     @property
     def num_stages(self) -> int:
