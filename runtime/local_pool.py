@@ -99,9 +99,10 @@ def _preload() -> list[str]:
 
 def _context() -> Any:
     """Workers forked from a server that preloaded :data:`PRELOAD` and the modules named in
-    :data:`PRELOAD_ENV` (``forkserver``, where the platform has it; a module that does not import
-    is skipped there and imported by the worker that needs it), else spawned. Either way each starts clean: a fresh CUDA state, no
-    inherited threads or process groups, the parent's main module imported anew."""
+    :data:`PRELOAD_ENV` (``forkserver``, where the platform has it; a module that does not
+    import is skipped there and imported by the worker that needs it), else spawned. Either way
+    each starts clean: a fresh CUDA state, no inherited threads or process groups, the parent's
+    main module imported anew."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_preload())

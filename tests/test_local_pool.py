@@ -88,6 +88,25 @@ def test_pools_start_in_a_blink_and_see_the_parents_environment_of_their_start(m
         assert pool.run(_environment, "AUTOPAR_POOL_PROBE") == [(None, 1)] * 2
 
 
+def _imported(names):
+    import sys
+
+    return [name in sys.modules for name in names]
+
+
+def test_workers_fork_with_the_preloaded_modules_imported():
+    """The forkserver imports PRELOAD (dynamo and export: every capture needs them) and what
+    $AUTOPAR_POOL_PRELOAD names (tests/conftest.py: transformers' GPT-2, LLaMA and BERT, ~1.5 s
+    of CPU per worker each pool would repeat), so a job finds them imported."""
+    from autopar.runtime import local_pool
+
+    names = ["torch._dynamo", "transformers.models.gpt2.modeling_gpt2"]
+    assert names[1] in os.environ[local_pool.PRELOAD_ENV].split(",")
+    assert all(n in local_pool.PRELOAD for n in ("torch._dynamo", "torch.export"))
+    with LocalPool(2, timeout_s=60) as pool:
+        assert pool.run(_imported, names) == [[True, True]] * 2
+
+
 def test_jobs_share_one_group():
     with LocalPool(2, timeout_s=60) as pool:
         assert pool.run(_all_reduce_rank) == [1.0, 1.0]

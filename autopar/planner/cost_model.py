@@ -688,7 +688,8 @@ class CostModel:
             if fewest is None:
                 fewest = self._fewest_cache[key] = min(
                     c.schedule.spec.in_flight(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
-        return (params * per_param + fewest * table.prefix[5][-1]) / c.pp
+        activations = table.prefix[5][-1]  # the A column (StageSums.table) over every layer
+        return (params * per_param + fewest * activations) / c.pp
 
     def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
         """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in
