@@ -299,6 +299,9 @@ def test_cost_model_divides_the_experts_by_ep():
             c = Candidate(8, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, zero,
                           False, ep=ep)
             r = cm.evaluate(c).ranks[0]
+            # the search's memory floor (one pipeline rank): these states, plus activations
+            # no more than the rank's peak holds
+            assert r.states * (1 - 1e-12) <= cm.memory_floor(c) <= r.total * (1 + 1e-12)
             held = dense + experts / ep
             if zero == 0:
                 want = (w * held, g * held, o * held)

@@ -62,8 +62,8 @@ from autopar.planner.layer_costs import BIAS_OP, LayerCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
-from autopar.planner.memory import (STATE_BYTES, RankMemory, offloaded_state_bytes,
-                                    optimizer_step_bytes, peak_rank_memory, rank_memory)
+from autopar.planner.memory import (STATE_BYTES, RankMemory, optimizer_step_bytes,
+                                    peak_rank_memory, rank_memory, sharded_state_bytes)
 from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
 from autopar.planner.schedule_model import (PipelineTime, PipelineWork, backward_whole_at_input,
@@ -421,16 +421,14 @@ class CostModel:
         largest = 0.0
         # while one layer's backward runs: its rematerialized block and transients
         working = max(self.sums.table(c).working, default=0.0)
-        w_bytes, g_bytes, o_bytes = STATE_BYTES[self.setup.dtype]
+        w_bytes, g_bytes, _ = STATE_BYTES[self.setup.dtype]
         separate_host = self.cluster.host_link_bandwidth > 0
-        o_bytes = offloaded_state_bytes(o_bytes, c.offload, separate_host)
         n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
-        per_param = (w_bytes / (n if c.zero >= 3 else 1) + g_bytes / (n if c.zero >= 2
-                     else 1) + o_bytes / (n if c.zero >= 1 else 1))
+        per_param = sum(sharded_state_bytes(self.setup.dtype, c.zero, n, c.offload,
+                                            separate_host))
         # an expert's states shard over the dp / ep ranks holding it: priced as dense ones
-        ne = max(n // c.ep, 1)
-        per_expert = (w_bytes / (ne if c.zero >= 3 else 1) + g_bytes / (ne if c.zero >= 2
-                      else 1) + o_bytes / (ne if c.zero >= 1 else 1))
+        per_expert = sum(sharded_state_bytes(self.setup.dtype, c.zero, max(n // c.ep, 1),
+                                             c.offload, separate_host))
         for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
             if backward_whole_at_input(c.schedule.spec.splits_backward,
                                        c.recompute is RecomputeKind.FULL, self.sums.is_block[i]):
@@ -659,24 +657,25 @@ class CostModel:
                 spec.receives_ahead(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
         return ahead
 
-    def memory_floor(self, c: Candidate) -> float | None:
+    def memory_floor(self, c: Candidate) -> float:
         """Bytes below which the busiest pipeline rank of ``c`` cannot peak, from sums over the
         whole model (no stage cut): its ranks' model states and in-flight activations, averaged
         over the p ranks, bound the busiest one's (the peak adds buffers, working memory and the
         optimizer step's temporary on top). With S the states of every layer on one tp rank (a
-        tied table once), A one micro-batch's activations of every layer and f the fewest
-        micro-batches any rank keeps in flight: max_r (S_r + f_r A_r) >= (S + f A) / p.
-        None for a model with experts (their shards span dp / ep ranks)."""
-        if self.model.num_experts:
-            return None
+        tied table once; experts over ep, their ZeRO shards over the dp / ep ranks holding
+        them), A one micro-batch's activations of every layer and f the fewest micro-batches any
+        rank keeps in flight: max_r (S_r + f_r A_r) >= (S + f A) / p."""
         table = self.sums.table(c)
         layers = len(table.costs)
-        params = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c), c.tp, c.ep)[0]
-        w, g, o = STATE_BYTES[self.setup.dtype]
-        o = offloaded_state_bytes(o, c.offload, self.cluster.host_link_bandwidth > 0)
+        held, _, experts, _ = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c),
+                                                    c.tp, c.ep)
+        separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp
-        per_param = (w / (n if c.zero >= 3 else 1) + g / (n if c.zero >= 2 else 1)
-                     + o / (n if c.zero >= 1 else 1))
+        states = ((held - experts) * sum(sharded_state_bytes(self.setup.dtype, c.zero, n,
+                                                            c.offload, separate_host))
+                  + experts * sum(sharded_state_bytes(self.setup.dtype, c.zero,
+                                                      max(n // c.ep, 1), c.offload,
+                                                      separate_host)))
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         if c.schedule.spec.splits_backward and c.recompute is RecomputeKind.FULL:
             # its stages may free their activations at I (:meth:`_rank_activations`), which
@@ -689,7 +688,7 @@ class CostModel:
                 fewest = self._fewest_cache[key] = min(
                     c.schedule.spec.in_flight(c.pp, c.virtual_stages, m, r) for r in range(c.pp))
         activations = table.prefix[5][-1]  # the A column (StageSums.table) over every layer
-        return (params * per_param + fewest * activations) / c.pp
+        return (states + fewest * activations) / c.pp
 
     def _rank_activations(self, c: Candidate, m: int, st: Staging) -> list[float]:
         """Activation bytes of each pipeline rank: the micro-batches its schedule keeps in

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
 
 __all__ = ["STATE_BYTES", "ModelStateBytes", "model_state_bytes", "offloaded_state_bytes",
+           "sharded_state_bytes",
            "optimizer_step_bytes", "RankMemory", "rank_memory", "peak_rank_memory"]
 
 #: bytes per parameter (weights, gradients, optimizer states) by training precision (bf16: the
@@ -80,6 +81,18 @@ def offloaded_state_bytes(optimizer_bytes: float, offload: str, separate_host: b
     if separate_host:
         return 0.0
     return optimizer_bytes if offload == "optimizer" else optimizer_bytes - MOMENT_BYTES
+
+
+def sharded_state_bytes(dtype: str, zero: int, shards: int, offload: str, separate_host: bool
+                        ) -> tuple[float, float, float]:
+    """Bytes per parameter one rank keeps of its (weights, gradients, optimizer state) at ZeRO
+    stage ``zero`` over ``shards`` ranks (stage 1 shards the optimizer state, 2 also the
+    gradients, 3 also the weights), with the optimizer state ``offload`` leaves on the device
+    (:func:`offloaded_state_bytes`)."""
+    w, g, full_o = STATE_BYTES[dtype]
+    o = offloaded_state_bytes(full_o, offload, separate_host)
+    return (w / (shards if zero >= 3 else 1), g / (shards if zero >= 2 else 1),
+            o / (shards if zero >= 1 else 1))
 
 
 #: Bytes per stepped parameter of the master weights the optimizer updates (fp32 in every
@@ -171,17 +184,12 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
                  ) -> Iterator[tuple[float, ...]]:
     """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
     bytes, as :func:`rank_memory` documents them."""
-    w_bytes, g_bytes, full_o_bytes = STATE_BYTES[dtype]
-    o_bytes = offloaded_state_bytes(full_o_bytes, c.offload, separate_host)
+    w_bytes, g_bytes, _ = STATE_BYTES[dtype]
     n = c.dp * c.cp  # replicas
     zero = c.zero
-    w_per = w_bytes / (n if zero >= 3 else 1)
-    g_per = g_bytes / (n if zero >= 2 else 1)
-    o_per = o_bytes / (n if zero >= 1 else 1)
+    w_per, g_per, o_per = sharded_state_bytes(dtype, zero, n, c.offload, separate_host)
     ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
-    w_ex = w_bytes / (ne if zero >= 3 else 1)
-    g_ex = g_bytes / (ne if zero >= 2 else 1)
-    o_ex = o_bytes / (ne if zero >= 1 else 1)
+    w_ex, g_ex, o_ex = sharded_state_bytes(dtype, zero, ne, c.offload, separate_host)
     gathered = zero == 3 and not c.reshard_after_forward
     for r, (rs, acts) in enumerate(zip(ranks, activations)):
         if gathered:

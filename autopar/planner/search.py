@@ -488,13 +488,12 @@ class _Pricing:
         cm = self.cm
         usable = cm.cluster.device.usable_memory_bytes
         floor = cm.memory_floor(c)
-        if floor is None or floor <= usable or floor < _peak(leanest):
+        if floor <= usable or floor < _peak(leanest):
             return False
         if self.space.offload is None:
             for where in OFFLOAD_ORDER[1:]:
                 if where in self.space.offload_choices and cm.offload_problem(where) is None:
-                    lighter = cm.memory_floor(c._replace(offload=where))
-                    if lighter is None or lighter <= usable:
+                    if cm.memory_floor(c._replace(offload=where)) <= usable:
                         return False
         return True
 
