@@ -133,12 +133,8 @@ def model_state_bytes(params: float, dp: int, zero: int, dtype: str) -> ModelSta
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    w, g, o = STATE_BYTES[dtype]
-    return ModelStateBytes(
-        weights=w * params / (dp if zero >= 3 else 1),
-        gradients=g * params / (dp if zero >= 2 else 1),
-        optimizer=o * params / (dp if zero >= 1 else 1),
-    )
+    w, g, o = sharded_state_bytes(dtype, zero, dp, "none", False)
+    return ModelStateBytes(weights=w * params, gradients=g * params, optimizer=o * params)
 
 
 @dataclass(frozen=True, slots=True)
