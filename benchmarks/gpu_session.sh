@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks still open (#18: predictions against a calibrated file, full recompute's and
 # the launches' host prices; #20: MFU, the offloaded optimizer on a GPU, the gradient hooks'
-# host time), as one command for a lent one-GPU machine: ~8 minutes, each step under its own
+# host time, NCCL's waits on the stream), as one command for a lent one-GPU machine: ~8 minutes, each step under its own
 # timeout so that one that hangs leaves the others' results.
 #
 # On a development machine (registry reachable), once: the wheels the GPU image lacks (it holds
@@ -17,7 +17,8 @@
 # What comes back under $OUT (at most 8 files): calibrated.json (`autopar calibrate --device
 # cuda`), step.json (MFU, autopar against eager and compiled eager, predicted by the preset and
 # the calibrated file, a host profile), recompute.json, offload.json, memory.json (predicted
-# against torch.cuda.max_memory_allocated), session.log. `--dry-run` prints the steps and checks
+# against torch.cuda.max_memory_allocated), nccl-wait.json (the host's wait on a NCCL collective
+# with a timeout against autopar's stream wait), session.log. `--dry-run` prints the steps and checks
 # that every script takes the options given (on any machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,8 @@ CAL="$OUT/calibrated.json"
 
 # seconds, then the command; the step's output goes to the log and to the terminal
 STEPS=(
-    "100 $PY -m autopar calibrate --device cuda --out $CAL"
+    "90 $PY -m autopar calibrate --device cuda --out $CAL"
+    "30 $PY benchmarks/nccl_wait.py --json $OUT/nccl-wait.json"
     "200 $PY benchmarks/gpu_step.py --steps 10 --rounds 3 --compile autopar --host-profile 3 --cluster $CAL --json $OUT/step.json"
     "90 $PY benchmarks/gpu_step.py --steps 3 --rounds 2 --recompute full --cluster $CAL --json $OUT/recompute.json"
     "60 $PY benchmarks/gpu_step.py --steps 2 --rounds 1 --offload optimizer --host-profile 1 --cluster $CAL --json $OUT/offload.json"

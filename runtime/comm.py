@@ -13,9 +13,21 @@ killed) makes the wait fail; the failure becomes a
 - the collective and its tensor.
 
 So every rank of a job whose peer died or hangs exits with a named error within the timeout,
-never a hang. (NCCL: ``work.wait`` returns once the kernel is queued; a stuck NCCL collective is
-caught by the process group's own timeout, set to the same value, whose watchdog aborts the
-process.)
+never a hang.
+
+NCCL is waited on the stream, not on the host (:func:`set_stream_waits`, which
+:class:`~autopar.runtime.mesh.ParallelMesh` turns on when the job's backend is NCCL): ``wait_work``
+calls ``work.wait()`` with no timeout, which orders the current CUDA stream after the collective
+and returns at once, so the host keeps queueing kernels while the collective runs, as
+Megatron-LM's and torchtitan's collectives do. Given a timeout, ``ProcessGroupNCCL``'s
+``wait`` instead blocks the host until the collective has *finished*, polling every millisecond
+(pytorch/pytorch#100162, torch >= 2.1: ``if (blockingWait_ || timeout != kNoTimeout)`` in
+``WorkNCCL::synchronizeInternal``): every tensor-parallel all-reduce, pipeline receive and
+ZeRO gather would then drain the GPU's queue and leave it idle while the host launches the next
+kernels. A stuck NCCL collective is caught by the process group's own timeout, set to the same
+value (runtime/mesh.py), whose watchdog aborts the process; with ``TORCH_NCCL_BLOCKING_WAIT=1``
+torch's ``wait`` blocks the host and raises at that timeout instead, which :func:`wait_work` turns
+into the named error (the price: the host-blocking waits above).
 """
 
 from __future__ import annotations
@@ -28,12 +40,14 @@ from typing import Any, Callable, Iterator
 from autopar.errors import CommunicationTimeoutError
 
 __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default_timeout",
-           "default_timeout", "DEFAULT_TIMEOUT_S", "note_failure", "failure_count"]
+           "default_timeout", "set_stream_waits", "stream_waits", "DEFAULT_TIMEOUT_S",
+           "note_failure", "failure_count"]
 
 #: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 300.0
 
-_state: dict[str, Any] = {"rank": "", "activity": "", "timeout": None, "failures": 0}
+_state: dict[str, Any] = {"rank": "", "activity": "", "timeout": None, "failures": 0,
+                          "stream_waits": False}
 
 
 def note_failure() -> None:
@@ -58,6 +72,19 @@ def default_timeout() -> timedelta:
 
 def set_default_timeout(timeout: timedelta | float | None) -> None:
     _state["timeout"] = _as_timedelta(timeout) if timeout is not None else None
+
+
+def set_stream_waits(on: bool) -> None:
+    """Wait on collectives by ordering the current stream after them (``work.wait()``, no
+    timeout: NCCL's asynchronous wait) rather than by blocking the host until they finish
+    (``work.wait(timeout)``: what gloo, whose collectives run on the host, needs for a
+    deadline). See the module docstring."""
+    _state["stream_waits"] = bool(on)
+
+
+def stream_waits() -> bool:
+    """Whether :func:`wait_work` waits on the stream (:func:`set_stream_waits`)."""
+    return bool(_state["stream_waits"])
 
 
 def set_rank_label(label: str) -> None:
@@ -103,7 +130,10 @@ def wait_work(work: Any, what: str, timeout: timedelta | float | None = None) ->
         return
     limit = _as_timedelta(timeout) if timeout is not None else default_timeout()
     try:
-        work.wait(limit)
+        if _state["stream_waits"]:
+            work.wait()  # the group's own timeout (the same value) is its watchdog's
+        else:
+            work.wait(limit)
     except RuntimeError as exc:  # DistBackendError is a RuntimeError
         note_failure()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

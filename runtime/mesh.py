@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanMismatchError
-from autopar.runtime.comm import DEFAULT_TIMEOUT_S, default_timeout, set_rank_label
+from autopar.runtime.comm import (DEFAULT_TIMEOUT_S, default_timeout, set_rank_label,
+                                  set_stream_waits)
 from autopar.runtime.groups import shared, shared_new_groups
 
 __all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4",
@@ -112,6 +113,8 @@ class ParallelMesh:
         cp_label = f", cp {self.cp_rank}" if cp > 1 else ""
         set_rank_label(f"rank {self.rank} (dp {self.dp_rank}{cp_label}, pp {self.pp_rank}, "
                        f"tp {self.tp_rank})")
+        # NCCL's collectives are waited on the stream, never by blocking the host (comm.py)
+        set_stream_waits("nccl" in str(dist.get_backend()))
         grid = rank_grid(dp, cp, pp, tp, self.cp_innermost)  # [d, c, p, t] -> global rank
         self._grid = grid.reshape(dp * cp, pp, tp)  # [replica, p, t] -> global rank
         # collective: every rank creates every group

@@ -123,12 +123,18 @@ def verify_configs(configs):
 
 # -- faults ---------------------------------------------------------------------------------
 
-def stop_answering(pins: dict, culprit: int, timeout_s: float, sleep_s: float):
+def stop_answering(pins: dict, culprit: int, timeout_s: float, sleep_s: float,
+                   stream_waits: bool = False):
     """Rank ``culprit`` sleeps before its second step; the others must raise
-    CommunicationTimeoutError within the timeout. Returns (kind, seconds, message)."""
+    CommunicationTimeoutError within the timeout. ``stream_waits``: waited as NCCL is
+    (``work.wait()`` with no timeout: the groups' own timeout fires). Returns (kind, seconds,
+    message)."""
+    from autopar.runtime import comm
+
     data = batches(2)
     pm = _parallelize("gpt", pins, data, timeout_s=timeout_s)
     pm.train_step(*data[0])
+    comm.set_stream_waits(stream_waits)
     if dist.get_rank() == culprit:
         time.sleep(sleep_s)
         return ("slept", sleep_s, "")

@@ -5,8 +5,11 @@ hang: every job has a timeout, and the pool reports what the survivors saw."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from autopar.runtime import comm
 from autopar.runtime.local_pool import LocalPool, RemoteError
 
 import reliability_jobs as jobs
@@ -75,6 +78,48 @@ def test_a_rank_that_stops_answering_times_out_the_others(pool2):
     assert "rank 0 (dp 0, pp 0, tp 0) timed out on tensor-parallel" in message
     assert "pipeline stage 0 forward of micro-batch 0" in message and "fix:" in message
     assert out[1][0] == "slept"
+
+
+def test_a_rank_that_stops_answering_times_out_the_others_under_stream_waits(pool2):
+    """The same under NCCL's way of waiting (runtime/comm.py: ``work.wait()`` with no timeout,
+    so the host never blocks on a collective): the deadline is then the groups' own timeout,
+    which every group the mesh creates carries, and the error is still named."""
+    out = pool2.run(jobs.stop_answering, {"dp": 1, "tp": 2, "pp": 1, "num_micro_batches": 1},
+                    1, TIMEOUT_S, TIMEOUT_S + 3, True)
+    kind, seconds, message = out[0]
+    assert kind == "CommunicationTimeoutError", out
+    assert TIMEOUT_S - 0.1 <= seconds < TIMEOUT_S + 2.5, seconds
+    assert "rank 0 (dp 0, pp 0, tp 0) timed out on tensor-parallel" in message, message
+
+
+class _RecordedWork:
+    """A collective's work object that records how it was waited."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple] = []
+
+    def wait(self, *args: object) -> bool:
+        self.waits.append(args)
+        return True
+
+
+@pytest.mark.timeout(10)
+def test_waits_block_the_host_with_a_deadline_unless_waited_on_the_stream():
+    """gloo's collectives run on the host: waited with the deadline. NCCL's are waited on the
+    stream (no timeout given: a timeout would make torch block the host until the collective
+    finished, pytorch/pytorch#100162)."""
+    before = comm.stream_waits()
+    try:
+        comm.set_stream_waits(False)
+        work = _RecordedWork()
+        comm.wait_work(work, "an all-reduce", 7.0)
+        assert work.waits == [(timedelta(seconds=7),)]
+        comm.set_stream_waits(True)
+        work = _RecordedWork()
+        comm.wait_work(work, "an all-reduce", 7.0)
+        assert work.waits == [()]
+    finally:
+        comm.set_stream_waits(before)
 
 
 def test_a_rank_that_dies_makes_the_others_exit_with_a_named_error(pool2):
