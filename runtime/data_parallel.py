@@ -277,8 +277,15 @@ class DataParallel:
             sizes[i] += p.numel()
         # deferred: every rank loads the same values itself, nothing to broadcast
         sync = self.config.sync_module_states and not self._deferred
-        self.buckets: list[FlatBucket] = []
-        for index, (key, params) in enumerate(groups):
+        # A tied bucket is broadcast from its tie's first rank as it is built: those broadcasts,
+        # which pair ranks of different stages, run in one global order (by tie key) after the
+        # rest, or two ties whose buckets two stages build in opposite orders would each wait
+        # on the other's group (DeBERTa-v2's word embeddings and relative positions at pp 2).
+        built: dict[int, FlatBucket] = {}
+        for index in sorted(range(len(groups)), key=lambda i: (
+                (1, groups[i][0][5][1]) if groups[i][0][5] and groups[i][0][5][0] == "tie"
+                else (0, i))):
+            key, params = groups[index]
             chunk, unit, _, requires_grad, replicated, sum_key, expert = key
             groups_of = self.expert_groups if expert else self.groups
             src = mesh.ranks("expert_replica" if expert else "replica")[0] if sync else None
@@ -295,12 +302,12 @@ class DataParallel:
                 counts = False
             if groups_of.replicate_rank != 0:
                 counts = False
-            self.buckets.append(FlatBucket(
+            built[index] = FlatBucket(
                 index, params, stage=stage, groups=groups_of, mixed_precision=mp,
                 requires_grad=requires_grad, chunk=chunk, broadcast_src=src,
-                tie=tie if self.config.sync_module_states and not self._deferred else None,
-                sum_group=sum_group, deferred=self._deferred,
-                counts_in_norm=counts, host_optimizer=self.config.offload != "none"))
+                tie=tie if sync else None, sum_group=sum_group, deferred=self._deferred,
+                counts_in_norm=counts, host_optimizer=self.config.offload != "none")
+        self.buckets: list[FlatBucket] = [built[i] for i in range(len(groups))]
         self._chunk_buckets = [[b for b in self.buckets if b.chunk == c and b.requires_grad]
                                for c in range(len(self.modules))]
         # Shared-gradient sums run in one global order: tp-partial first (by parameter name, the

@@ -11,6 +11,7 @@ torch itself: DistributedDataParallel.
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
@@ -156,6 +157,37 @@ def test_tied_gradient_primitive_two_stages(shared_pool2):
     assert outs[0]["names"] != outs[1]["names"]  # different stages, one of them holds "head"
     for out in outs:
         assert out["diff"] < 1e-5 and out["moved"] > 1e-2, out
+
+
+def _two_ties_built_in_opposite_orders(zero: int):
+    """Two pipeline stages sharing two tied weights, each stage registering them in the other
+    order (so its buckets come in the other order): the engine on each rank, and the copies
+    equal to stage 0's afterwards."""
+    mesh = ParallelMesh(1, 2, 1, timeout=timedelta(seconds=20))  # a regression: a named error
+    torch.manual_seed(1 + dist.get_rank())  # different values: the broadcast must make them equal
+    module = torch.nn.Module()
+    names = ["a", "b"] if mesh.pp_rank == 0 else ["b", "a"]
+    for name in names:
+        module.register_parameter(name, torch.nn.Parameter(torch.randn(8)))
+    module.register_parameter("own", torch.nn.Parameter(torch.randn(4)))
+    specs = [ParamSpec(n, shared_with=(0, 1), tie_id=n) for n in names] + [ParamSpec("own")]
+    engine = DataParallel(module, mesh, OptimizerFactory(torch.optim.SGD, {"lr": 0.1}),
+                          DataParallelConfig(zero=zero), param_specs=specs)
+    try:
+        return {n: engine.full_parameter(n) for n in ("a", "b")}
+    finally:
+        engine.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 3])
+def test_ties_in_opposite_bucket_orders_are_broadcast_in_one_order(shared_pool2, zero):
+    """Each tied bucket is broadcast over its tie's group as it is built; built in bucket order
+    the two stages waited on each other's group (found on DeBERTa-v2 at pp 2)."""
+    first, second = shared_pool2.run(_two_ties_built_in_opposite_orders, zero, timeout_s=60)
+    for name in ("a", "b"):
+        assert torch.equal(first[name], second[name]), name
 
 
 def _toy_without_tie_is_wrong():
