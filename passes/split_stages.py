@@ -272,6 +272,11 @@ def split_into_stages(gm: torch.fx.GraphModule, layers: Sequence[Layer],
     target_index = {n: i for i, n in enumerate(p for p in placeholders
                                                if info(p).kind is NodeKind.TARGET)}
     param_stages: dict[str, list[int]] = {}
+    # A parameter the graph never reads (Dinov2's mask token without a mask input) is kept by the
+    # first stage, outside the optimizer: it gets no gradient, and one process's optimizer skips
+    # a parameter whose .grad stays None, so it keeps its value; it is still the model's (its
+    # state_dict, checkpoints, save_pretrained).
+    unread = {p for p in placeholders if info(p).kind is NodeKind.PARAMETER and not p.users}
     stages = []
     for k in range(num_stages):
         own = {n for n, s in stage.items() if s == k}
@@ -292,6 +297,8 @@ def split_into_stages(gm: torch.fx.GraphModule, layers: Sequence[Layer],
             todo += [b for b in a.all_input_nodes if b in stage]
         body = own | recompute
         used_placeholders = {a for n in body for a in n.all_input_nodes if a.op == "placeholder"}
+        if k == 0:
+            used_placeholders |= unread
 
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -339,8 +346,8 @@ def split_into_stages(gm: torch.fx.GraphModule, layers: Sequence[Layer],
             recomputed=tuple(n.name for n in nodes if n in recompute)))
     for n, k in stage.items():
         info(n).stage = k
-    params_rg = {info(p).fqn: bool(info(p).requires_grad) for p in placeholders
-                 if info(p).kind is NodeKind.PARAMETER}
+    params_rg = {info(p).fqn: bool(info(p).requires_grad) and p not in unread
+                 for p in placeholders if info(p).kind is NodeKind.PARAMETER}
     return StageSplit(
         stages=tuple(stages),
         input_specs=tuple(info(p).spec for p in input_index),

@@ -448,6 +448,53 @@ def test_single_process_state_dict_loads_into_the_original_model():
     pm.close()
 
 
+class _WithAnUnreadParameter(torch.nn.Module):
+    """A model one of whose parameters its forward never reads (as Dinov2's mask token when no
+    mask is given)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask_token = torch.nn.Parameter(torch.randn(1, 8))
+        self.inner = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            x = torch.where(mask[..., None], self.mask_token, x)
+        return self.out(torch.relu(self.inner(x)))
+
+
+def test_a_parameter_the_graph_never_reads_is_kept_and_not_stepped():
+    """It lives on the first stage outside the optimizer: AdamW with weight decay steps every
+    other parameter as one process does (1e-6: the same sums) and leaves it exactly as it was,
+    as one process's AdamW does with a parameter whose .grad stays None; state_dict keeps it."""
+    torch.manual_seed(0)
+    model, ref = _WithAnUnreadParameter(), _WithAnUnreadParameter()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    opt = functools.partial(torch.optim.AdamW, lr=0.1, weight_decay=0.5)
+    loss_fn = torch.nn.functional.cross_entropy
+    pm = autopar.parallelize(model, example_inputs=(x,), example_targets=(y,), loss_fn=loss_fn,
+                             optimizer=opt, plan={"dp": 1, "tp": 1, "pp": 1,
+                                                  "num_micro_batches": 2})
+    losses = [pm.train_step((x,), (y,)) for _ in range(3)]
+    ref_opt = opt(ref.parameters())
+    want = []
+    for _ in range(3):
+        ref_opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+    assert losses == pytest.approx(want, rel=1e-6)
+    state = pm.state_dict()
+    assert torch.equal(state["mask_token"], ref.mask_token.detach())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-6)
+    assert not torch.equal(state["inner.weight"], model.inner.weight.detach())  # trained
+    pm.close()
+
+
 def test_plan_for_another_world_size_is_refused():
     model, loss_fn = jobs.make_model("own_gpt")
     data = jobs.batches("own_gpt", 1)
