@@ -73,7 +73,9 @@ def _check(size: int, n: int, what: str, dim: int) -> None:
 
 
 def _gather(x: torch.Tensor, dim: int, blocks: int, group, n: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; with blocks, re-interleave them."""
+    """Concatenate every rank's ``x`` along ``dim``; with blocks, re-interleave them. The result
+    is contiguous, as the whole tensor of one process would be (GPT-Neo's attention output,
+    gathered along its heads, is viewed to the hidden size next: a strided gather cannot be)."""
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * front.shape[0],) + tuple(front.shape[1:]), dtype=x.dtype,
                       device=x.device)
@@ -81,7 +83,7 @@ def _gather(x: torch.Tensor, dim: int, blocks: int, group, n: int) -> torch.Tens
     if blocks > 1:  # [rank, block, piece] -> [block, rank, piece]
         piece = front.shape[0] // blocks
         out = out.view(n, blocks, piece, *front.shape[1:]).transpose(0, 1).reshape(out.shape)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _slice(x: torch.Tensor, dim: int, blocks: int, rank: int, n: int) -> torch.Tensor:
@@ -100,7 +102,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
     out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=x.dtype,
                       device=x.device)
     _rs_tensor(out, front, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # as one process's tensor is (see _gather)
 
 
 def _all_to_all(x: torch.Tensor, src: int, dst: int, group, n: int) -> torch.Tensor:

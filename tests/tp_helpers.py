@@ -143,6 +143,9 @@ def check_collectives():
     err("all_gather", y, full)
     (y * w).sum().backward()
     err("all_gather.grad", x.grad, w.chunk(n, 1)[r])
+    # laid out as the whole tensor of one process (contiguous): a view of it works, as the
+    # graph's next op may take one (GPT-Neo views its head-gathered attention output)
+    err("all_gather.view", y.detach().view(4, -1), full.view(4, -1))
     # all_gather whose consumer's gradient is partial: backward reduce-scatter
     x = full.chunk(n, 1)[r].clone().requires_grad_()
     (tp.all_gather(x, 1, grad="reduce_scatter") * per_rank[r]).sum().backward()
@@ -158,6 +161,7 @@ def check_collectives():
     x = per_rank[r].clone().requires_grad_()
     y = tp.reduce_scatter(x, 1)
     err("reduce_scatter", y, sum(per_rank).chunk(n, 1)[r])
+    err("reduce_scatter.view", y.detach().view(4, -1), sum(per_rank).chunk(n, 1)[r].reshape(4, -1))
     (y * w.chunk(n, 1)[r]).sum().backward()
     err("reduce_scatter.grad", x.grad, w)
     # shard (R -> Shard), backward all-gather; and with blocks
