@@ -24,6 +24,7 @@ __all__ = [
     "CommunicationTimeoutError",
     "VerificationError",
     "OffloadError",
+    "StageExecutionError",
     "error_from_parts",
 ]
 
@@ -114,6 +115,14 @@ class VerificationError(AutoparError):
 class OffloadError(AutoparError):
     """Offloaded optimizer state cannot be kept where the plan puts it: the offload directory
     is missing, not writable, or full (``Plan.offload = "disk"``)."""
+
+
+class StageExecutionError(AutoparError):
+    """A rank's generated program failed inside a stage (a forward, backward or weight-gradient
+    action): an op of the captured graph that does not run under the plan's placements, which is
+    a fault of autopar's transform rather than of the model. The message names the action, the
+    line of the generated program where it failed (``ParallelModel.generated_code``) and torch's
+    error; ``__cause__`` holds that error."""
 
 
 def error_from_parts(class_name: str, summary: str, expected: str | None = None,

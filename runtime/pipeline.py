@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import linecache
 from datetime import timedelta
 from typing import Callable, Any, Mapping, Sequence
 
@@ -67,9 +68,11 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from autopar.errors import (
+    AutoparError,
     InvalidInputError,
     PlanMismatchError,
     ScheduleError,
+    StageExecutionError,
 )
 from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
@@ -439,7 +442,12 @@ class PipelineExecutor:
                 if self._early_receives and i + 1 < len(batches) and batches[i + 1][0].kind.is_comm:
                     self._communicate([a for a in batches[i + 1]
                                        if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)])
-                self._compute(batch[0])
+                try:
+                    self._compute(batch[0])
+                except (AutoparError, torch.OutOfMemoryError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - named, the cause kept
+                    raise stage_failure(batch[0], self.mesh.rank, exc) from exc
             for work, what, _ in self._pending_sends:
                 self._wait(work, what)
         except BaseException as exc:
@@ -727,6 +735,29 @@ class PipelineExecutor:
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, what, self.timeout)  # CommunicationTimeoutError naming rank and action
+
+
+def stage_failure(action: Action, rank: int, exc: Exception) -> StageExecutionError:
+    """The named error for ``exc``, raised by the generated program while running ``action``:
+    the line of that program it came from (the innermost frame of fx's generated code; none when
+    it came from inside autograd's engine) and torch's message."""
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        source = tb.tb_frame.f_code.co_filename
+        if source.startswith("<eval_with_key>"):
+            line = linecache.getline(source, tb.tb_lineno).strip() or line
+        tb = tb.tb_next
+    text = str(exc).strip()
+    found = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:400]
+    where = f" at `{line[:200]}`" if line else ""
+    return StageExecutionError(
+        f"rank {rank}'s generated program failed in {action}{where}",
+        expected="each stage to run as the captured graph runs in one process",
+        found=found,
+        fix="an op that does not run under this plan's placements: an autopar fault (report it "
+            "with pm.generated_code(rank) and the plan); to go on, pin another plan (tp=1 "
+            "replicates every op)")
 
 
 def reap_completed(pending: list[tuple[Any, str, torch.Tensor]],

@@ -127,6 +127,30 @@ def test_failing_stage_releases_its_peer_at_once(tiny_models):
     assert elapsed < 10
 
 
+def test_a_stage_that_fails_names_its_action_and_program_line(tiny_models):
+    """torch's error from inside a stage's program (a wrong-shaped weight here) becomes a
+    StageExecutionError naming the action and the line of the generated program, its cause
+    kept; the executor refuses further steps."""
+    from autopar.errors import StageExecutionError
+    from autopar.passes.split_stages import split_into_stages
+
+    model, _, inputs, targets, captured = tiny_models["llama"]
+    split = split_into_stages(captured.gm, captured.layers, [(0, len(captured.layers) - 1)],
+                              constants=captured.constants)
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    bad_key = next(k for k in split.stages[0].params if k.endswith("norm.weight"))
+    mesh = SimpleNamespace(pp=1, pp_rank=0, dp=1, tp=1, rank=0, timeout=timedelta(seconds=5))
+    executor = PipelineExecutor(split, build_schedule("1f1b", 1, 2), mesh,
+                                tensors={**tensors, bad_key: torch.ones(3)})
+    with pytest.raises(StageExecutionError, match=r"program failed in 0F0 at `\w+ = ") as err:
+        executor.step(inputs, targets)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert "RuntimeError" in err.value.found and "generated_code" in err.value.fix
+    with pytest.raises(PlanMismatchError, match="shut down"):
+        executor.step(inputs, targets)
+
+
 def test_completed_sends_are_dropped_and_their_failures_raised():
     """The executor keeps each send's tensor until the send completes: at each run of
     transfers it drops the completed ones (a non-blocking ``is_completed``, then ``wait``,
