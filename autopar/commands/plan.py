@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    metavar="F", help="mixture-of-experts: rows of the busiest expert rank over "
                                      "the mean (default 1: uniform routing)")
     p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
-                   help="attention kernel the model is captured with (default sdpa)")
+                   help="attention kernel the model is captured with (default sdpa; eager for a "
+                        "transformers class without sdpa)")
     p.add_argument("--top", type=int, default=5, help="alternatives kept (default 5)")
     p.add_argument("--json", action="store_true", help="print the plan document as JSON")
     p.add_argument("--out", metavar="FILE", help="also write the plan document to FILE")

@@ -284,6 +284,8 @@ def workload_from_config(source: str, *, batch: int = TRACE_BATCH, seq: int | No
     assert task is not None
     if hasattr(config, "use_cache"):
         config.use_cache = False
+    if attention == "sdpa" and not getattr(cls, "_supports_sdpa", True):
+        attention = "eager"  # the class writes its attention out (Gemma 2, BLOOM, GPT-Neo, ...)
     if attention and getattr(config, "_attn_implementation", None) in (None, "eager", "sdpa"):
         config._attn_implementation = attention
     layers = getattr(config, "num_hidden_layers", None)
