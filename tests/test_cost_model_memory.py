@@ -83,6 +83,51 @@ def test_rank_model_states_from_the_graph(gpt2_small, tp, zero):
     assert states == pytest.approx(want, rel=1e-9)
 
 
+class _SharedTableBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, table):
+        return torch.relu(self.proj(x) + table)
+
+
+class _BlocksReadingOneTable(torch.nn.Module):
+    """Every block adds one table held by the model, not by the block (DeBERTa's relative
+    embeddings, read by every layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(16))
+        self.blocks = torch.nn.ModuleList(_SharedTableBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.table)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("depth", [None, 8])
+def test_a_table_every_block_reads_is_one_tensor(depth):
+    """The repeated blocks' template names its last instance's weights, each repeat its own;
+    the table they all read from outside is one tensor: the states of one rank holding every
+    layer count it once (captured depth, and repeated to 8 blocks), fp32 Adam: 16 bytes per
+    parameter of torch's own count."""
+    model = _BlocksReadingOneTable()
+    x = torch.randn(4, 16)
+    captured = capture(model, (x,), torch.nn.functional.cross_entropy,
+                       example_targets=(torch.randint(0, 3, (4,)),))
+    costs = ModelCosts(captured, depth=depth)
+    cm = CostModel(costs, Cluster.load("cpu").with_devices(1),
+                   TrainingSetup(global_batch=4, seq=1, dtype="fp32"))
+    rank = cm.evaluate(Candidate(1, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE,
+                                 0, False)).ranks[0]
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    params = sum(p.numel() for p in model.parameters()) + ((depth or 4) - 4) * block
+    assert rank.weights + rank.gradients + rank.optimizer == 16 * params
+
+
 def test_graph_activations_equal_the_analysis_pass(gpt2_small):
     """At tp=1 and the graph's own precision the activation model is the analysis pass's
     saved bytes (which tests/test_analyze.py holds to torch's saved tensors)."""

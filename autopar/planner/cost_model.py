@@ -113,13 +113,14 @@ class CostModel:
         self._mesh_layer_cache: dict[tuple, list[LayerCosts]] = {}
         self._check_cache: dict[tuple, str | None] = {}
         self._cp_kind: dict[tuple, str] = {}  # the cheaper K/V exchange of each cp mesh
-        # weights read by several layers (a tied embedding and LM head): fqn -> (layers, numel);
-        # a repeated block's template names its representative's weights, so it is left out
+        # weights read by several layers (a tied embedding and LM head, DeBERTa's relative
+        # embeddings read by every block): fqn -> (layers, numel); a repeated block's own
+        # weights are its own in each repeat (Template.param_key), so they are left out
         readers: dict[str, list[int]] = {}
         for i in range(model.num_layers):
             tmpl = model.template(i)
-            if not tmpl.shared:
-                for fqn in tmpl.params:
+            for fqn in tmpl.params:
+                if tmpl.param_key(i, fqn) == fqn:
                     readers.setdefault(fqn, []).append(i)
         self._tied_weights = {fqn: (tuple(layers), model.template(layers[0]).params[fqn])
                               for fqn, layers in readers.items() if len(layers) > 1}

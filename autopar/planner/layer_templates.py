@@ -113,6 +113,15 @@ class Template:
     fn: Any = None
     cache: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
 
+    def param_key(self, index: int, fqn: str) -> Any:
+        """Which tensor parameter ``fqn`` of this template at layer ``index`` is: a repeated
+        block's own weights (under its module, ``layer_name``) are its own in each repeat, so
+        keyed by the layer; a parameter it reads from outside its module (DeBERTa's relative
+        embeddings, read by every block) is one tensor for all, as is a tied table."""
+        if self.shared and fqn.startswith(self.layer_name + "."):
+            return (index, fqn)
+        return fqn
+
     def values(self, b: int, s: int) -> tuple[float, ...]:
         key = (b, s)
         out = self.cache.get(key)

@@ -164,7 +164,7 @@ def _full_params(costs: ModelCosts) -> int:
     seen: dict[Any, int] = {}
     for i, t in enumerate(costs.templates):
         for fqn, numel in t.params.items():
-            seen[(i, fqn) if t.shared else fqn] = numel
+            seen[t.param_key(i, fqn)] = numel
     return int(sum(seen.values()))
 
 

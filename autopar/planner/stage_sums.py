@@ -289,12 +289,11 @@ class StageSums:
                 layer_total = 0.0
                 for fqn, numel in tmpl.params.items():
                     share = numel / tp if fqn in split else numel
-                    where = (i, fqn) if tmpl.shared else fqn
+                    where = tmpl.param_key(i, fqn)
                     if fqn in tmpl.expert_params:
                         share /= ep
                         experts[where] = share
                     layer_total += share
-                    # a repeated block's template names its representative's parameters
                     seen[where] = share
                 largest = max(largest, layer_total)
         out = (sum(seen.values()), largest, sum(experts.values()), len(seen))
