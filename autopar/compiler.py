@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
-from autopar.errors import InvalidPlanError, PlanMismatchError
+from autopar.errors import InvalidPlanError, PlanMismatchError, UntraceableModelError
 from autopar.plan_types import Plan, Prediction, RecomputeKind
 
 if TYPE_CHECKING:
@@ -207,12 +207,13 @@ class RankProgram:
             for layout in self.held:
                 entry = TensorEntry(layout.fqn, names.get(layout.fqn, (layout.fqn,)),
                                     layout.model_shape, layout.dtype)
-                if checkpoint.key_of(entry) is not None and layout.logical_shape is not None:
+                held = checkpoint.holds(entry)
+                if held and layout.logical_shape is not None:
                     piece = self._slice(layout, checkpoint.read(entry))  # padded: read whole
-                elif checkpoint.key_of(entry) is not None and layout.fqn in self.experts \
+                elif held and layout.fqn in self.experts \
                         and self.plan.ep > 1:  # whole over tp: read only this rank's experts
                     piece = checkpoint.read(entry, Shard(0), self.plan.ep, self.ep_rank)
-                elif checkpoint.key_of(entry) is not None:
+                elif held:
                     piece = checkpoint.read(entry, layout.placement, self.plan.tp, self.tp_rank)
                 else:
                     piece = self._slice(layout, buffer(layout.fqn))
@@ -382,6 +383,16 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
                                fix="plan with ep=1")
     if has_experts:  # the experts run on the ep group (of one rank at ep = 1: all local)
         gm = _PM([expert_parallel_pass]).run(gm, _Ctx(captured=captured, plan=plan))
+    valueless = sorted(k for k, v in sharded.captured.constants.items()
+                       if isinstance(v, torch.Tensor) and v.is_meta)
+    if valueless:
+        raise UntraceableModelError(
+            "the captured graph holds constants without values",
+            expected="constants the model's forward makes from Python data, with their values",
+            found=f"{valueless[:4]} on the meta device (the model was captured on meta and a "
+                  f"second trace on fake CPU tensors could not recover them)",
+            fix="build the model on the CPU (or load it there), or make the value a buffer of "
+                "the module that uses it")
     split = split_into_stages(gm, captured.layers, [s.layers for s in stages],
                               constants={k: v.to(device)
                                          for k, v in sharded.captured.constants.items()})

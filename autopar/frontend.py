@@ -209,6 +209,9 @@ def capture(
         warnings.warn(msg, stacklevel=2)
         captured.warnings.append(msg)
 
+    if device == "meta" and captured.exported is not None:
+        with _quiet_export(), _no_kv_cache(model), experts_as_operations(model):
+            captured = _with_real_constants(captured, step, args)
     n_in = len(inputs)
     user = captured.input_names
     captured = dataclasses.replace(captured, model=model, has_loss=loss_fn is not None,
@@ -240,6 +243,69 @@ def _as_tuple(value: Any, what: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     raise InvalidInputError(f"{what} has an unexpected type",
                             expected="a tensor, a tuple/list of inputs, or a dict of keyword inputs",
                             found=type(value).__name__)
+
+
+def _with_real_constants(captured: CapturedGraph, step: TracedStep,
+                         args: tuple[Any, ...]) -> CapturedGraph:
+    """A meta model's capture with the values of the tensors its forward makes from Python data
+    (``torch.tensor(finfo.min, device=x.device)`` in GPT-Neo's attention, the index lists of
+    Falcon's ``qkv[..., [-2]]``): traced on the meta device they are meta too, without values,
+    and the program could not run. The model is traced once more with its weights and inputs
+    as fake CPU tensors, where those constants are made on the CPU with their values; each is
+    taken where the two traces agree on its name, shape and dtype. A model whose forward makes
+    none (GPT-2, LLaMA) is not traced again."""
+    missing = {name: value for name, value in captured.constants.items()
+               if isinstance(value, torch.Tensor) and value.is_meta}
+    if not missing:
+        return captured
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    target_of = {spec.arg.name: spec.target for spec in captured.exported.graph_signature.input_specs
+                 if spec.kind == InputKind.CONSTANT_TENSOR}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with _fake_cpu_weights(getattr(step, MODEL_ATTR), mode):
+            fake_args = tuple(_fake_cpu(a, mode) if isinstance(a, torch.Tensor) else a
+                              for a in args)
+            values = torch.export.export(step, fake_args, strict=False).constants
+    except Exception:  # noqa: BLE001 - the constants stay meta; running the program says so
+        return captured
+    constants = dict(captured.constants)
+    for name, meta_value in missing.items():
+        real = values.get(target_of.get(name, ""))
+        if (isinstance(real, torch.Tensor) and not isinstance(real, FakeTensor)
+                and real.shape == meta_value.shape and real.dtype == meta_value.dtype):
+            constants[name] = real
+    return dataclasses.replace(captured, constants=constants)
+
+
+def _fake_cpu(t: torch.Tensor, mode: Any) -> torch.Tensor:
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                   device="cpu")
+
+
+@contextlib.contextmanager
+def _fake_cpu_weights(model: nn.Module, mode: Any):
+    """Every parameter and buffer of ``model`` (a meta model) replaced by a fake CPU tensor of
+    its shape, ties kept (one fake per tensor), and put back on exit."""
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for store, is_param in ((module._parameters, True), (module._buffers, False)):
+                for key, t in list(store.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in fakes:
+                        fake = _fake_cpu(t, mode)
+                        fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if is_param else fake
+                    swapped.append((store, key, t))
+                    store[key] = fakes[id(t)]
+        yield
+    finally:
+        for store, key, t in reversed(swapped):
+            store[key] = t
 
 
 def _model_on_meta(model: nn.Module) -> bool:

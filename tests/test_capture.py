@@ -146,6 +146,43 @@ def test_meta_device_capture_allocates_nothing():
     assert sum(layer.is_block for layer in captured.layers) == 24
 
 
+class _MakesTensorsFromData(nn.Module):
+    """A forward that makes tensors from Python data, as GPT-Neo's attention (a fill value of
+    ``torch.tensor(finfo.min, device=x.device)``) and Falcon's (``qkv[..., [-2]]`` indexes with a
+    list) do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.proj.weight  # a tie the capture must keep
+
+    def forward(self, x):
+        y = self.proj(x)
+        fill = torch.tensor(-7.5, dtype=y.dtype, device=y.device)
+        y = torch.where(y > 0, y, fill)
+        return self.head(y[..., [-2, 1]].repeat(1, 1, 4))
+
+
+def test_a_meta_capture_keeps_the_values_of_tensors_made_from_data():
+    """Captured on the meta device, those tensors would be meta too, without values, and the
+    program could not run; the capture recovers them (a second trace on fake CPU tensors): the
+    same constants as the capture of the real model, the model's own (meta, tied) parameters
+    left in place."""
+    loss = lambda out, t: nn.functional.mse_loss(out, t)  # noqa: E731
+    x = torch.randn(2, 3, 8)
+    real = capture(_MakesTensorsFromData(), (x,), loss, example_targets=(x,))
+    with torch.device("meta"):
+        model = _MakesTensorsFromData()
+    before = [id(p) for p in model.parameters()]
+    captured = capture(model, (x,), loss, example_targets=(x,))
+    assert [id(p) for p in model.parameters()] == before and model.head.weight is model.proj.weight
+    assert all(p.is_meta for p in model.parameters())
+    assert sorted(captured.constants) == sorted(real.constants) and captured.constants
+    for name, value in captured.constants.items():
+        assert not value.is_meta and torch.equal(value, real.constants[name]), name
+
+
 def test_model_without_loss():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     captured = capture(model, (torch.randn(4, 8),))
