@@ -154,9 +154,11 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     if resume is not None:  # pm.save's directory: parameters, optimizer state and step
         pass
     elif checkpoint is not None:  # every rank reads the same headers: the same error everywhere
+        from autopar.hf_names import checkpoint_keys
         from autopar.runtime.hf_checkpoint import SafetensorsCheckpoint
 
-        source = SafetensorsCheckpoint(checkpoint)
+        # under the model's names, or under those transformers renames or converts on load
+        source = SafetensorsCheckpoint(checkpoint, functools.partial(checkpoint_keys, model))
         entries, other_names = _checkpoint_entries(model)
         source.check(entries, other_names=other_names)
     elif on_meta:  # initialized from rank 0's random state as of now, on every rank

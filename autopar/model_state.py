@@ -20,6 +20,7 @@ calls it alike) and works from what the rank holds:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -145,29 +146,36 @@ class ModelState:
 
     def save_pretrained(self, path: str, *, max_shard_size: int | str = "5GB") -> None:
         """Write a Hugging Face safetensors checkpoint of the current weights to the directory
-        ``path`` (collective; rank 0 writes): the original names (a tied weight once, under its
-        first name, as ``save_pretrained`` does) and full shapes at the stored dtype, persistent
+        ``path`` (collective; rank 0 writes): the names transformers' ``save_pretrained`` writes
+        (a tied weight once, under the name its ties keep; the names it renames or converts on
+        save, ``autopar/hf_names.py``) and full shapes at the stored dtype, persistent
         buffers included, ``model.safetensors`` or shard files of at most ``max_shard_size``
         plus ``model.safetensors.index.json``, and the model's ``config.json`` for transformers
         models, so ``from_pretrained(path)`` loads it. Each tensor is gathered and written on
         its own; the files go to a hidden directory renamed onto ``path`` at the end, so a
         crash leaves nothing at ``path``. ``path`` must not exist or be empty."""
+        from autopar.hf_names import saved_layout, saved_name, saved_tensors
         from autopar.runtime.hf_checkpoint import SafetensorsWriter, parse_size
 
+        model = self.captured.model
+        # under the names transformers' save_pretrained writes (autopar/hf_names.py): a tied
+        # weight under the name its ties keep, renamed and converted as transformers saves
+        named = {p.fqn: saved_name(model, (p.fqn, *sorted(p.aliases)))
+                 for p in self.captured.params.values()}
         params = sorted((p.fqn, p.spec) for p in self.captured.params.values())
         buffers = self._persistent_buffers()
-        order = [(fqn, tuple(int(d) for d in spec.shape), spec.dtype)
-                 for fqn, spec in params + buffers]
+        named.update((fqn, fqn) for fqn, _ in buffers)
+        layout = saved_layout(model, [(named[fqn], tuple(int(d) for d in spec.shape), spec.dtype)
+                                      for fqn, spec in params + buffers])
+        order = [entry for _, saved in layout for entry in saved]
         writer = None
         if dist.get_rank() == 0:
             writer = SafetensorsWriter(path, order, parse_size(max_shard_size))
         try:
-            for fqn, full in self._full_parameters():
+            for fqn, full in itertools.chain(self._full_parameters(), self._full_buffers()):
                 if writer is not None:
-                    writer.write(fqn, full)
-            for fqn, value in self._full_buffers():
-                if writer is not None:
-                    writer.write(fqn, value)
+                    for name, value in saved_tensors(model, named[fqn], full).items():
+                        writer.write(name, value)
             if writer is not None:
                 config = getattr(self.captured.model, "config", None)
                 writer.commit(config.save_pretrained if hasattr(config, "save_pretrained")

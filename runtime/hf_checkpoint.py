@@ -7,29 +7,39 @@ rank then reads only the slices it holds (:meth:`SafetensorsCheckpoint.read`): s
 the file and ``get_slice`` copies just the requested ranges, so no rank holds a whole file, and
 no more than one full tensor, in memory.
 
+A checkpoint's names need not be the model's (:class:`KeyMap`): transformers renames some on
+load (ViT's ``encoder.layer.N.attention.attention.query`` is its model's
+``layers.N.attention.q_proj``) and converts others, one model tensor made of several checkpoint
+tensors (a Mixtral's ``experts.E.w1`` and ``w3`` fused into ``experts.gate_up_proj``). A renamed
+tensor is read by slice under its checkpoint name; a converted one is made whole from its
+sources (one group of tensors at a time) and then sliced. The front end builds the map from
+transformers' own transforms (``autopar/hf_names.py``); this module knows names and functions
+only.
+
 Checked before any training step, on every rank alike (every rank reads the same headers, so
 every rank raises the same named error, and none waits on another): an index naming a missing
 file, a file that is not a complete safetensors file, tensors the model has and the checkpoint
 lacks (a tied weight is found under any of its names), tensors the checkpoint has and the model
-lacks, shapes that differ, and non-floating dtypes that differ (floating ones are converted to
-the dtype the plan stores).
+lacks, shapes that differ (a converted tensor's from converting its sources' shapes on the meta
+device), and non-floating dtypes that differ (floating ones are converted to the dtype the plan
+stores).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from autopar.errors import InvalidInputError
 from autopar.sharding import Replicate, shard_slices
 
-__all__ = ["SafetensorsCheckpoint", "SafetensorsWriter", "TensorEntry", "parse_size", "INDEX_FILE",
-           "SINGLE_FILE"]
+__all__ = ["SafetensorsCheckpoint", "SafetensorsWriter", "TensorEntry", "KeyMap", "parse_size",
+           "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,6 +63,28 @@ class TensorEntry:
     required: bool = True
 
 
+#: Makes the model tensors of one conversion group from a reader of whole checkpoint tensors
+#: (by checkpoint key): {model name: tensor}.
+Convert = Callable[[Callable[[str], torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Where a checkpoint holds the model's tensors when not under the model's own names.
+
+    ``renamed``: model name -> checkpoint key, one tensor for one. ``converted``: model name ->
+    (the group's id, the checkpoint keys it reads, the function making the group's model
+    tensors); every model tensor of a group names the same function. ``consumed``: every
+    checkpoint key some group reads."""
+
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    converted: Mapping[str, tuple[str, tuple[str, ...], Convert]] = field(default_factory=dict)
+
+    @property
+    def consumed(self) -> frozenset[str]:
+        return frozenset(k for _, keys, _ in self.converted.values() for k in keys)
+
+
 def _listing(items: Sequence[str]) -> str:
     more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
     return "; ".join(items[:_SHOWN]) + more
@@ -61,10 +93,15 @@ def _listing(items: Sequence[str]) -> str:
 class SafetensorsCheckpoint:
     """The headers of a safetensors checkpoint directory (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike,
+                 keys: KeyMap | Callable[[Iterable[str]], KeyMap | None] | None = None) -> None:
+        """``keys``: the checkpoint's :class:`KeyMap`, or a function of its tensor names
+        returning one (None: the model's names)."""
         from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
+        #: The last conversion group's model tensors not read yet (group id, {name: tensor}).
+        self._group: tuple[str, dict[str, torch.Tensor]] | None = None
         if not self.path.is_dir():
             raise InvalidInputError(f"checkpoint {self.path} is not a directory",
                                     expected=f"a directory holding {SINGLE_FILE} or {INDEX_FILE}",
@@ -113,6 +150,9 @@ class SafetensorsCheckpoint:
                 raise InvalidInputError(f"the index of {self.path} does not match its files",
                                         expected="every tensor of the weight_map in its file",
                                         found=f"not found there: {_listing(astray)}")
+        if callable(keys):
+            keys = keys(list(self.tensors))
+        self.keys: KeyMap = keys or KeyMap()
 
     def check(self, entries: Iterable[TensorEntry], *, other_names: Iterable[str] = ()) -> None:
         """Raise :class:`InvalidInputError` unless the checkpoint fits ``entries``: every
@@ -120,19 +160,29 @@ class SafetensorsCheckpoint:
         checkpoint tensor that is none of ``entries``' names or ``other_names`` (the model's
         other tensors, e.g. its non-persistent buffers)."""
         entries = list(entries)
-        known = set(other_names)
-        missing, reshaped, retyped = [], [], []
+        known = set(other_names) | self.keys.consumed
+        missing, reshaped, retyped, unmade = [], [], [], []
         for e in entries:
             known.update(e.names)
             key = self.key_of(e)
-            if key is None:
+            dtype: str | torch.dtype
+            if key is not None:
+                known.add(key)
+                _, shape, dtype = self.tensors[key]
+            elif self._group_of(e) is not None:
+                made = self._converted_header(e)
+                if isinstance(made, str):
+                    unmade.append(f"{e.fqn} ({made})")
+                    continue
+                shape, dtype = made
+            else:
                 if e.required:
                     missing.append(f"{e.fqn} {tuple(e.shape)}")
                 continue
-            _, shape, dtype = self.tensors[key]
+            key = key or f"{e.fqn} (converted)"
             if shape != tuple(e.shape):
                 reshaped.append(f"{key}: expected {tuple(e.shape)}, found {shape}")
-            found = _DTYPES.get(dtype)
+            found = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
             if found is None or found.is_floating_point != e.dtype.is_floating_point or (
                     not found.is_floating_point and found != e.dtype):
                 retyped.append(f"{key}: expected {str(e.dtype).removeprefix('torch.')}, found "
@@ -141,6 +191,8 @@ class SafetensorsCheckpoint:
         problems = []
         if missing:
             problems.append(f"missing from the checkpoint: {_listing(missing)}")
+        if unmade:
+            problems.append(f"not made by converting the checkpoint's tensors: {_listing(unmade)}")
         if unexpected:
             problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
         if reshaped:
@@ -156,16 +208,75 @@ class SafetensorsCheckpoint:
                                         "configuration")
 
     def key_of(self, entry: TensorEntry) -> str | None:
-        """The name the checkpoint holds ``entry`` under (None: it does not)."""
-        return next((n for n in entry.names if n in self.tensors), None)
+        """The name the checkpoint holds ``entry`` under, as it is or renamed (None: it does
+        not hold it as one tensor)."""
+        direct = next((n for n in entry.names if n in self.tensors), None)
+        if direct is not None:
+            return direct
+        return next((self.keys.renamed[n] for n in entry.names
+                     if self.keys.renamed.get(n) in self.tensors), None)
+
+    def holds(self, entry: TensorEntry) -> bool:
+        """Whether the checkpoint holds ``entry``: as one tensor, or as a conversion's sources."""
+        return self.key_of(entry) is not None or self._group_of(entry) is not None
+
+    def _group_of(self, entry: TensorEntry) -> tuple[str, str, tuple[str, ...], Convert] | None:
+        """(the model name, the group's id, sources, function) that makes ``entry``."""
+        for n in entry.names:
+            group = self.keys.converted.get(n)
+            if group is not None and all(k in self.tensors for k in group[1]):
+                return (n, *group)
+        return None
+
+    def _converted_header(self, entry: TensorEntry
+                          ) -> tuple[tuple[int, ...], torch.dtype] | str:
+        """The shape and dtype of a converted tensor: its group converted on the meta device,
+        from its sources' headers; or why the conversion does not make it."""
+        name, _, keys, convert = self._group_of(entry)  # type: ignore[misc]
+
+        def header(key: str) -> torch.Tensor:
+            _, shape, dtype = self.tensors[key]
+            return torch.empty(shape, dtype=_DTYPES.get(dtype, torch.float32), device="meta")
+
+        try:
+            out = convert(header).get(name)
+        except Exception as exc:  # noqa: BLE001 - its sources do not fit together
+            return (f"{len(keys)} source tensors, {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+        if out is None:
+            return "its conversion group does not make it"
+        return tuple(int(d) for d in out.shape), out.dtype
+
+    def _converted(self, entry: TensorEntry) -> torch.Tensor:
+        """``entry`` whole, made by its conversion group from its sources read whole; the
+        group's other tensors are kept for the reads that follow (one group at a time)."""
+        from safetensors import safe_open
+
+        name, gid, _, convert = self._group_of(entry)  # type: ignore[misc]
+        if self._group is None or self._group[0] != gid or name not in self._group[1]:
+            def whole(key: str) -> torch.Tensor:
+                with safe_open(self.path / self.tensors[key][0], framework="pt") as f:
+                    return f.get_tensor(key)
+
+            self._group = (gid, dict(convert(whole)))
+        return self._group[1].pop(name)
 
     def read(self, entry: TensorEntry, placement: Any = None, tp: int = 1,
              tp_rank: int = 0) -> torch.Tensor:
         """Rank ``tp_rank``'s piece of ``entry`` under ``placement`` (whole when replicated),
-        reading only that piece from its file, at ``entry.dtype``."""
+        reading only that piece from its file (a converted tensor is made whole first), at
+        ``entry.dtype``."""
         from safetensors import safe_open
 
         key = self.key_of(entry)
+        if key is None and self._group_of(entry) is not None:
+            full = self._converted(entry)
+            if placement is None or isinstance(placement, Replicate) or tp == 1:
+                return full.to(entry.dtype).contiguous()
+            dim = placement.dim
+            pieces = [full.narrow(dim, a, b - a)
+                      for a, b in shard_slices(full.shape[dim], placement, tp, tp_rank)]
+            return torch.cat(pieces, dim=dim).to(entry.dtype).contiguous()
         if key is None:
             raise InvalidInputError(f"the checkpoint at {self.path} has no {entry.fqn}",
                                     expected=f"one of {list(entry.names)}")

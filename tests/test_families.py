@@ -34,6 +34,8 @@ import os
 import pytest
 import torch
 
+import autopar
+
 
 import families_jobs as jobs
 
@@ -107,3 +109,77 @@ def test_autopar_plan_reads_each_familys_config(name, tmp_path):
     assert doc["plan"]["stages"][0]["layers"][0] == 0
     model, _ = jobs.make_model(name, device="meta")
     assert doc["model"]["params"] == sum(p.numel() for p in model.parameters())
+
+
+#: Families whose checkpoint names transformers renames on load and back on save: ViT's
+#: attention (``encoder.layer.N.attention.attention.query`` is ``layers.N.attention.q_proj``),
+#: GPT-NeoX's head (``embed_out`` is ``lm_head``), Swin's attention.
+RENAMED = ("vit", "gpt_neox", "swin")
+#: Families whose forward makes tensors from Python data (GPT-Neo's attention fill value,
+#: Falcon's list indices): on the meta device the capture recovers their values.
+MADE_FROM_DATA = ("gpt_neo", "falcon")
+
+
+def test_a_meta_model_loads_and_saves_transformers_own_checkpoint_names(shared_pool4, tmp_path):
+    """Built on the meta device and loaded, each rank by slice, from what transformers'
+    save_pretrained wrote (the checkpoint's names, not the model's: autopar/hf_names.py), under
+    tp 2 x pp 2: the losses and every parameter equal one process (the tolerances above). Saved
+    back with pm.save_pretrained, the files hold exactly the names transformers writes, and
+    from_pretrained gives exactly the trained weights. Also two families whose forward makes
+    tensors from Python data, whose values a capture on the meta device keeps."""
+    from safetensors import safe_open
+
+    names = RENAMED + MADE_FROM_DATA
+    for name in names:
+        model, _ = jobs.make_model(name)
+        model.save_pretrained(tmp_path / name)
+    configs = [(name, TP2_PP2) for name in names]
+    per_rank = shared_pool4.run(jobs.train_from_checkpoint, configs, str(tmp_path),
+                                timeout_s=900)
+    for k, name in enumerate(names):
+        errors = [r[k]["error"] for r in per_rank if "error" in r[k]]
+        assert not errors, f"{name}: {errors[0]}"
+        result, ref = per_rank[0][k], jobs.reference(name)
+        assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
+        for key, want in ref["state"].items():
+            if torch.is_floating_point(want):
+                torch.testing.assert_close(result["state"][key], want, rtol=0, atol=1e-5,
+                                           msg=f"{name}: {key}")
+        with safe_open(tmp_path / name / "model.safetensors", "pt") as f:
+            theirs = set(f.keys())
+        with safe_open(tmp_path / f"{name}-saved" / "model.safetensors", "pt") as f:
+            ours = set(f.keys())
+        assert ours == theirs, (name, sorted(ours ^ theirs)[:4])
+        if name in RENAMED:  # the checkpoint's names are not the model's
+            assert not ours <= set(ref["state"]), name
+        loaded = type(jobs.make_model(name)[0]).from_pretrained(tmp_path / f"{name}-saved")
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, result["state"][key]), (name, key)
+
+
+SAVED_FAMILIES = jobs.FAMILIES if FULL else ("vit", "gpt2", "t5", "bert")
+
+
+@pytest.mark.parametrize("name", SAVED_FAMILIES)
+def test_save_pretrained_writes_what_transformers_writes(name, tmp_path):
+    """One process: pm.save_pretrained of the untrained model writes exactly the tensors, under
+    exactly the names, that the model's own save_pretrained writes (renamed and converted as
+    transformers saves them; a tied weight once, under the name transformers keeps)."""
+    from safetensors import safe_open
+
+    model, loss_fn = jobs.make_model(name)
+    model.save_pretrained(tmp_path / "theirs")
+    data = jobs.batches(name, 1)
+    pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                             loss_fn=loss_fn, optimizer=torch.optim.SGD,
+                             plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 1})
+    pm.save_pretrained(tmp_path / "ours")
+    pm.close()
+    files = {}
+    for which in ("theirs", "ours"):
+        with safe_open(tmp_path / which / "model.safetensors", "pt") as f:
+            files[which] = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(files["ours"]) == set(files["theirs"]), sorted(set(files["ours"]) ^
+                                                               set(files["theirs"]))[:4]
+    for key, value in files["theirs"].items():
+        assert torch.equal(files["ours"][key], value), key

@@ -192,3 +192,46 @@ def test_a_meta_model_from_a_checkpoint_trains_like_the_real_model(gpt_checkpoin
             assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
             pm.close()
         assert losses["meta"] == losses["real"], (mixed, losses)
+
+
+def test_transformers_checkpoint_names_are_read_through_its_own_conversions(tmp_path):
+    """transformers' save_pretrained of a Mixtral writes each expert's w1 / w2 / w3 apart (its
+    model holds them fused: experts.gate_up_proj, experts.down_proj) and the router under
+    block_sparse_moe: read through transformers' own conversions (autopar/hf_names.py), every
+    model tensor equals the model's, whole and as shards along the experts (what an expert-
+    parallel rank keeps); a checkpoint that lacks one expert's tensor names the fused tensor it
+    cannot make, before anything is read."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from autopar.hf_names import checkpoint_keys
+
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(hidden_size=32, num_attention_heads=4, intermediate_size=48,
+                              vocab_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                              num_local_experts=4, num_experts_per_tok=2)
+    model = tf.MixtralForCausalLM(config)
+    model.save_pretrained(tmp_path / "mixtral")
+    with torch.device("meta"):
+        meta = tf.MixtralForCausalLM(config)
+    source = SafetensorsCheckpoint(tmp_path / "mixtral", functools.partial(checkpoint_keys, meta))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in source.keys.converted
+    state = model.state_dict()
+    entries = [_entry(n, t) for n, t in state.items()]
+    source.check(entries)
+    for e in entries:
+        assert torch.equal(source.read(e), state[e.fqn]), e.fqn
+    fused = _entry("model.layers.0.mlp.experts.gate_up_proj",
+                   state["model.layers.0.mlp.experts.gate_up_proj"])
+    for rank in range(2):
+        piece = source.read(fused, Shard(0), 2, rank)
+        assert torch.equal(piece, state[fused.fqn].chunk(2)[rank])
+
+    tensors = load_file(tmp_path / "mixtral" / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    (tmp_path / "short").mkdir()
+    save_file(tensors, tmp_path / "short" / "model.safetensors")
+    with pytest.raises(InvalidInputError, match="not made by converting the checkpoint's tensors: "
+                                                "model.layers.1.mlp.experts.gate_up_proj"):
+        SafetensorsCheckpoint(tmp_path / "short",
+                              functools.partial(checkpoint_keys, meta)).check(entries)

@@ -125,7 +125,9 @@ EP_PLANS = [
 def test_expert_parallel_trains_as_one_process(shared_pool4, tmp_path):
     """Every plan of EP_PLANS against one process; then a checkpoint saved at ep 2 resumes at
     ep 1 x tp 2 and at ep 4 with ZeRO-2 to the same losses, transformers loads the safetensors
-    it wrote, and a model built on the meta device reads from them only its experts."""
+    it wrote (under transformers' own names, one tensor per expert) and writes them back the
+    same, and a model built on the meta device reads them (each layer's experts fused on the
+    way, as transformers fuses them) and keeps only its experts."""
 
     pool = shared_pool4
     per_rank = pool.run(jobs.train, [(name, plan) for name, plan, _ in EP_PLANS],
@@ -141,6 +143,20 @@ def test_expert_parallel_trains_as_one_process(shared_pool4, tmp_path):
 
     loaded = tf.MixtralForCausalLM.from_pretrained(tmp_path / "ckpt-hf")
     assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 192, 64)
+    # autopar wrote the checkpoint's names, as transformers does: one tensor per expert
+    # (block_sparse_moe.experts.E.w1 / w2 / w3), which transformers fuses on load and the meta
+    # model above read through the same conversion (autopar/hf_names.py)
+    from safetensors import safe_open
+
+    loaded.save_pretrained(tmp_path / "resaved")
+    keys = {}
+    for which in ("ckpt-hf", "resaved"):
+        with safe_open(tmp_path / which / "model.safetensors", "pt") as f:
+            keys[which] = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(keys["ckpt-hf"]) == set(keys["resaved"])
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys["ckpt-hf"]
+    for k, value in keys["resaved"].items():
+        assert torch.equal(keys["ckpt-hf"][k], value), k
     for k, (name, plan, micro) in enumerate(EP_PLANS):
         what = f"{name} {plan}"
         errors = [r[k]["error"] for r in per_rank if "error" in r[k]]
