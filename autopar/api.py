@@ -43,6 +43,7 @@ from autopar.errors import (
     InvalidInputError,
     PlanMismatchError,
 )
+from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import collective, set_default_timeout
@@ -182,7 +183,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
         _broadcast_model(model)
     captured = _capture(model, example_inputs, loss_fn, example_targets, mixed_precision)
     global_batch = global_batch or _batch_size(example_inputs)
-    seq = seq or _seq_len(example_inputs)
+    # the length the capture made symbolic; else the first token-like input's (as it marks them)
+    seq = seq or captured.example_sizes.get(SEQ) or _seq_len(example_inputs)
     # the search offloads only where memory requires it; to disk only with a directory
     planned = agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed,
                             offload_choices=("optimizer", "disk") if offload_dir is not None
@@ -469,9 +471,14 @@ def _batch_size(inputs: Any) -> int:
 
 
 def _seq_len(inputs: Any) -> int:
+    """Dim 1 of the first input holding a sequence (token ids, rank 2 and above; embeddings,
+    rank 3), as the capture marks them; 1 for inputs without one (images)."""
     tensors = [inputs] if isinstance(inputs, torch.Tensor) else [t for t in (
         inputs.values() if isinstance(inputs, Mapping) else inputs) if isinstance(t, torch.Tensor)]
-    return int(tensors[0].shape[1]) if tensors[0].dim() >= 2 else 1
+    for t in tensors:
+        if (t.dim() >= 2 and not t.is_floating_point()) or (t.dim() == 3 and t.is_floating_point()):
+            return int(t.shape[1])
+    return 1
 
 
 def _resolve_cluster(cluster: Any, world: int, device: torch.device) -> Any:

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from autopar.errors import InvalidInputError, ShardingError
 from autopar.frontend import CapturedGraph
-from autopar.ir import META_KEY, NodeKind, copy_graph_module, info, op_name
+from autopar.ir import META_KEY, SEQ, NodeKind, copy_graph_module, info, op_name
 from autopar.plan_types import GemmSharding, Plan
 from autopar.sharding import (
     Collective,
@@ -125,9 +125,13 @@ def _check_divisible(captured: CapturedGraph, tp: int, sizes: Mapping[str, int],
                 "GPT-2's 50257 -> 50304), or pass strict=False (CLI: --no-strict) to run those "
                 "parts replicated")
     if sequence_parallel and sizes.get("s", 0) % tp:
+        none = sizes.get("s") == 1 and SEQ not in captured.example_sizes
         raise ShardingError("sequence parallelism splits the sequence over the tp ranks",
                             expected=f"a sequence length divisible by tp={tp}",
-                            found=f"s={sizes.get('s')}", fix="change the sequence length or tp")
+                            found=f"s={sizes.get('s')}" + (" (the inputs hold no sequence: "
+                                                            "images)" if none else ""),
+                            fix="plan with sequence_parallel=False" if none else
+                                "change the sequence length or tp")
 
 
 def tensor_parallelize(captured: CapturedGraph, tp: int, *, sequence_parallel: bool = False,

@@ -241,6 +241,23 @@ def test_heads_or_vocabulary_not_divisible_by_tp(tiny_models):
                            strict=False)
 
 
+def test_sequence_parallelism_of_a_model_without_a_sequence_is_named():
+    """A ViT's inputs are images: no sequence to split (parallelize's sequence length is 1, not
+    dim 1 of the pixels, its channels), and a pinned sequence_parallel says so."""
+    import families_jobs
+
+    from autopar.api import _seq_len
+
+    model, loss_fn = families_jobs.make_model("vit")
+    (pixels,), (labels,) = families_jobs.batches("vit", 1)[0]
+    assert _seq_len((pixels,)) == 1 and _seq_len((torch.zeros(2, 7, dtype=torch.long),)) == 7
+    captured = autopar.capture(model, (pixels,), loss_fn, example_targets=(labels,))
+    with pytest.raises(ShardingError, match="no sequence: images") as err:
+        tensor_parallelize(captured, 2, cost=TINY_COST, sequence_parallel=True,
+                           sizes={"b": 2, "s": 1})
+    assert "sequence_parallel=False" in err.value.fix
+
+
 def test_model_too_large_for_the_cluster():
     zm, inputs, targets = _tiny(batch=8)
     data = autopar.Cluster.load("cpu").to_json()
