@@ -173,7 +173,8 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 
 def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
                    seq: int, mixed_precision: bool, seed: int | None = None, *,
-                   offload_choices: tuple[str, ...] = ("optimizer",)) -> Planned:
+                   offload_choices: tuple[str, ...] = ("optimizer",),
+                   optimizer_kernel: Any = None) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
     message), and the dropout seed."""
     decided = None
@@ -182,7 +183,8 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
     if dist.get_rank() == 0:
         try:
             decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
-                                                  seq, mixed_precision, offload_choices)
+                                                  seq, mixed_precision, offload_choices,
+                                                  optimizer_kernel)
             payload = {"plan": decided.to_json(),
                        "prediction": prediction.to_json() if prediction else None,
                        "seed": int(seed if seed is not None else torch.initial_seed())}
@@ -268,8 +270,8 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
-            mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",)
-            ) -> tuple[Plan, Prediction | None, Any]:
+            mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
+            optimizer_kernel: Any = None) -> tuple[Plan, Prediction | None, Any]:
     fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
         check_plan(plan, fingerprint, world, global_batch)
@@ -290,7 +292,7 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     vocab_multiple = pins.pop("vocab_multiple", None)  # nor is this (any value makes tp divide)
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
-                                          mixed_precision, offload_choices)
+                                          mixed_precision, offload_choices, optimizer_kernel)
     if vocab_multiple is not None:
         decided = decided.replace(vocab_multiple=vocab_multiple)
     if shard_size is not None:
@@ -374,8 +376,8 @@ def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_b
 
 
 def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
-            mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",)
-            ) -> tuple[Plan, Prediction | None, Any]:
+            mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
+            optimizer_kernel: Any = None) -> tuple[Plan, Prediction | None, Any]:
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.planner.search import SearchSpace, search
 
@@ -391,7 +393,8 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
         space_pins["micro_batch_size"] = mbs
     dtype = "bf16" if mixed_precision else "fp32"
     costs = ModelCosts(captured, name=type(captured.model).__name__)
-    cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype))
+    cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype,
+                                                         optimizer_kernel=optimizer_kernel))
     result = search(cost_model, SearchSpace(**space_pins, offload_choices=offload_choices),
                     top_k=5, progress=False)
     for ev in (result.best, *result.alternatives):

@@ -188,7 +188,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     # the search offloads only where memory requires it; to disk only with a directory
     planned = agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed,
                             offload_choices=("optimizer", "disk") if offload_dir is not None
-                            else ("optimizer",))
+                            else ("optimizer",),
+                            optimizer_kernel=training.optimizer.kernel)  # priced as it runs
     if planned.plan.offload == "disk" and offload_dir is None:  # a Plan (file) given whole
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",

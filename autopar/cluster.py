@@ -134,8 +134,9 @@ class DeviceSpec:
     #: GELU or cross-entropy). Empty: every such op is memory-bound (GPUs).
     op_table: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     #: Measured seconds per parameter of an optimizer step (``torch.optim.AdamW`` as a training
-    #: script calls it, its default implementation on this device). 0: the step is priced as
-    #: memory traffic, 28 bytes per parameter at the streaming bandwidth (a fused GPU AdamW);
+    #: script calls it, its default implementation on this device: the for-loop on a CPU). 0:
+    #: the step is priced as memory traffic, the bytes its kernel moves per parameter at the
+    #: streaming bandwidth (planner/kernels.py: 84 for torch's default foreach on a GPU);
     #: a CPU core's for-loop AdamW runs ~10 passes over the parameters and takes 1.5-2.5 times
     #: that.
     optimizer_s_per_param: float = 0.0
@@ -143,6 +144,11 @@ class DeviceSpec:
     #: CPU core's for-loop AdamW issues ~10 ops per tensor). 0: the implementation steps all
     #: tensors in a few multi-tensor kernels (torch's foreach or fused AdamW on a GPU).
     optimizer_s_per_tensor: float = 0.0
+    #: The same for torch's fused AdamW (``fused=True``: one vectorized kernel, on a CPU too),
+    #: measured by ``autopar calibrate``; 0: priced as its memory traffic (28 bytes per
+    #: parameter).
+    fused_optimizer_s_per_param: float = 0.0
+    fused_optimizer_s_per_tensor: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -166,21 +172,23 @@ class DeviceSpec:
                    f"{owner}.{name} must be a host time per graph node",
                    expected="0 <= value < 10 ms (a few microseconds on CPUs, 0 on GPUs)",
                    found=value, fix="regenerate with autopar calibrate, or give 0")
-        step = parse_quantity(self.optimizer_s_per_param, "s",
-                              what=f"{owner}.optimizer_s_per_param")
-        object.__setattr__(self, "optimizer_s_per_param", step)
-        _check(math.isfinite(step) and 0 <= step < 1e-6,
-               f"{owner}.optimizer_s_per_param must be an optimizer step's time per parameter",
-               expected="0 <= value < 1 us (a few ns on a CPU core; 0: priced as memory traffic)",
-               found=step, fix="regenerate with autopar calibrate, or give 0")
-        per_tensor = parse_quantity(self.optimizer_s_per_tensor, "s",
-                                    what=f"{owner}.optimizer_s_per_tensor")
-        object.__setattr__(self, "optimizer_s_per_tensor", per_tensor)
-        _check(math.isfinite(per_tensor) and 0 <= per_tensor < 1e-2,
-               f"{owner}.optimizer_s_per_tensor must be an optimizer step's fixed time per "
-               f"parameter tensor",
-               expected="0 <= value < 10 ms (~0.1 ms on a CPU core; 0 for multi-tensor kernels)",
-               found=per_tensor, fix="regenerate with autopar calibrate, or give 0")
+        for prefix in ("", "fused_"):
+            name = f"{prefix}optimizer_s_per_param"
+            step = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
+            object.__setattr__(self, name, step)
+            _check(math.isfinite(step) and 0 <= step < 1e-6,
+                   f"{owner}.{name} must be an optimizer step's time per parameter",
+                   expected="0 <= value < 1 us (a few ns on a CPU core; 0: priced as memory "
+                            "traffic)", found=step, fix="regenerate with autopar calibrate, or "
+                                                        "give 0")
+            name = f"{prefix}optimizer_s_per_tensor"
+            per_tensor = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
+            object.__setattr__(self, name, per_tensor)
+            _check(math.isfinite(per_tensor) and 0 <= per_tensor < 1e-2,
+                   f"{owner}.{name} must be an optimizer step's fixed time per parameter tensor",
+                   expected="0 <= value < 10 ms (~0.1 ms on a CPU core; 0 for multi-tensor "
+                            "kernels)", found=per_tensor, fix="regenerate with autopar calibrate, "
+                                                              "or give 0")
         for name in ("memory_bytes", "memory_bandwidth", "kernel_floor_s"):
             base = {"memory_bytes": "bytes", "memory_bandwidth": "bytes/s",
                     "kernel_floor_s": "s"}[name]
@@ -550,6 +558,8 @@ class Cluster:
                        "checkpoint_tensor_overhead_s": d.checkpoint_tensor_overhead_s,
                        "optimizer_s_per_param": d.optimizer_s_per_param,
                        "optimizer_s_per_tensor": d.optimizer_s_per_tensor,
+                       "fused_optimizer_s_per_param": d.fused_optimizer_s_per_param,
+                       "fused_optimizer_s_per_tensor": d.fused_optimizer_s_per_tensor,
                        "reserved_memory_bytes": d.reserved_memory_bytes,
                        "default_dtype": d.default_dtype},
             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),

@@ -25,8 +25,8 @@ from autopar._version import __version__, major_minor
 from autopar.errors import InvalidPlanError, PlanMismatchError
 from autopar.runtime.schedules import ScheduleKind, schedule_spec
 
-__all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "StagePlan", "Plan", "Prediction",
-           "PLAN_FORMAT_VERSION"]
+__all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "OptimizerKernel", "StagePlan", "Plan",
+           "Prediction", "PLAN_FORMAT_VERSION"]
 
 #: Bumped when the JSON form of a plan changes incompatibly.
 PLAN_FORMAT_VERSION = 1
@@ -42,6 +42,34 @@ class RecomputeKind(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+
+
+class OptimizerKernel(str, enum.Enum):
+    """How torch runs an optimizer's step (``torch.optim.AdamW(fused=..., foreach=...)``): one
+    fused kernel over every tensor, its ops batched over the tensors (foreach), or its ops one
+    tensor at a time (the for-loop). torch's default is foreach on a GPU, the for-loop on a CPU;
+    what the step moves and how long it takes follows (autopar/planner/kernels.py)."""
+
+    FUSED = "fused"
+    FOREACH = "foreach"
+    FOR_LOOP = "for-loop"
+
+    @classmethod
+    def of_options(cls, options: "Mapping[str, object]") -> "OptimizerKernel | None":
+        """The kernel a torch optimizer's ``fused`` / ``foreach`` options ask for; None: torch's
+        default for the device."""
+        if options.get("fused"):
+            return cls.FUSED
+        if options.get("foreach") is True:
+            return cls.FOREACH
+        if options.get("foreach") is False:
+            return cls.FOR_LOOP
+        return None
+
+    @classmethod
+    def default_on(cls, gpu: bool) -> "OptimizerKernel":
+        """torch's choice when the options leave it open (``_default_to_fused_or_foreach``)."""
+        return cls.FOREACH if gpu else cls.FOR_LOOP
 
 
 class GemmSharding(str, enum.Enum):

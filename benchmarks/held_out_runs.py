@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 
 from autopar import Cluster
-from autopar.plan_types import RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerKernel, RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 from autopar.planner.search import search
@@ -44,11 +44,13 @@ def main() -> int:
               "days | published |\n|---|---|---|---|---|---|---|---|---|")
     print(header)
     # GPT-3 175B, with the software of the run (Megatron-LM 2021, as benchmarks/published_runs.py
-    # states it): attention written out, gradients all-reduced after the backward, fp16
+    # states it): attention written out, gradients all-reduced after the backward, fp16, apex's
+    # fused Adam
     from published_runs import megatron_2021_cluster
 
     costs, _, _ = capture_model_costs("gpt3-175b", attention="eager")
-    cm = CostModel(costs, megatron_2021_cluster(1024), TrainingSetup(1536, 2048, "fp16"))
+    cm = CostModel(costs, megatron_2021_cluster(1024),
+                   TrainingSetup(1536, 2048, "fp16", optimizer_kernel=OptimizerKernel.FUSED))
     for sched, v in ((ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED_1F1B, 2)):
         ev = cm.refine(cm.evaluate(Candidate(8, 8, 16, v, 1, sched, RecomputeKind.FULL, 0,
                                              False)))

@@ -32,6 +32,8 @@ Software (both papers; Megatron-LM of 2021-2022):
 - data-parallel gradients all-reduced after the whole backward (Megatron's local DDP; its
   ``--overlap-grad-reduce`` came in 2023): the cluster's ``overlap_grad_reduce: false``;
 - plain data parallelism (no distributed optimizer): ZeRO 0;
+- apex's FusedAdam (one multi-tensor kernel reading and writing each state once): the
+  ``fused`` optimizer kernel;
 - the 1F1B schedule without interleaving (PipeDream-Flush), assumed: the papers' tables do not
   say which runs interleaved;
 - micro-batch 1 for Table 1, assumed (the table gives the global batch only); Korthikanti et al.
@@ -46,7 +48,7 @@ import statistics
 import sys
 
 from autopar import Cluster
-from autopar.plan_types import RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerKernel, RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 
@@ -138,7 +140,7 @@ def predict(run: Run, _cache: dict = {}):  # noqa: B006 - one capture per model 
                                           hidden=run.hidden, heads=run.heads, vocab=VOCAB,
                                           seq=SEQ)[0]
     cm = CostModel(_cache[key], megatron_2021_cluster(run.gpus),
-                   TrainingSetup(run.batch, SEQ, "fp16"))
+                   TrainingSetup(run.batch, SEQ, "fp16", optimizer_kernel=OptimizerKernel.FUSED))
     c = Candidate(run.dp, run.tp, run.pp, 1, run.micro_batch, ScheduleKind.ONE_F_ONE_B,
                   run.recompute, 0, run.sequence_parallel)
     problem = cm.check(c)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import InvalidInputError
+from autopar.plan_types import OptimizerKernel
 
 __all__ = ["OptimizerFactory", "OptimizerCallableError", "MixedPrecision", "ELEMENTWISE_OPTIMIZERS", "global_grad_norm",
            "clip_coefficient"]
@@ -72,6 +73,9 @@ class OptimizerFactory:
     #: The user's callable (``params -> Optimizer``) when built by :meth:`from_callable`: it
     #: builds the optimizer, whose groups are then re-made from ``group_options``.
     make: Callable[[Any], torch.optim.Optimizer] | None = None
+    #: The kernel a callable's optimizer was built with (its ``fused`` / ``foreach`` defaults);
+    #: None: read from ``options``.
+    built_kernel: OptimizerKernel | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.optimizer_class, type)
@@ -150,7 +154,8 @@ class OptimizerFactory:
                     "closed over); freeze a parameter with requires_grad_(False) instead of "
                     "leaving it out")
         table = dict(overrides)
-        return cls(type(probe), {}, group_options=lambda name: table.get(name, {}), make=make)
+        return cls(type(probe), {}, group_options=lambda name: table.get(name, {}), make=make,
+                   built_kernel=OptimizerKernel.of_options(probe.defaults))
 
     def renamed(self, fqn_of: Mapping[str, str]) -> "OptimizerFactory":
         """This factory with ``group_options`` asked by the names in ``fqn_of``'s values for
@@ -160,6 +165,13 @@ class OptimizerFactory:
             return self
         inner = self.group_options
         return dataclasses.replace(self, group_options=lambda name: inner(fqn_of.get(name, name)))
+
+    @property
+    def kernel(self) -> OptimizerKernel | None:
+        """How the step runs: the ``fused`` / ``foreach`` the optimizer is given; None: torch's
+        default for the device (foreach on a GPU, the for-loop on a CPU). What the cost model
+        prices (TrainingSetup.optimizer_kernel)."""
+        return self.built_kernel or OptimizerKernel.of_options(self.options)
 
     @property
     def is_elementwise(self) -> bool:

@@ -51,6 +51,33 @@ def test_gemm_roofline_regimes():
     assert gemm_time(A100, "bf16", 1, 8, 8, 8) == pytest.approx(3e-6)
 
 
+def test_the_optimizer_step_moves_what_its_kernel_moves():
+    """On a GPU preset (no measured rate), an AdamW step of P parameters streams what torch's
+    kernel moves: the fused kernel reads weights, gradients and both moments once and writes
+    three (28 bytes), foreach runs the for-loop's nine ops batched (84: each op's operands read
+    and its result written, torch/optim/adamw.py); torch's default on a GPU is foreach. The
+    step of a one-device plan is priced so."""
+    from autopar.plan_types import OptimizerKernel
+    from autopar.planner.kernels import optimizer_time
+
+    P = 355e6  # GPT-2 medium
+    stream = A100.device.memory_bandwidth * A100.device.memory_efficiency
+    assert optimizer_time(A100, P, kernel=OptimizerKernel.FUSED) == pytest.approx(28 * P / stream)
+    for kernel in (None, OptimizerKernel.FOREACH, OptimizerKernel.FOR_LOOP):
+        assert optimizer_time(A100, P, kernel=kernel) == pytest.approx(84 * P / stream)
+    zm = models.build("gpt2-small", device="meta", layers=2)
+    inputs, targets = zm.example_inputs(batch=2, seq=16)
+    costs = ModelCosts(capture(zm.model, inputs, zm.loss_fn, example_targets=targets))
+    one = A100.with_devices(1)
+    steps = {}
+    for kernel in (None, "fused"):
+        cm = CostModel(costs, one, TrainingSetup(8, 1024, "bf16", optimizer_kernel=kernel))
+        ev = cm.evaluate(Candidate(1, 1, 1, 1, 8, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE,
+                                   0, False))
+        steps[kernel] = ev.prediction.breakdown["optimizer_s"]
+    assert steps[None] == pytest.approx(3 * steps["fused"])
+
+
 @pytest.fixture(scope="module")
 def shallow():
     out = {}

@@ -510,24 +510,32 @@ def test_block_node_time_prices_the_eager_blocks_of_a_tiny_gpt():
     assert 1 / 3 < statistics.median(ratios) < 3, ratios
 
 
+@pytest.mark.parametrize("kernel", [None, "fused"])
 @pytest.mark.parametrize("per_param", [0.0, 1e-10, 5e-9])
-def test_optimizer_step_at_the_measured_rate_where_it_is_slower_than_streaming(costs, per_param):
-    """The Adam step of a rank's parameters: 28 bytes each at the streaming bandwidth, or the
-    measured seconds per parameter (a CPU core's for-loop AdamW), whichever is longer; shared
-    cores stretch it as they stretch compute."""
-    from autopar.planner.cost_model import OPTIMIZER_BYTES_PER_PARAM, memory_time
+def test_optimizer_step_at_the_measured_rate_of_its_kernel(costs, per_param, kernel):
+    """The Adam step of a rank's parameters: the seconds per parameter measured for its kernel
+    (a CPU core's for-loop AdamW, torch's default there; or the fused kernel's), faster or
+    slower than streaming; without a measurement, the bytes the kernel moves (84 for the
+    for-loop, 28 fused) at the streaming bandwidth. Shared cores stretch it as they stretch
+    compute."""
+    from autopar.plan_types import OptimizerKernel
+    from autopar.planner.kernels import ADAMW_BYTES_PER_PARAM, memory_time
 
-    setup = TrainingSetup(8, SHAPE["seq"], "fp32")
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32", optimizer_kernel=kernel)
     params = sum(n for i in range(costs.num_layers)
                  for n in costs.template(i).params.values()) - SHAPE["vocab"] * SHAPE["hidden"]
+    bytes_each = ADAMW_BYTES_PER_PARAM[OptimizerKernel(kernel or "for-loop")]
+    assert bytes_each == (28 if kernel else 84)
     for devices, cores, dp in ((1, 0, 1), (4, 2, 4)):
-        host = _host(devices=devices, cores=cores, optimizer=per_param)
+        host = _host(devices=devices, cores=cores, optimizer=0.0 if kernel else per_param)
+        if kernel:  # the default's rate is measured (and unused); the fused one's is per_param
+            host = dataclasses.replace(host, device=dataclasses.replace(
+                host.device, optimizer_s_per_param=7e-9, fused_optimizer_s_per_param=per_param,
+                fused_optimizer_s_per_tensor=0.0))
         cm = CostModel(costs, host, setup)
         got = cm.refine(cm.evaluate(_candidate(dp=dp))).prediction.breakdown["optimizer_s"]
-        alone = max(memory_time(host, OPTIMIZER_BYTES_PER_PARAM * params), params * per_param)
+        alone = params * per_param if per_param else memory_time(host, bytes_each * params)
         assert got == pytest.approx(alone / host.compute_share(devices))
-        if per_param == 5e-9:
-            assert got == pytest.approx(params * per_param / host.compute_share(devices))
 
 
 def test_optimizer_pays_its_fixed_cost_per_parameter_tensor(costs):

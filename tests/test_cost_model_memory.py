@@ -340,15 +340,20 @@ class _NewStorageBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("foreach", [True, False])
-def test_optimizer_step_temporary_is_torchs(foreach):
+@pytest.mark.parametrize("kernel", ["foreach", "for-loop", "fused"])
+def test_optimizer_step_temporary_is_torchs(kernel):
     """What torch's AdamW allocates during a step, counted op by op: the foreach path (CUDA's
     default) one fp32 temporary per stepped element, the for-loop path (the CPU's) two of the
-    largest tensor, here flat buckets as the runtime steps them: ``optimizer_step_bytes``."""
+    largest tensor, here flat buckets as the runtime steps them, the fused kernel none:
+    ``optimizer_step_bytes`` of each kernel."""
+    from autopar.plan_types import OptimizerKernel
+
     buckets = [torch.nn.Parameter(torch.randn(n)) for n in (300_000, 120_000, 7)]
     for p in buckets:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(buckets, lr=1e-3, foreach=foreach)
+    options = {"foreach": {"foreach": True}, "for-loop": {"foreach": False},
+               "fused": {"fused": True}}[kernel]
+    opt = torch.optim.AdamW(buckets, lr=1e-3, **options)
     opt.step()  # the moments exist from here on
     held = buckets + [p.grad for p in buckets] + [
         v for state in opt.state.values() for v in state.values()]
@@ -356,8 +361,11 @@ def test_optimizer_step_temporary_is_torchs(foreach):
     with counter:
         opt.step()
     stepped = sum(p.numel() for p in buckets)
-    want = (optimizer_step_bytes(stepped, "none", separate_host=True) if foreach
-            else optimizer_step_bytes(300_000, "none", separate_host=False))
+    # the defaults: foreach on a GPU (separate_host), the for-loop on a CPU
+    want = {"foreach": optimizer_step_bytes(stepped, "none", separate_host=True),
+            "for-loop": optimizer_step_bytes(300_000, "none", separate_host=False),
+            "fused": optimizer_step_bytes(stepped, "none", separate_host=True,
+                                          kernel=OptimizerKernel.FUSED)}[kernel]
     # the step counters and bias corrections: a few scalar tensors per bucket
     assert want <= counter.peak <= want + 64 * len(buckets)
     assert optimizer_step_bytes(stepped, "optimizer", separate_host=True) == 0.0

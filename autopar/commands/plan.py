@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--moe-imbalance", dest="moe_imbalance", type=float, default=1.0,
                    metavar="F", help="mixture-of-experts: rows of the busiest expert rank over "
                                      "the mean (default 1: uniform routing)")
+    p.add_argument("--optimizer-kernel", dest="optimizer_kernel", default=None,
+                   choices=["fused", "foreach", "for-loop"],
+                   help="how the optimizer runs (AdamW(fused=True), foreach=True, foreach=False;"
+                        " default: torch's default on the device, foreach on GPUs)")
     p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
                    help="attention kernel the model is captured with (default sdpa; eager for a "
                         "transformers class without sdpa)")
@@ -86,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     report = plan_model(args.model, cluster, global_batch=args.global_batch, seq=args.seq,
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args),
-                        moe_imbalance=args.moe_imbalance)
+                        moe_imbalance=args.moe_imbalance,
+                        optimizer_kernel=args.optimizer_kernel)
     doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:

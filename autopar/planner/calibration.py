@@ -176,6 +176,8 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
         checkpoint_overhead("cpu", repeat)
     out["op_table"] = measure_op_table(repeat)
     out["optimizer_s_per_param"], out["optimizer_s_per_tensor"] = measure_optimizer_step(repeat)
+    out["fused_optimizer_s_per_param"], out["fused_optimizer_s_per_tensor"] = \
+        measure_optimizer_step(repeat, fused=True)
     q = torch.randn(1, 4, 256, 64)
     t = best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=False), repeat)
     out["attention_flops_fp32"] = 4 * 4 * 256 * 256 * 64 / t
@@ -587,6 +589,8 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "checkpoint_tensor_overhead_s": c["checkpoint_tensor_overhead_s"],
             "optimizer_s_per_param": c["optimizer_s_per_param"],
             "optimizer_s_per_tensor": c["optimizer_s_per_tensor"],
+            "fused_optimizer_s_per_param": c["fused_optimizer_s_per_param"],
+            "fused_optimizer_s_per_tensor": c["fused_optimizer_s_per_tensor"],
             "sm_count": 0,
             "reserved_memory_bytes": 0.0,
             "default_dtype": "fp32",
@@ -645,6 +649,10 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.optimizer_s_per_tensor": (
                 f"median torch.optim.AdamW step (defaults) over {OPTIMIZER_TINY_TENSORS} "
                 f"tensors of {OPTIMIZER_TINY_NUMEL} elements, per tensor; {where}"),
+            "device.fused_optimizer_s_per_param": (
+                f"as device.optimizer_s_per_param, torch.optim.AdamW(fused=True); {where}"),
+            "device.fused_optimizer_s_per_tensor": (
+                f"as device.optimizer_s_per_tensor, torch.optim.AdamW(fused=True); {where}"),
             "device.op_table": f"forward and backward of each op on {OP_ROWS} x {OP_COLS} fp32 "
                                f"elements with autograd, per element; {where}",
             "device.attention_efficiency": f"scaled_dot_product_attention rate / GEMM rate; "

@@ -269,16 +269,17 @@ def measure_node_overhead(repeat: int = 5) -> dict[str, float]:
             "node_backward_overhead_s": max(t_bwd - floor, 0.0)}
 
 
-def _adamw_step_time(shapes: list[tuple[int, ...]], repeat: int) -> float:
+def _adamw_step_time(shapes: list[tuple[int, ...]], repeat: int, fused: bool = False) -> float:
     """Median seconds of ``torch.optim.AdamW.step()`` (its defaults: the implementation a
-    training script gets on this device) over fresh parameters of ``shapes``, every one with a
-    gradient, after two steps that create the moments."""
+    training script gets on this device; ``fused``: torch's fused kernel) over fresh
+    parameters of ``shapes``, every one with a gradient, after two steps that create the
+    moments."""
     import torch
 
     params = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True if fused else None)
     opt.step()
     opt.step()
     times = []
@@ -289,8 +290,9 @@ def _adamw_step_time(shapes: list[tuple[int, ...]], repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure_optimizer_step(repeat: int = 5) -> tuple[float, float]:
-    """(seconds per parameter, fixed seconds per tensor) of an AdamW step.
+def measure_optimizer_step(repeat: int = 5, fused: bool = False) -> tuple[float, float]:
+    """(seconds per parameter, fixed seconds per tensor) of an AdamW step (``fused``: of its
+    fused kernel, ``AdamW(fused=True)``).
 
     The fixed cost: ``OPTIMIZER_TINY_TENSORS`` tensors of ``OPTIMIZER_TINY_NUMEL`` elements,
     whose element work is negligible, over their count. The rate: ``OPTIMIZER_BLOCKS``
@@ -300,8 +302,8 @@ def measure_optimizer_step(repeat: int = 5) -> tuple[float, float]:
     shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
               (h,), (h,), (h,), (h,)] * OPTIMIZER_BLOCKS
     per_tensor = _adamw_step_time([(OPTIMIZER_TINY_NUMEL,)] * OPTIMIZER_TINY_TENSORS,
-                                  repeat) / OPTIMIZER_TINY_TENSORS
-    blocks = _adamw_step_time(shapes, repeat)
+                                  repeat, fused) / OPTIMIZER_TINY_TENSORS
+    blocks = _adamw_step_time(shapes, repeat, fused)
     params = sum(math.prod(shape) for shape in shapes)
     return max(blocks - len(shapes) * per_tensor, 0.0) / params, per_tensor
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-from autopar.plan_types import Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerKernel, Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.planner.kernels import PRECISION_BYTES
 from autopar.planner.memory import RankMemory
 
@@ -170,6 +170,9 @@ class TrainingSetup:
     #: Mixture-of-experts: rows of the busiest expert-parallel rank over the mean (1: uniform
     #: routing, what the load-balancing loss aims at). An assumption the user may change.
     moe_imbalance: float = 1.0
+    #: The optimizer's kernel (``AdamW(fused=..., foreach=...)``); None: torch's default on the
+    #: device, foreach on a GPU and the for-loop on a CPU (planner/kernels.py prices each).
+    optimizer_kernel: OptimizerKernel | None = None
 
     def __post_init__(self) -> None:
         if not self.moe_imbalance >= 1.0:
@@ -181,3 +184,5 @@ class TrainingSetup:
             raise ValueError(f"seq must be >= 1, got {self.seq}")
         if self.dtype not in PRECISION_BYTES:
             raise ValueError(f"dtype must be one of {sorted(PRECISION_BYTES)}, got {self.dtype!r}")
+        if self.optimizer_kernel is not None:
+            object.__setattr__(self, "optimizer_kernel", OptimizerKernel(self.optimizer_kernel))

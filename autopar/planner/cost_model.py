@@ -311,7 +311,8 @@ class CostModel:
             peak, least = peak_rank_memory(c, st.ranks, self._rank_activations(c, m, st),
                                            self.setup.dtype,
                                            self.cluster.host_link_bandwidth > 0,
-                                           self._receives_ahead(c, m))
+                                           self._receives_ahead(c, m),
+                                           self.setup.optimizer_kernel)
             reason = self._out_of_memory((peak,))
             if reason is not None:
                 return Evaluation(c, reason, ranks=(peak,), stages=st.stages,
@@ -449,7 +450,8 @@ class CostModel:
         latency, bandwidth = p2p_link(self.cluster, inter_node=len(nodes) > 1)
         # the optimizer step's temporary over the stepped share (memory.optimizer_step_bytes);
         # on a CPU it is bounded by a bucket, not per parameter: the evaluation counts it
-        step_bytes = (optimizer_step_bytes(1 / n if c.zero >= 1 else 1.0, c.offload, True)
+        step_bytes = (optimizer_step_bytes(1 / n if c.zero >= 1 else 1.0, c.offload, True,
+                                           self.setup.optimizer_kernel)
                       if separate_host else 0.0)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
                                 bandwidth, latency, step_bytes,
@@ -578,7 +580,8 @@ class CostModel:
             tensors = rs.tensors / replicas if c.zero >= 1 else rs.tensors
             # every rank steps at once: on a CPU host they share its cores
             optimizer_s = max(optimizer_s, offloaded_optimizer_time(
-                cl, local, c.offload, w_bytes, tensors=tensors) / self.host.optimizer_share())
+                cl, local, c.offload, w_bytes, tensors=tensors,
+                kernel=self.setup.optimizer_kernel) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)
@@ -637,7 +640,8 @@ class CostModel:
         if rank_acts is None:
             rank_acts = self._rank_activations(c, m, st)
         return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
-                           self.cluster.host_link_bandwidth > 0, self._receives_ahead(c, m))
+                           self.cluster.host_link_bandwidth > 0, self._receives_ahead(c, m),
+                           self.setup.optimizer_kernel)
 
     def _receives_ahead(self, c: Candidate, m: int) -> tuple[int, ...]:
         """Per pipeline rank, the boundary tensors received ahead of their compute

@@ -13,14 +13,17 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
   ``t = max(2 batch M N K / rate(batch M, N, K), floor)`` instead, the rate interpolated between
   measured shapes.
 - memory-bound: ``t = max(bytes / (bw * e_mem), floor)``.
-- the optimizer step: 28 bytes moved per parameter of the local shard (Adam reads weights,
-  gradients, two moments and writes three, plus the low-precision copy), or the device's
-  measured time per parameter where that is longer (``optimizer_s_per_param``), plus the
-  measured fixed cost per parameter tensor it steps (``optimizer_s_per_tensor``: a CPU core's
-  for-loop AdamW runs ~10 ops per tensor, 45-70 us however small the tensor).
-- an offloaded step on a GPU's host: torch's for-loop AdamW over fp32 host tensors, 84 bytes
-  of host memory traffic per parameter (``HOST_ADAMW_BYTES_PER_PARAM``), or the host's measured
-  rate where that is longer (``Cluster.host_optimizer_s_per_param``).
+- the optimizer step, by the kernel it runs (``OptimizerKernel``: torch's default is foreach on
+  a GPU, the for-loop on a CPU): the bytes it moves per parameter of the local shard
+  (``ADAMW_BYTES_PER_PARAM``: 28 fused, 84 for foreach and the for-loop, which run the same
+  ops) at the memory bandwidth, or the device's measured time per parameter where it measured
+  one (``optimizer_s_per_param``, ``fused_optimizer_s_per_param``: a CPU core steps a tensor at a
+  time, mostly in its caches, faster than streaming it), plus the measured fixed
+  cost per parameter tensor it steps (``optimizer_s_per_tensor``: a CPU core's for-loop AdamW
+  runs ~10 ops per tensor, 45-70 us however small the tensor).
+- an offloaded step on a GPU's host: the same over fp32 host tensors (torch's default there:
+  the for-loop), at the node's host memory bandwidth, or the host's measured rate where that is
+  longer (``Cluster.host_optimizer_s_per_param``, measured for the for-loop).
 - the host's launches on a GPU: a layer takes the longer of its kernels and its nodes times
   ``launch_overhead_s`` (the host runs ahead of the device until it cannot).
 """
@@ -31,9 +34,11 @@ import math
 from typing import Sequence
 
 from autopar.cluster import Cluster
+from autopar.plan_types import OptimizerKernel
 
 __all__ = ["wave_efficiency", "table_rate", "gemm_time", "memory_time", "optimizer_time",
            "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "HOST_ADAMW_BYTES_PER_PARAM",
+           "ADAMW_BYTES_PER_PARAM",
            "GEMM_TILES",
            "ATTENTION_BACKWARD_FACTOR", "PRECISION_BYTES"]
 
@@ -46,6 +51,14 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 #: ``exp_avg_sq.mul_`` 8, ``.addcmul_(grad, grad)`` 16, ``sqrt()`` 8 and ``/ bias_correction`` 8
 #: (two new tensors), ``.add_(eps)`` 8, ``param.addcdiv_(exp_avg, denom)`` 16.
 HOST_ADAMW_BYTES_PER_PARAM = 84
+#: Bytes torch's AdamW moves per parameter by its kernel: the fused kernel (``_fused_adamw_``,
+#: torch/optim/adamw.py) reads weights, gradients and the two moments once and writes weights
+#: and moments once (OPTIMIZER_BYTES_PER_PARAM); foreach (``_multi_tensor_adamw``) runs the
+#: for-loop's ops, each batched over the tensors (``_foreach_mul_``, ``_foreach_lerp_``, ...),
+#: so it moves what the for-loop moves (HOST_ADAMW_BYTES_PER_PARAM).
+ADAMW_BYTES_PER_PARAM = {OptimizerKernel.FUSED: OPTIMIZER_BYTES_PER_PARAM,
+                         OptimizerKernel.FOREACH: HOST_ADAMW_BYTES_PER_PARAM,
+                         OptimizerKernel.FOR_LOOP: HOST_ADAMW_BYTES_PER_PARAM}
 #: Thread-block tiles cuBLAS uses for large GEMMs (NVIDIA Matrix Multiplication Background).
 GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 #: FlashAttention-2's backward does 5 matmuls to the forward's 2.
@@ -109,33 +122,39 @@ def memory_time(cluster: Cluster, nbytes: float) -> float:
 
 def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
                              weight_bytes: float, state_bytes: float = 8.0,
-                             tensors: float = 0.0) -> float:
+                             tensors: float = 0.0,
+                             kernel: OptimizerKernel | None = None) -> float:
     """One device's optimizer step over ``params`` parameters with its state offloaded
     (``Plan.offload``), as the runtime does it (runtime/data_parallel.py, runtime/offload.py):
 
     - the reduced fp32 gradients go to the host and the updated weights (``weight_bytes`` per
       parameter) come back over ``host_link_bandwidth``, after the backward and before the next
       forward (not overlapped);
-    - the host steps: ``HOST_ADAMW_BYTES_PER_PARAM`` of memory traffic per parameter at the
-      node's ``host_memory_bandwidth`` shared by its devices, or the measured time of torch's
+    - the host steps with ``kernel`` (None: torch's default on host tensors, the for-loop):
+      its ``ADAMW_BYTES_PER_PARAM`` of memory traffic per parameter at the node's
+      ``host_memory_bandwidth`` shared by its devices, or the measured time of torch's default
       AdamW on that host (``host_optimizer_s_per_param`` and ``_per_tensor``, one device's step
-      using the whole host, so ``devices_per_node`` of them one after another), whichever is
-      longer (a CPU cluster's device is the host: its own :func:`optimizer_time`);
+      using the whole host, so ``devices_per_node`` of them one after another; not for the
+      fused kernel, which it does not measure), whichever is longer (a CPU cluster's device is
+      the host: its own :func:`optimizer_time`);
     - ``disk``: each bucket's ``state_bytes`` per parameter (Adam's two fp32 moments) is read
       before its step and written after it, at the node's ``disk_bandwidth`` shared by its
       devices, overlapped with the other buckets' steps: the longer of the two.
     """
     if offload == "none":
-        return optimizer_time(cluster, params, tensors)
+        return optimizer_time(cluster, params, tensors, kernel)
     per_node = cluster.devices_per_node
     if cluster.host_link_bandwidth > 0:
+        on_host = kernel or OptimizerKernel.FOR_LOOP
         link = params * (4.0 + weight_bytes) / cluster.host_link_bandwidth
-        host = HOST_ADAMW_BYTES_PER_PARAM * params * per_node / cluster.host_memory_bandwidth \
-            if cluster.host_memory_bandwidth > 0 else optimizer_time(cluster, params, tensors)
-        host = max(host, per_node * (params * cluster.host_optimizer_s_per_param
-                                     + tensors * cluster.host_optimizer_s_per_tensor))
+        host = ADAMW_BYTES_PER_PARAM[on_host] * params * per_node / \
+            cluster.host_memory_bandwidth if cluster.host_memory_bandwidth > 0 \
+            else optimizer_time(cluster, params, tensors, on_host)
+        if on_host is not OptimizerKernel.FUSED:  # what calibrate --device cuda measures
+            host = max(host, per_node * (params * cluster.host_optimizer_s_per_param
+                                         + tensors * cluster.host_optimizer_s_per_tensor))
     else:
-        link, host = 0.0, optimizer_time(cluster, params, tensors)
+        link, host = 0.0, optimizer_time(cluster, params, tensors, kernel)
     if offload == "disk":
         if cluster.disk_bandwidth <= 0:
             return math.inf
@@ -143,10 +162,23 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
     return link + host
 
 
-def optimizer_time(cluster: Cluster, params: float, tensors: float = 0.0) -> float:
-    """One device's Adam step over ``params`` parameters in ``tensors`` tensors, alone on its
-    core: the memory traffic (``OPTIMIZER_BYTES_PER_PARAM``) or the measured time per parameter,
-    whichever is longer, plus the measured fixed cost of each tensor."""
+def optimizer_time(cluster: Cluster, params: float, tensors: float = 0.0,
+                   kernel: OptimizerKernel | None = None) -> float:
+    """One device's Adam step over ``params`` parameters in ``tensors`` tensors with ``kernel``
+    (None: torch's default on the device, foreach on a GPU cluster, the for-loop on a CPU one),
+    alone on its core: its measured time per parameter, or without one the kernel's memory
+    traffic (``ADAMW_BYTES_PER_PARAM``), plus its measured fixed cost of each tensor (the
+    fused kernel's ``fused_optimizer_*``, else torch's default's, which foreach on a CPU runs
+    as a loop too)."""
     d = cluster.device
-    return max(memory_time(cluster, OPTIMIZER_BYTES_PER_PARAM * params),
-               params * d.optimizer_s_per_param) + tensors * d.optimizer_s_per_tensor
+    kernel = kernel or OptimizerKernel.default_on(cluster.backend == "nccl")
+    if kernel is OptimizerKernel.FUSED:
+        per_param, per_tensor = d.fused_optimizer_s_per_param, d.fused_optimizer_s_per_tensor
+    else:
+        per_param, per_tensor = d.optimizer_s_per_param, d.optimizer_s_per_tensor
+    # measured where the device measured the kernel: a CPU core steps one parameter's tensors at
+    # a time, each mostly in its caches (the for-loop at 3.4-4.1 ns per parameter where its 84
+    # bytes would stream in 5.7, the fused kernel at 0.8 where its 28 would take 1.9: cpu.yaml)
+    elements = params * per_param if per_param > 0 else \
+        memory_time(cluster, ADAMW_BYTES_PER_PARAM[kernel] * params)
+    return elements + tensors * per_tensor

@@ -51,6 +51,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+from autopar.plan_types import OptimizerKernel
+
 if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
 
@@ -104,12 +106,18 @@ MASTER_BYTES = 4
 BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
-def optimizer_step_bytes(stepped_params: float, offload: str, separate_host: bool) -> float:
-    """Device bytes the optimizer step allocates on top of the states (module docstring): on a
-    GPU (``separate_host``) the foreach path's one fp32 temporary per stepped parameter, none when
-    the step is offloaded to the host; on a CPU the for-loop path's two bucket-sized ones."""
-    if separate_host:
-        return 0.0 if offload != "none" else MASTER_BYTES * stepped_params
+def optimizer_step_bytes(stepped_params: float, offload: str, separate_host: bool,
+                         kernel: OptimizerKernel | None = None) -> float:
+    """Device bytes the optimizer step allocates on top of the states (module docstring), by
+    its kernel (None: torch's default, foreach on a GPU, ``separate_host``, the for-loop on a
+    CPU): foreach one fp32 temporary per stepped parameter (its ``_foreach_sqrt``), the for-loop
+    two the size of the largest tensor it steps (a flat bucket), the fused kernel none; none on
+    the device when the step is offloaded to the host."""
+    kernel = kernel or OptimizerKernel.default_on(separate_host)
+    if (separate_host and offload != "none") or kernel is OptimizerKernel.FUSED:
+        return 0.0
+    if kernel is OptimizerKernel.FOREACH:
+        return MASTER_BYTES * stepped_params
     return 2 * MASTER_BYTES * min(stepped_params, BUCKET_ELEMENTS)
 
 
@@ -176,8 +184,8 @@ def _peak_bytes(weights: float, gradients: float, optimizer: float, activations:
 
 
 def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
-                 dtype: str, separate_host: bool, receives_ahead: Sequence[int] = ()
-                 ) -> Iterator[tuple[float, ...]]:
+                 dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
+                 kernel: OptimizerKernel | None = None) -> Iterator[tuple[float, ...]]:
     """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
     bytes, as :func:`rank_memory` documents them."""
     w_bytes, g_bytes, _ = STATE_BYTES[dtype]
@@ -200,12 +208,12 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
         dense = rs.params - ex
         stepped = dense / n + ex / ne if zero >= 1 else rs.params
         yield (w_per * dense + w_ex * ex, g_per * dense + g_ex * ex, o_per * dense + o_ex * ex,
-               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host))
+               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host, kernel))
 
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
-                dtype: str, separate_host: bool, receives_ahead: Sequence[int] = ()
-                ) -> list[RankMemory]:
+                dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
+                kernel: OptimizerKernel | None = None) -> list[RankMemory]:
     """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
     its dp x cp replicas (:func:`model_state_bytes`, inlined: the search calls this for every
     rank of every candidate; experts' shards span the dp / ep ranks holding the same experts),
@@ -217,16 +225,16 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     ``receives_ahead[r]`` boundary tensors received ahead of their compute
     (``ScheduleSpec.receives_ahead`` on a transport that pairs messages by their order, NCCL:
     up to p - 1 on interleaved 1F1B's first rank; one on gloo), each the largest the rank
-    receives; and the optimizer step's temporary over the parameters the rank steps
-    (:func:`optimizer_step_bytes`)."""
+    receives; and the optimizer step's temporary over the parameters the rank steps, by the
+    optimizer's ``kernel`` (:func:`optimizer_step_bytes`)."""
     return [RankMemory(r, *fields)
             for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                                    receives_ahead))]
+                                                    receives_ahead, kernel))]
 
 
 def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
-                     dtype: str, separate_host: bool, receives_ahead: Sequence[int] = ()
-                     ) -> tuple[RankMemory, float]:
+                     dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
+                     kernel: OptimizerKernel | None = None) -> tuple[RankMemory, float]:
     """The rank of :func:`rank_memory` with the highest total (the first of equals) and the
     least total without the optimizer state over all ranks, without a :class:`RankMemory` per
     rank: the search's memory screen asks this of every candidate, most of which do not fit
@@ -235,7 +243,7 @@ def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: S
     best: tuple[int, tuple[float, ...]] | None = None
     least = math.inf
     for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                       receives_ahead)):
+                                       receives_ahead, kernel)):
         total = _peak_bytes(*f)
         if total > peak:
             peak, best = total, (r, f)
