@@ -143,6 +143,9 @@ class DataParallel:
             self.pager = StatePager(config.offload_dir, dist.get_rank(), self.optimizer,
                                     self.buckets)
         self._bucketwise = self._steps_per_bucket(optimizer)
+        #: An offloaded (host) optimizer steps bucket by bucket after the reductions, its copies
+        #: down and up overlapping the host's steps (:meth:`_host_step`): element-wise ones.
+        self._host_bucketwise = config.offload == "optimizer" and optimizer.is_elementwise
         n_chunks = len(self.modules)
         self._sync = [True] * n_chunks
         self._unsynced = [False] * n_chunks
@@ -626,6 +629,8 @@ class DataParallel:
             norm = self.clip_grad_norm_(self.config.max_grad_norm, self.config.norm_type)
         if self.pager is not None:
             self._paged_step(self.pager)
+        elif self._host_bucketwise:
+            self._host_step()
         else:
             stepped = [b for b in self.buckets if b.requires_grad]
             for b in stepped:  # a host optimizer's copies all launched, then waited for
@@ -680,11 +685,31 @@ class DataParallel:
             b.wait_gather()
             b.clear_optimizer_grads()
 
+    def _host_step(self) -> None:
+        """An offloaded optimizer's step, bucket by bucket (ZeRO-Offload's pipeline, Ren et al.
+        2021): every bucket's gradient copy to the host is launched first, in order; then each
+        bucket steps as soon as its own copy has landed (only its pieces have gradients, so an
+        element-wise optimizer updates those alone: the numbers of one step) and its updated
+        weights start back to the device, so the copies down, the host's steps and the copies
+        up overlap one another. Where the device is the host nothing moves."""
+        order = [b for b in self.buckets if b.requires_grad]
+        for b in order:
+            b.launch_host_grads()
+        for b in order:
+            b.wait_host_grads()
+            b.set_optimizer_grads()
+            self.optimizer.step()
+            b.clear_optimizer_grads()
+            b.after_step()
+
     def _paged_step(self, pager: StatePager) -> None:
         """The step one bucket at a time, its optimizer state read from disk ahead of it and
         written back behind it (runtime/offload.py): only the stepping bucket's pieces have
-        gradients, so the optimizer updates those alone."""
+        gradients, so the optimizer updates those alone. Every bucket's gradient copy to the
+        host is launched first (CUDA), as in :meth:`_host_step`."""
         order = [b for b in self.buckets if b.requires_grad]
+        for b in order:
+            b.launch_host_grads()
         ahead = pager.read_ahead(order[0]) if order else None
         for k, b in enumerate(order):
             pager.install(b, ahead)

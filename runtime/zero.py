@@ -568,17 +568,29 @@ class FlatBucket:
                 pieces.append((slot.name, nn.Parameter(self.master[a - lo:b - lo]), a - lo, b - lo))
         return pieces
 
+    def launch_host_grads(self) -> None:
+        """A host optimizer on a CUDA device: start copying the reduced gradient into the pinned
+        host buffer (asynchronous, on the stream, after what the stream holds: the reduction;
+        :meth:`wait_host_grads` before the step reads it). Elsewhere nothing moves."""
+        if not (self.host_optimizer and self.device.type == "cuda") or \
+                self._grad_copied is not None:
+            return
+        grad = self.reduced_grad()
+        if self._grad_host is None or self._grad_host.numel() != grad.numel():
+            self._grad_host = self._master_zeros(grad.numel())
+        self._grad_host.copy_(grad, non_blocking=True)
+        self._grad_copied = torch.cuda.Event()
+        self._grad_copied.record()
+
     def set_optimizer_grads(self) -> None:
         """Give the optimizer's pieces their gradients: views of the reduced gradient, or, for
-        a host optimizer on a CUDA device, of the pinned host copy this launches (asynchronous:
-        :meth:`wait_host_grads` before the step reads it)."""
+        a host optimizer on a CUDA device, of the pinned host copy (launched here unless
+        :meth:`launch_host_grads` did; :meth:`wait_host_grads` before the step reads it)."""
         grad = self.reduced_grad()
         if self.host_optimizer and self.device.type == "cuda":
-            if self._grad_host is None or self._grad_host.numel() != grad.numel():
-                self._grad_host = self._master_zeros(grad.numel())
-            self._grad_host.copy_(grad, non_blocking=True)
-            self._grad_copied = torch.cuda.Event()
-            self._grad_copied.record()
+            if self._grad_copied is None:
+                self.launch_host_grads()
+            assert self._grad_host is not None
             grad = self._grad_host
         elif grad.dtype != self.master_dtype or grad.device != self.master_device:
             self._grad32 = grad.to(self.master_device, self.master_dtype)

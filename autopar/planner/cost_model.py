@@ -47,6 +47,7 @@ counts recomputation (what Narayanan et al. 2021 report as "achieved teraFLOP/s"
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster, GroupSpan
@@ -62,7 +63,7 @@ from autopar.planner.layer_costs import BIAS_OP, LayerCosts, price_layer
 from autopar.planner.candidates import (Candidate, Evaluation, Staging, StageCost,
                                         TrainingSetup)
 from autopar.planner.host import Host
-from autopar.planner.memory import (STATE_BYTES, RankMemory, optimizer_step_bytes,
+from autopar.planner.memory import (BUCKET_ELEMENTS, STATE_BYTES, RankMemory, optimizer_step_bytes,
                                     peak_rank_memory, rank_memory, sharded_state_bytes)
 from autopar.planner.model_costs import ModelCosts
 from autopar.planner.stage_sums import StageSums
@@ -578,10 +579,12 @@ class CostModel:
             # ZeRO: a rank steps the pieces of the tensors in its shard (runtime/zero.py), on
             # average its 1/replicas of them
             tensors = rs.tensors / replicas if c.zero >= 1 else rs.tensors
-            # every rank steps at once: on a CPU host they share its cores
+            # every rank steps at once: on a CPU host they share its cores; an offloaded step
+            # pipelines its copies and steps over the rank's buckets
+            buckets = max(1, math.ceil(rs.params / BUCKET_ELEMENTS))
             optimizer_s = max(optimizer_s, offloaded_optimizer_time(
                 cl, local, c.offload, w_bytes, tensors=tensors,
-                kernel=self.setup.optimizer_kernel) / self.host.optimizer_share())
+                kernel=self.setup.optimizer_kernel, buckets=buckets) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)

@@ -123,13 +123,17 @@ def memory_time(cluster: Cluster, nbytes: float) -> float:
 def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
                              weight_bytes: float, state_bytes: float = 8.0,
                              tensors: float = 0.0,
-                             kernel: OptimizerKernel | None = None) -> float:
+                             kernel: OptimizerKernel | None = None,
+                             buckets: int = 1) -> float:
     """One device's optimizer step over ``params`` parameters with its state offloaded
     (``Plan.offload``), as the runtime does it (runtime/data_parallel.py, runtime/offload.py):
 
     - the reduced fp32 gradients go to the host and the updated weights (``weight_bytes`` per
       parameter) come back over ``host_link_bandwidth``, after the backward and before the next
-      forward (not overlapped);
+      forward; bucket by bucket (``buckets`` of them): every copy down is launched first, each
+      bucket steps once its own landed and its copy up starts, so the three (down, the host's
+      step, up) run as a pipeline of ``buckets`` equal items, ``(D + S + U) / n + (n - 1) / n x
+      max(D, S, U)``;
     - the host steps with ``kernel`` (None: torch's default on host tensors, the for-loop):
       its ``ADAMW_BYTES_PER_PARAM`` of memory traffic per parameter at the node's
       ``host_memory_bandwidth`` shared by its devices, or the measured time of torch's default
@@ -159,7 +163,12 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
         if cluster.disk_bandwidth <= 0:
             return math.inf
         host = max(host, 2 * state_bytes * params * per_node / cluster.disk_bandwidth)
-    return link + host
+    if link == 0.0:
+        return host
+    down, up = link * 4.0 / (4.0 + weight_bytes), link * weight_bytes / (4.0 + weight_bytes)
+    n = max(int(buckets), 1)
+    stages = (down, host, up)
+    return sum(stages) / n + (n - 1) / n * max(stages)
 
 
 def optimizer_time(cluster: Cluster, params: float, tensors: float = 0.0,
