@@ -44,7 +44,7 @@ STEPS=(
     "30 $PY benchmarks/nccl_wait.py --json $OUT/nccl-wait.json"
     "200 $PY benchmarks/gpu_step.py --steps 10 --rounds 3 --compile autopar --host-profile 3 --cluster $CAL --json $OUT/step.json"
     "90 $PY benchmarks/gpu_step.py --steps 3 --rounds 2 --recompute full --cluster $CAL --json $OUT/recompute.json"
-    "60 $PY benchmarks/gpu_step.py --steps 2 --rounds 1 --offload optimizer --host-profile 1 --cluster $CAL --json $OUT/offload.json"
+    "60 $PY benchmarks/gpu_step.py --steps 2 --rounds 1 --offload optimizer --fused --host-profile 1 --cluster $CAL --json $OUT/offload.json"
     "130 $PY benchmarks/gpu_memory.py --cluster $CAL --json $OUT/memory.json"
 )
 

@@ -116,7 +116,8 @@ def _host_profile(step, steps: int) -> dict:
 
 
 def predict(captured, preset: str, batch: int, seq: int, *, micro_batch_size: int | None = None,
-            recompute: str = "none", dtype: str = "bf16", offload: str = "none"):
+            recompute: str = "none", dtype: str = "bf16", offload: str = "none",
+            optimizer_kernel: str | None = None):
     """The cost model's prediction for a pinned one-device plan (ZeRO-0, 1F1B; by default one
     micro-batch of the whole batch, no recompute, bf16) on the ``preset`` cluster (a name or
     file)."""
@@ -125,7 +126,7 @@ def predict(captured, preset: str, batch: int, seq: int, *, micro_batch_size: in
     from autopar.planner.cost_model import Candidate, CostModel, ModelCosts, TrainingSetup
 
     cm = CostModel(ModelCosts(captured), Cluster.load(preset).with_devices(1),
-                   TrainingSetup(batch, seq, dtype))
+                   TrainingSetup(batch, seq, dtype, optimizer_kernel=optimizer_kernel))
     ev = cm.refine(cm.evaluate(Candidate(1, 1, 1, 1, micro_batch_size or batch,
                                          ScheduleKind.ONE_F_ONE_B, RecomputeKind(recompute), 0,
                                          False, offload=offload)))
@@ -155,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                          "non-reentrant checkpoint)")
     ap.add_argument("--offload", default="none", choices=("none", "optimizer"),
                     help="autopar's optimizer offload (eager keeps its optimizer on the GPU)")
+    ap.add_argument("--fused", action="store_true",
+                    help="AdamW(fused=True) for autopar (on the host too, when offloaded) and "
+                         "eager, priced as the fused kernel; default: torch's default (foreach "
+                         "on the GPU, the for-loop on host tensors)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also run N steps of each autopar variant under cProfile and print "
                          "where the host's time goes (a step the host cannot keep ahead of the "
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     from autopar.cluster import Cluster, preset_for_device
 
     device = torch.device("cuda", 0)
+    kernel = {"fused": True} if args.fused else {}
     torch.backends.cuda.matmul.allow_tf32 = True
     zm = models.build(args.model, dropout=0.0, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -191,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "zero": 0, "recompute": args.recompute,
                                        "offload": args.offload,
                                        "vocab_multiple": vocab_multiple},
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-4,
+                                                             **kernel))
         setup = time.perf_counter() - t0
         return pm, setup, (lambda: pm.train_step(inputs, targets)), \
             (lambda: pm.eval_step(inputs, targets))
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **(kernel or {"foreach": True}))
         run = torch.compile(model) if compile else model
 
         def step() -> None:
@@ -253,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     preset = preset_for_device(torch.cuda.get_device_name(0))
     peak = Cluster.load(preset).peak_flops("bf16")
 
-    planned = dict(recompute=args.recompute, offload=args.offload)
+    planned = dict(recompute=args.recompute, offload=args.offload,
+                   optimizer_kernel="fused" if args.fused else None)
     predicted = predict(pm.captured, preset, args.batch, args.seq, **planned)
     calibrated = (predict(pm.captured, args.cluster, args.batch, args.seq, **planned)
                   if args.cluster else None)
