@@ -412,7 +412,12 @@ class FlatBucket:
 
     # -- gradients ------------------------------------------------------------------------------
     def accumulate(self, slot_index: int, param: nn.Parameter) -> None:
-        """Move ``param.grad`` (just accumulated by autograd) into the flat gradient buffer."""
+        """Move ``param.grad`` (just accumulated by autograd) into the flat gradient buffer. A
+        hook that finds no gradient (a compiled backward returns None for a parameter it
+        computes no gradient for; autograd still runs the hook) adds nothing: the slot reads as
+        zero, as an eager backward that never reached the parameter leaves it."""
+        if param.grad is None:
+            return
         if self.stage is ZeroStage.OPTIMIZER and (self.reduced or self.pending_wait):
             raise InvalidInputError(
                 "a gradient arrived after this step's ZeRO-1 reduction",
