@@ -339,7 +339,9 @@ class PipelineExecutor:
         timeout) and refuse further steps."""
         text = str(exc)
         self._broken = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-        self._pending_sends = []
+        # Every transfer still in flight holds its group's connections open (a gloo receive's
+        # buffer keeps the context alive): dropped with the rest of the step's state.
+        self._reset()
         note_failure()  # the shared groups are created anew for the next model
         groups = list({id(g): g for g in self._groups.values()}.values())
         self._groups = {}
