@@ -174,7 +174,7 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
                    seq: int, mixed_precision: bool, seed: int | None = None, *,
                    offload_choices: tuple[str, ...] = ("optimizer",),
-                   optimizer_kernel: Any = None) -> Planned:
+                   optimizer_kernel: Any = None, optimizer_state_bytes: float = 8.0) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
     message), and the dropout seed."""
     decided = None
@@ -184,7 +184,7 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
         try:
             decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
                                                   seq, mixed_precision, offload_choices,
-                                                  optimizer_kernel)
+                                                  optimizer_kernel, optimizer_state_bytes)
             payload = {"plan": decided.to_json(),
                        "prediction": prediction.to_json() if prediction else None,
                        "seed": int(seed if seed is not None else torch.initial_seed())}
@@ -271,7 +271,8 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None) -> tuple[Plan, Prediction | None, Any]:
+            optimizer_kernel: Any = None, optimizer_state_bytes: float = 8.0
+            ) -> tuple[Plan, Prediction | None, Any]:
     fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
         check_plan(plan, fingerprint, world, global_batch)
@@ -292,7 +293,8 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     vocab_multiple = pins.pop("vocab_multiple", None)  # nor is this (any value makes tp divide)
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
-                                          mixed_precision, offload_choices, optimizer_kernel)
+                                          mixed_precision, offload_choices, optimizer_kernel,
+                                          optimizer_state_bytes)
     if vocab_multiple is not None:
         decided = decided.replace(vocab_multiple=vocab_multiple)
     if shard_size is not None:
@@ -377,7 +379,8 @@ def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_b
 
 def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None) -> tuple[Plan, Prediction | None, Any]:
+            optimizer_kernel: Any = None, optimizer_state_bytes: float = 8.0
+            ) -> tuple[Plan, Prediction | None, Any]:
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.planner.search import SearchSpace, search
 
@@ -394,7 +397,9 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
     dtype = "bf16" if mixed_precision else "fp32"
     costs = ModelCosts(captured, name=type(captured.model).__name__)
     cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype,
-                                                         optimizer_kernel=optimizer_kernel))
+                                                         optimizer_kernel=optimizer_kernel,
+                                                         optimizer_state_bytes=
+                                                         optimizer_state_bytes))
     result = search(cost_model, SearchSpace(**space_pins, offload_choices=offload_choices),
                     top_k=5, progress=False)
     for ev in (result.best, *result.alternatives):

@@ -173,6 +173,27 @@ class OptimizerFactory:
         prices (TrainingSetup.optimizer_kernel)."""
         return self.built_kernel or OptimizerKernel.of_options(self.options)
 
+    def state_bytes_per_param(self) -> float:
+        """Bytes of state the optimizer keeps per parameter element, measured: it is built
+        over one 64 x 64 fp32 parameter (the dtype of the master weights it steps), stepped
+        once, and its per-parameter state tensors counted (scalar state, such as Adam's step
+        count, left out): AdamW 8 (its two moments), with ``amsgrad`` 12, SGD with momentum 4,
+        plain SGD 0, Adagrad 4; a factored optimizer (Adafactor) its rows and columns over the
+        probe's 4096 elements. What the cost model prices (TrainingSetup.optimizer_state_bytes).
+        An optimizer that cannot step a CPU tensor (a kernel only for GPUs) is counted as
+        Adam's 8."""
+        probe = torch.nn.Parameter(torch.zeros(64, 64))
+        probe.grad = torch.full_like(probe, 1e-3)
+        try:
+            optimizer = (self.make([probe]) if self.make is not None
+                         else self.optimizer_class([probe], **self.options))
+            optimizer.step()
+        except Exception:  # noqa: BLE001 - a GPU-only kernel: Adam's moments, the default
+            return 8.0
+        held = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+        return held / probe.numel()
+
     @property
     def is_elementwise(self) -> bool:
         if self.elementwise is not None:

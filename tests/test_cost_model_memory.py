@@ -83,6 +83,41 @@ def test_rank_model_states_from_the_graph(gpt2_small, tp, zero):
     assert states == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.parametrize("state", [0.0, 4.0, 12.0])
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_the_optimizers_own_state_replaces_adams_moments(gpt2_small, state, zero):
+    """``TrainingSetup.optimizer_state_bytes`` (what the runtime measures on the optimizer it
+    is given: plain SGD 0, SGD with momentum 4, AdamW with amsgrad 12; tests/test_zero.py
+    holds the runtime's bytes to it): a rank's optimizer state is the fp32 master and that
+    state per parameter, sharded from ZeRO-1 on; the memory floor the search screens with
+    stays under the peak; a device too small for Adam's states fits plain SGD's."""
+    import dataclasses
+
+    zm, _, costs = gpt2_small
+    P = sum(p.numel() for p in zm.model.parameters())
+    c = Candidate(8, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL, zero, False)
+    ev = CostModel(costs, A100.with_devices(8),
+                   TrainingSetup(64, 1024, optimizer_state_bytes=state)).evaluate(c)
+    rank = ev.ranks[0]
+    assert rank.optimizer == pytest.approx((4 + state) * P / (8 if zero else 1), rel=1e-9)
+    assert rank.weights + rank.gradients == pytest.approx((2 + 4) * P / (8 if zero == 3 else 1),
+                                                          rel=1e-9)
+    adam = CostModel(costs, A100.with_devices(8), TrainingSetup(64, 1024)).evaluate(c)
+    assert adam.ranks[0].total - rank.total == pytest.approx(
+        (8 - state) * P / (8 if zero else 1), rel=1e-9)
+    cm = CostModel(costs, A100.with_devices(8), TrainingSetup(64, 1024,
+                                                              optimizer_state_bytes=state))
+    assert cm.memory_floor(c) <= rank.total
+    if zero == 0 and state == 0.0:  # between SGD's 10 bytes a parameter and Adam's 18
+        middle = (rank.total + adam.ranks[0].total) / 2
+        small = dataclasses.replace(A100.device, memory_bytes=int(
+            middle + A100.device.reserved_memory_bytes))
+        cluster = dataclasses.replace(A100, device=small).with_devices(8)
+        assert CostModel(costs, cluster, TrainingSetup(64, 1024, optimizer_state_bytes=0.0)
+                         ).evaluate(c).feasible
+        assert not CostModel(costs, cluster, TrainingSetup(64, 1024)).evaluate(c).feasible
+
+
 class _SharedTableBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

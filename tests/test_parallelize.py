@@ -526,6 +526,29 @@ def test_the_optimizer_is_priced_as_it_runs():
     assert 0 < optimizer_s[True] < optimizer_s[False] / 3, optimizer_s
 
 
+@pytest.mark.parametrize("make,state", [
+    (functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9), 4),
+    (lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True), 12)])
+def test_the_optimizers_state_is_priced_as_it_is_kept(make, state):
+    """parallelize prices the optimizer state the optimizer it is given keeps (measured on a
+    probe: SGD's momentum 4 bytes a parameter, AdamW with amsgrad 12; a callable too), not
+    Adam's 8: the prediction's optimizer bytes equal what the rank holds after a step
+    (fp32: no master copy), within the scalar step counters."""
+    _, loss_fn = jobs.make_model("own_gpt")
+    data = jobs.batches("own_gpt", 1)
+    pm = autopar.parallelize(jobs.make_model("own_gpt")[0], "cpu", example_inputs=data[0][0],
+                             example_targets=data[0][1], loss_fn=loss_fn, optimizer=make,
+                             plan={"dp": 1, "tp": 1})
+    try:
+        pm.train_step(*data[0])
+        params = sum(p.numel() for p in pm.executor.params.values())
+        held = pm.memory_bytes()["optimizer"]
+        assert held == pytest.approx(state * params, rel=1e-3)
+        assert pm.prediction.memory["optimizer"] == pytest.approx(held, rel=1e-3)
+    finally:
+        pm.close()
+
+
 def test_plan_for_another_world_size_is_refused():
     model, loss_fn = jobs.make_model("own_gpt")
     data = jobs.batches("own_gpt", 1)

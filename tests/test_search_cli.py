@@ -77,6 +77,21 @@ def test_the_optimizer_kernel_is_a_planning_input(capsys):
     assert steps[()] == pytest.approx(3 * steps[("--optimizer-kernel", "fused")])
 
 
+def test_the_optimizer_state_is_a_planning_input(capsys):
+    """--optimizer-state-bytes 0 (plain SGD) counts no moments: the plan's optimizer memory
+    is the fp32 master weights alone, 4 of Adam's 12 bytes a parameter under bf16, and the
+    document records it."""
+    memory = {}
+    for extra in ([], ["--optimizer-state-bytes", "0"]):
+        assert main(["plan", "gpt", "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab",
+                     "1024", "--seq", "128", "--cluster", "h100-80g", "--gpus", "1",
+                     "--global-batch", "8", "--zero", "0", "--json", *extra]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        memory[bool(extra)] = doc["prediction"]["memory"]["optimizer"]
+        assert doc["training"].get("optimizer_state_bytes") == (0.0 if extra else None)
+    assert memory[True] == pytest.approx(memory[False] / 3, rel=1e-6)
+
+
 def test_the_default_sequence_is_the_context_a_rotary_model_was_configured_for(capsys):
     """A rotary model learns no position table, so its length is not capped; without --seq
     it is planned at its configured context (max_position_embeddings), as a learned-position
@@ -176,6 +191,9 @@ def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
     (["plan", "gpt2-small", "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
       "--seq", "4096"], "InvalidInputError"),
     (["simulate", "nope.json", "--png", "x.png"], "InvalidInputError"),
+    (["plan", "gpt", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
+      "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
+      "--optimizer-state-bytes", "-1"], "InvalidInputError"),
 ])
 def test_bad_input_is_a_named_error(argv, error, capsys):
     assert main(argv) == 1

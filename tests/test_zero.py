@@ -26,14 +26,16 @@ from dp_harness import (assert_close_mixed_precision, build_model, compare, glob
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def _measure_memory(zero: int, shard_size: int | None, grad_dtype: torch.dtype):
+def _measure_memory(zero: int, shard_size: int | None, grad_dtype: torch.dtype,
+                    optimizer: OptimizerFactory = OptimizerFactory(torch.optim.AdamW,
+                                                                   {"lr": 1e-3})):
     from examples.gpt import GPT, GPTConfig, gpt_loss
 
     mesh = ParallelMesh(dist.get_world_size(), 1, 1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=128, heads=4, vocab=256, seq=32))
     num_params = sum(p.numel() for p in model.parameters())
-    engine = DataParallel(model, mesh, OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3}),
+    engine = DataParallel(model, mesh, optimizer,
                           DataParallelConfig(zero=zero, shard_size=shard_size, bucket_mb=0.25,
                                              mixed_precision=MixedPrecision(grad_dtype=grad_dtype)))
     report = module_bytes = None
@@ -81,6 +83,30 @@ def test_memory_matches_mission_formulas(shared_pool4, zero, shard_size, grad_dt
         # The module's parameters are views into the buckets (no hidden copy); under ZeRO-3 they
         # are empty placeholders between uses.
         assert module_bytes == (0 if zero == 3 else report.params)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero,optimizer,options,state", [
+    (0, torch.optim.SGD, {"lr": 0.1}, 0), (1, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 4),
+    (3, torch.optim.AdamW, {"amsgrad": True}, 12), (2, torch.optim.Adagrad, {}, 4)])
+def test_the_planner_counts_the_state_of_the_optimizer_given(shared_pool4, zero, optimizer,
+                                                             options, state):
+    """Another optimizer's state than Adam's two moments: what the factory measures on its
+    probe (``state_bytes_per_param``) is the optimizer's own count, and the planner's model
+    states with it (bf16 weights, fp32 gradients, fp32 masters and that state, sharded at the
+    ZeRO stage) equal the bytes each rank holds after a step, within 5% (padding and scalar
+    step counters), where Adam's 8 would count 8 - state bytes per parameter too many."""
+    from autopar.planner.memory import model_state_bytes
+
+    factory = OptimizerFactory(optimizer, options)
+    assert factory.state_bytes_per_param() == state
+    results = shared_pool4.run(_measure_memory, zero, None, torch.float32, factory)
+    for num_params, report, _, n in results:
+        want = model_state_bytes(num_params, n, zero, "bf16", state_bytes=state)
+        assert report.optimizer == pytest.approx(want.optimizer, rel=0.05), (report, want)
+        assert report.total == pytest.approx(want.total, rel=0.05)
+        assert report.optimizer == pytest.approx((4 + state) * num_params / (n if zero else 1),
+                                                 rel=0.05)
 
 
 # -- mixed precision ------------------------------------------------------------------------------

@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    choices=["fused", "foreach", "for-loop"],
                    help="how the optimizer runs (AdamW(fused=True), foreach=True, foreach=False;"
                         " default: torch's default on the device, foreach on GPUs)")
+    p.add_argument("--optimizer-state-bytes", dest="optimizer_state_bytes", type=float,
+                   default=8.0, metavar="B",
+                   help="bytes per parameter of the optimizer's own state (default 8: Adam's two "
+                        "fp32 moments; SGD with momentum 4, plain SGD 0)")
     p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
                    help="attention kernel the model is captured with (default sdpa; eager for a "
                         "transformers class without sdpa)")
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args),
                         moe_imbalance=args.moe_imbalance,
-                        optimizer_kernel=args.optimizer_kernel)
+                        optimizer_kernel=args.optimizer_kernel,
+                        optimizer_state_bytes=args.optimizer_state_bytes)
     doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:

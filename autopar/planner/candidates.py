@@ -173,8 +173,16 @@ class TrainingSetup:
     #: The optimizer's kernel (``AdamW(fused=..., foreach=...)``); None: torch's default on the
     #: device, foreach on a GPU and the for-loop on a CPU (planner/kernels.py prices each).
     optimizer_kernel: OptimizerKernel | None = None
+    #: Bytes per parameter of the optimizer's own state, beyond the fp32 master weights of
+    #: mixed precision: Adam's two fp32 moments, 8; SGD with momentum 4, plain SGD 0
+    #: (``parallelize`` measures it on the optimizer it is given,
+    #: ``OptimizerFactory.state_bytes_per_param``).
+    optimizer_state_bytes: float = 8.0
 
     def __post_init__(self) -> None:
+        if not self.optimizer_state_bytes >= 0:
+            raise ValueError(f"optimizer_state_bytes must be >= 0, got "
+                             f"{self.optimizer_state_bytes}")
         if not self.moe_imbalance >= 1.0:
             raise ValueError(f"moe_imbalance must be >= 1 (the busiest rank over the mean), got "
                              f"{self.moe_imbalance}")

@@ -313,7 +313,8 @@ class CostModel:
                                            self.setup.dtype,
                                            self.cluster.host_link_bandwidth > 0,
                                            self._receives_ahead(c, m),
-                                           self.setup.optimizer_kernel)
+                                           self.setup.optimizer_kernel,
+                                           self.setup.optimizer_state_bytes)
             reason = self._out_of_memory((peak,))
             if reason is not None:
                 return Evaluation(c, reason, ranks=(peak,), stages=st.stages,
@@ -427,11 +428,12 @@ class CostModel:
         w_bytes, g_bytes, _ = STATE_BYTES[self.setup.dtype]
         separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
+        opt_state = self.setup.optimizer_state_bytes
         per_param = sum(sharded_state_bytes(self.setup.dtype, c.zero, n, c.offload,
-                                            separate_host))
+                                            separate_host, opt_state))
         # an expert's states shard over the dp / ep ranks holding it: priced as dense ones
         per_expert = sum(sharded_state_bytes(self.setup.dtype, c.zero, max(n // c.ep, 1),
-                                             c.offload, separate_host))
+                                             c.offload, separate_host, opt_state))
         for i, (lc, (f, b, w, _, _)) in enumerate(zip(costs, times)):
             if backward_whole_at_input(c.schedule.spec.splits_backward,
                                        c.recompute is RecomputeKind.FULL, self.sums.is_block[i]):
@@ -583,8 +585,8 @@ class CostModel:
             # pipelines its copies and steps over the rank's buckets
             buckets = max(1, math.ceil(rs.params / BUCKET_ELEMENTS))
             optimizer_s = max(optimizer_s, offloaded_optimizer_time(
-                cl, local, c.offload, w_bytes, tensors=tensors,
-                kernel=self.setup.optimizer_kernel, buckets=buckets) / self.host.optimizer_share())
+                cl, local, c.offload, w_bytes, state_bytes=self.setup.optimizer_state_bytes,
+                tensors=tensors, kernel=self.setup.optimizer_kernel, buckets=buckets) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)
@@ -644,7 +646,7 @@ class CostModel:
             rank_acts = self._rank_activations(c, m, st)
         return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
                            self.cluster.host_link_bandwidth > 0, self._receives_ahead(c, m),
-                           self.setup.optimizer_kernel)
+                           self.setup.optimizer_kernel, self.setup.optimizer_state_bytes)
 
     def _receives_ahead(self, c: Candidate, m: int) -> tuple[int, ...]:
         """Per pipeline rank, the boundary tensors received ahead of their compute
@@ -679,11 +681,13 @@ class CostModel:
                                                     c.tp, c.ep)
         separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp
+        opt_state = self.setup.optimizer_state_bytes
         states = ((held - experts) * sum(sharded_state_bytes(self.setup.dtype, c.zero, n,
-                                                            c.offload, separate_host))
+                                                            c.offload, separate_host,
+                                                            opt_state))
                   + experts * sum(sharded_state_bytes(self.setup.dtype, c.zero,
                                                       max(n // c.ep, 1), c.offload,
-                                                      separate_host)))
+                                                      separate_host, opt_state)))
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         if c.schedule.spec.splits_backward and c.recompute is RecomputeKind.FULL:
             # its stages may free their activations at I (:meth:`_rank_activations`), which

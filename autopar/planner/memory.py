@@ -69,30 +69,37 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {
 }
 
 
-#: Bytes per parameter of Adam's two fp32 moments: what ``offload="disk"`` keeps in files.
+#: Bytes per parameter of Adam's two fp32 moments: the optimizer state of ``STATE_BYTES``, and
+#: what ``offload="disk"`` keeps in files. Another optimizer's own state replaces it
+#: (``TrainingSetup.optimizer_state_bytes``, measured by the runtime from the optimizer it is
+#: given: SGD with momentum 4, plain SGD 0, AdamW with ``amsgrad`` 12).
 MOMENT_BYTES = 8
 
 
-def offloaded_state_bytes(optimizer_bytes: float, offload: str, separate_host: bool) -> float:
+def offloaded_state_bytes(optimizer_bytes: float, offload: str, separate_host: bool,
+                          state_bytes: float = MOMENT_BYTES) -> float:
     """Optimizer bytes per parameter left in the device's memory when its state is offloaded
     (``Plan.offload``; runtime/zero.py, runtime/offload.py): none on a GPU (``separate_host``:
-    the master weights and moments live in host memory or files); on a CPU cluster, whose
-    device is the host, "optimizer" moves nothing and "disk" takes the moments out."""
+    the master weights and the optimizer's state live in host memory or files); on a CPU
+    cluster, whose device is the host, "optimizer" moves nothing and "disk" takes the
+    optimizer's element-wise state out (``state_bytes`` per parameter)."""
     if offload == "none":
         return optimizer_bytes
     if separate_host:
         return 0.0
-    return optimizer_bytes if offload == "optimizer" else optimizer_bytes - MOMENT_BYTES
+    return optimizer_bytes if offload == "optimizer" else optimizer_bytes - state_bytes
 
 
-def sharded_state_bytes(dtype: str, zero: int, shards: int, offload: str, separate_host: bool
-                        ) -> tuple[float, float, float]:
+def sharded_state_bytes(dtype: str, zero: int, shards: int, offload: str, separate_host: bool,
+                        state_bytes: float = MOMENT_BYTES) -> tuple[float, float, float]:
     """Bytes per parameter one rank keeps of its (weights, gradients, optimizer state) at ZeRO
     stage ``zero`` over ``shards`` ranks (stage 1 shards the optimizer state, 2 also the
     gradients, 3 also the weights), with the optimizer state ``offload`` leaves on the device
-    (:func:`offloaded_state_bytes`)."""
-    w, g, full_o = STATE_BYTES[dtype]
-    o = offloaded_state_bytes(full_o, offload, separate_host)
+    (:func:`offloaded_state_bytes`); the optimizer state is the fp32 master weights under mixed
+    precision and the optimizer's own ``state_bytes`` (Adam's moments by default)."""
+    w, g, adam_o = STATE_BYTES[dtype]
+    o = offloaded_state_bytes(adam_o - MOMENT_BYTES + state_bytes, offload, separate_host,
+                              state_bytes)
     return (w / (shards if zero >= 3 else 1), g / (shards if zero >= 2 else 1),
             o / (shards if zero >= 1 else 1))
 
@@ -132,8 +139,10 @@ class ModelStateBytes:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_state_bytes(params: float, dp: int, zero: int, dtype: str) -> ModelStateBytes:
-    """Weights, gradients and optimizer states of ``params`` parameters on one rank."""
+def model_state_bytes(params: float, dp: int, zero: int, dtype: str,
+                      state_bytes: float = MOMENT_BYTES) -> ModelStateBytes:
+    """Weights, gradients and optimizer states of ``params`` parameters on one rank, the
+    optimizer's own state ``state_bytes`` per parameter (Adam's moments by default)."""
     if dtype not in STATE_BYTES:
         raise ValueError(f"unknown training precision {dtype!r}; expected one of "
                          f"{sorted(STATE_BYTES)}")
@@ -141,7 +150,7 @@ def model_state_bytes(params: float, dp: int, zero: int, dtype: str) -> ModelSta
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    w, g, o = sharded_state_bytes(dtype, zero, dp, "none", False)
+    w, g, o = sharded_state_bytes(dtype, zero, dp, "none", False, state_bytes)
     return ModelStateBytes(weights=w * params, gradients=g * params, optimizer=o * params)
 
 
@@ -185,15 +194,18 @@ def _peak_bytes(weights: float, gradients: float, optimizer: float, activations:
 
 def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                  dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                 kernel: OptimizerKernel | None = None) -> Iterator[tuple[float, ...]]:
+                 kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES
+                 ) -> Iterator[tuple[float, ...]]:
     """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
     bytes, as :func:`rank_memory` documents them."""
     w_bytes, g_bytes, _ = STATE_BYTES[dtype]
     n = c.dp * c.cp  # replicas
     zero = c.zero
-    w_per, g_per, o_per = sharded_state_bytes(dtype, zero, n, c.offload, separate_host)
+    w_per, g_per, o_per = sharded_state_bytes(dtype, zero, n, c.offload, separate_host,
+                                              state_bytes)
     ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
-    w_ex, g_ex, o_ex = sharded_state_bytes(dtype, zero, ne, c.offload, separate_host)
+    w_ex, g_ex, o_ex = sharded_state_bytes(dtype, zero, ne, c.offload, separate_host,
+                                           state_bytes)
     gathered = zero == 3 and not c.reshard_after_forward
     for r, (rs, acts) in enumerate(zip(ranks, activations)):
         if gathered:
@@ -213,7 +225,8 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                 dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                kernel: OptimizerKernel | None = None) -> list[RankMemory]:
+                kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES
+                ) -> list[RankMemory]:
     """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
     its dp x cp replicas (:func:`model_state_bytes`, inlined: the search calls this for every
     rank of every candidate; experts' shards span the dp / ep ranks holding the same experts),
@@ -226,15 +239,17 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     (``ScheduleSpec.receives_ahead`` on a transport that pairs messages by their order, NCCL:
     up to p - 1 on interleaved 1F1B's first rank; one on gloo), each the largest the rank
     receives; and the optimizer step's temporary over the parameters the rank steps, by the
-    optimizer's ``kernel`` (:func:`optimizer_step_bytes`)."""
+    optimizer's ``kernel`` (:func:`optimizer_step_bytes`); the optimizer's own state is
+    ``state_bytes`` per parameter (:func:`sharded_state_bytes`)."""
     return [RankMemory(r, *fields)
             for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                                    receives_ahead, kernel))]
+                                                    receives_ahead, kernel, state_bytes))]
 
 
 def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                      dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                     kernel: OptimizerKernel | None = None) -> tuple[RankMemory, float]:
+                     kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES
+                     ) -> tuple[RankMemory, float]:
     """The rank of :func:`rank_memory` with the highest total (the first of equals) and the
     least total without the optimizer state over all ranks, without a :class:`RankMemory` per
     rank: the search's memory screen asks this of every candidate, most of which do not fit
@@ -243,7 +258,7 @@ def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: S
     best: tuple[int, tuple[float, ...]] | None = None
     least = math.inf
     for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                       receives_ahead, kernel)):
+                                       receives_ahead, kernel, state_bytes)):
         total = _peak_bytes(*f)
         if total > peak:
             peak, best = total, (r, f)

@@ -24,6 +24,7 @@ from autopar.cluster import Cluster
 from autopar.errors import InvalidInputError
 from autopar.models.workload import Workload
 from autopar.planner.cost_model import CostModel, Evaluation, ModelCosts, TrainingSetup
+from autopar.planner.memory import MOMENT_BYTES
 from autopar.planner.search import SearchResult, SearchSpace, few_collections, search
 from autopar.plan_types import Plan, Prediction
 
@@ -96,6 +97,8 @@ class PlanReport:
                          "dtype": self.setup.dtype,
                          **({"optimizer_kernel": self.setup.optimizer_kernel.value}
                             if self.setup.optimizer_kernel is not None else {}),
+                         **({"optimizer_state_bytes": self.setup.optimizer_state_bytes}
+                            if self.setup.optimizer_state_bytes != MOMENT_BYTES else {}),
                          **({"moe_imbalance": self.setup.moe_imbalance}
                             if self.cost_model.model.num_experts else {})},
             "cluster": self.cluster.to_json(),
@@ -175,10 +178,11 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
                   space: SearchSpace = SearchSpace(), top_k: int = 5,
                   progress: bool | None = None,
                   model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
-                  moe_imbalance: float = 1.0, optimizer_kernel: Any = None) -> PlanReport:
+                  moe_imbalance: float = 1.0, optimizer_kernel: Any = None,
+                  optimizer_state_bytes: float = MOMENT_BYTES) -> PlanReport:
     """Search the best plan for ``work`` on ``cluster`` (all its devices); ``moe_imbalance``:
     the routing assumption of a mixture-of-experts model, ``optimizer_kernel`` the optimizer's
-    implementation (TrainingSetup)."""
+    implementation, ``optimizer_state_bytes`` its state per parameter (TrainingSetup)."""
     start = time.perf_counter()
     # the inputs' own errors first: capturing a large model takes seconds
     if global_batch < 1:
@@ -200,10 +204,12 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
                           else None) or costs.captured.example_sizes.get(SEQ, 1)
     try:
         setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype,
-                              moe_imbalance=moe_imbalance, optimizer_kernel=optimizer_kernel)
+                              moe_imbalance=moe_imbalance, optimizer_kernel=optimizer_kernel,
+                              optimizer_state_bytes=optimizer_state_bytes)
     except ValueError as exc:
-        raise InvalidInputError(str(exc), fix="pass --moe-imbalance >= 1, and --optimizer-kernel "
-                                              "fused, foreach or for-loop") from None
+        raise InvalidInputError(str(exc), fix="pass --moe-imbalance >= 1, --optimizer-kernel "
+                                              "fused, foreach or for-loop, and "
+                                              "--optimizer-state-bytes >= 0") from None
     cost_model = CostModel(costs, cluster, setup)
     result = search(cost_model, space, top_k=top_k, progress=progress)
     from autopar.ir import LayerKind
@@ -220,7 +226,8 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                progress: bool | None = None, attention: str = "sdpa",
                model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
                overrides: Mapping[str, Any] | None = None,
-               moe_imbalance: float = 1.0, optimizer_kernel: Any = None) -> PlanReport:
+               moe_imbalance: float = 1.0, optimizer_kernel: Any = None,
+               optimizer_state_bytes: float = MOMENT_BYTES) -> PlanReport:
     """Search the best plan for what ``name`` names (a zoo preset or family, a transformers
     config file or directory, ``file.py:function``) on ``cluster``; ``overrides`` shape a
     preset, family or config (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
@@ -233,14 +240,16 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
         return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
                              space=space, top_k=top_k, progress=progress,
                              model_costs=model_costs, moe_imbalance=moe_imbalance,
-                             optimizer_kernel=optimizer_kernel)
+                             optimizer_kernel=optimizer_kernel,
+                             optimizer_state_bytes=optimizer_state_bytes)
 
 
 def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: Any,
          global_batch: int, example_targets: Any = (), seq: int | None = None,
          dtype: str | None = None, devices: int | None = None,
          devices_per_node: int | None = None, top_k: int = 5, progress: bool = False,
-         optimizer_kernel: Any = None, **pins: Any) -> PlanReport:
+         optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
+         **pins: Any) -> PlanReport:
     """Plan ``model`` for ``cluster`` without running it: no process group, and a model on the
     meta device is welcome (shapes are all planning needs).
 
@@ -255,6 +264,8 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default: the cluster's).
         optimizer_kernel: ``"fused"``, ``"foreach"`` or ``"for-loop"``, how the optimizer
             will run (``AdamW(fused=True)``, ...); default: torch's default on the device.
+        optimizer_state_bytes: bytes per parameter of the optimizer's own state (default 8,
+            Adam's two fp32 moments; SGD with momentum 4, plain SGD 0).
         pins: dp, tp, pp, virtual_stages, micro_batch_size, schedule, recompute, zero,
             sequence_parallel: fixed; the rest is searched.
 
@@ -282,7 +293,8 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
                     info={"name": type(model).__name__, "family": type(model).__name__})
     return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
                          space=space, top_k=top_k, progress=progress,
-                         optimizer_kernel=optimizer_kernel)
+                         optimizer_kernel=optimizer_kernel,
+                         optimizer_state_bytes=optimizer_state_bytes)
 
 
 def read_document(path: str) -> Mapping[str, Any]:
