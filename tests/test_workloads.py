@@ -75,6 +75,32 @@ def test_a_deep_config_is_captured_shallow_and_priced_as_the_whole(configs):
     assert reports[0].model["params"] == sum(p.numel() for p in whole.model.parameters())
 
 
+@pytest.mark.parametrize("family", ["convnext", "swin"])
+def test_a_config_whose_layers_are_stages_is_captured_whole(tmp_path, family):
+    """ConvNeXt's and Swin's ``num_hidden_layers`` name their stages (a width per stage): cut
+    to two, the last stage's norm met the second stage's width (``autopar plan`` of
+    transformers' default ConvNeXt config raised). Such a config is captured at its full
+    depth and planned: the plan counts every parameter of the model built from it."""
+    from transformers import AutoModelForImageClassification, ConvNextConfig, SwinConfig
+
+    if family == "convnext":
+        config = ConvNextConfig(depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 32, 64],
+                                image_size=32, num_labels=4,
+                                architectures=["ConvNextForImageClassification"])
+    else:
+        config = SwinConfig(image_size=32, patch_size=2, embed_dim=8, depths=[1, 1, 1, 1],
+                            num_heads=[1, 2, 2, 4], window_size=2, num_labels=4,
+                            architectures=["SwinForImageClassification"])
+    assert config.num_hidden_layers == 4 > CAPTURE_BLOCKS
+    config.save_pretrained(tmp_path / family)
+    work = load_workload(str(tmp_path / family))
+    assert work.depth is None
+    cluster = autopar.Cluster.load("a100-80g").with_devices(2)
+    report = plan_workload(work, cluster, global_batch=4, top_k=1)
+    whole = AutoModelForImageClassification.from_config(config)
+    assert report.model["params"] == sum(p.numel() for p in whole.parameters())
+
+
 @pytest.mark.parametrize("name, layers", [("mistral", 8), ("vit", 4), ("t5", None)])
 def test_plan_inspect_and_codegen_take_a_config(configs, tmp_path, name, layers):
     """Every subcommand taking MODEL takes a config (file or directory); shape flags set the

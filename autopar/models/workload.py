@@ -325,7 +325,15 @@ def _position_limit(model: nn.Module, max_seq: int | None) -> int | None:
 
 def _shallow(config: Any, layers: int) -> Any:
     """A copy of ``config`` with ``layers`` blocks, or ``config`` itself when per-layer fields
-    (sliding-window layer types, ...) do not allow cutting it."""
+    (sliding-window layer types, ...) do not allow cutting it, or when its layers are stages of
+    different widths (ConvNeXt's and Swin's ``num_hidden_layers`` name their stages, with a
+    list per stage: ``depths``, ``hidden_sizes``, ``num_heads``): those are not repeats of one
+    block."""
+    depth = config.num_hidden_layers
+    per_stage = [k for k, v in config.to_dict().items()
+                 if isinstance(v, (list, tuple)) and len(v) == depth and k != "layer_types"]
+    if per_stage:
+        return config
     copy = config.__class__.from_dict(config.to_dict())
     try:
         copy.num_hidden_layers = layers
