@@ -64,7 +64,10 @@ CREATION_OPS = frozenset({
 #: Matrix products: a (batch of) M x K times K x N (:func:`gemm_dims`).
 MATMUL_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul"})
 #: Ops priced as GEMM work: the matrix products, fused attention and convolutions.
-GEMM_OPS = MATMUL_OPS | {"scaled_dot_product_attention", "convolution", "conv1d", "conv2d"}
+#: Convolutions (channels first), priced as GEMMs over their channels.
+CONV_OPS = frozenset({"convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                      "conv_transpose2d", "conv_transpose3d"})
+GEMM_OPS = MATMUL_OPS | CONV_OPS | {"scaled_dot_product_attention"}
 #: Ops whose backward needs their output (saved once, as the output).
 _SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh",
                            "sigmoid", "relu", "exp", "rsqrt", "sqrt", "reciprocal", "elu"})
@@ -153,11 +156,15 @@ def _gemm_flops(node: torch.fx.Node) -> sympy.Expr:
         lq, d = q.shape[-2], q.shape[-1]
         lk, dv = k.shape[-2], v.shape[-1]
         return 2 * batch * lq * lk * d + 2 * batch * lq * lk * dv
-    if name in ("convolution", "conv1d", "conv2d"):
+    if name in CONV_OPS:
+        # every output element sums (input channels per group) x kernel products: the weight's
+        # dim 1 is C_in / groups (a transposed convolution's C_out / groups, summed per input
+        # element), whatever the groups
         x, w = _spec(args[0]), _spec(args[1])
-        out = info(node).spec
-        groups = args[8] if name == "convolution" and len(args) > 8 else 1
-        return 2 * out.numel * (x.shape[1] / groups) * _prod(w.shape[2:])
+        transposed = name.startswith("conv_transpose") or (
+            name == "convolution" and len(args) > 6 and bool(args[6]))
+        elements = x.numel if transposed else info(node).spec.numel
+        return 2 * elements * w.shape[1] * _prod(w.shape[2:])
     raise AssertionError(name)
 
 

@@ -52,7 +52,7 @@ import torch
 import torch.fx
 
 from autopar.ir import SEQ, NodeKind, TensorSpec, info, op_name
-from autopar.passes.analyze import MATMUL_OPS
+from autopar.passes.analyze import CONV_OPS, MATMUL_OPS
 from autopar.plan_types import GemmSharding
 from autopar.sharding import (
     PARTIAL,
@@ -68,7 +68,7 @@ from autopar.sharding import (
     placement_str,
 )
 
-__all__ = ["Strategy", "Rewrite", "Item", "RuleContext", "node_strategies",
+__all__ = ["Strategy", "Rewrite", "Item", "RuleContext", "node_strategies", "CONV_OPS", "conv_groups",
            "placeholder_strategies", "tensor_spec", "is_tensor_node", "is_elementwise"]
 
 INT_MAX = 9223372036854775807
@@ -571,6 +571,60 @@ def _mm(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     return strategies
 
 
+def conv_groups(node: torch.fx.Node) -> int:
+    """The ``groups`` argument of a convolution node (1 when not given): ``conv1d / conv2d /
+    conv3d(input, weight, bias, stride, padding, dilation, groups)``, ``convolution(input,
+    weight, bias, stride, padding, dilation, transposed, output_padding, groups)``."""
+    index = 8 if op_name(node) == "convolution" else 6
+    groups = node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
+    return int(groups)
+
+
+def _conv(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
+    """A convolution is a GEMM over channels (the weight ``[C_out, C_in / groups, *kernel]``),
+    split as Megatron splits a linear layer:
+
+    - column: output channels split (weight dim 0, bias dim 0), the input whole;
+    - row: input channels split (input dim 1, weight dim 1), each rank's output a partial sum
+      (no bias: it would be added ``tp`` times), for ``groups == 1``;
+    - grouped: ``tp`` divides the groups (a depthwise convolution: one group per channel):
+      input and output channels split alike, each rank convolving its ``groups / tp`` groups
+      alone (``local_args`` gives the local op its groups), no collective.
+
+    A transposed convolution stays replicated."""
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], torch.fx.Node) \
+        else None
+    strategies = [_replicated(node, ctx)]
+    if op_name(node).startswith("conv_transpose") or (
+            op_name(node) == "convolution" and len(node.args) > 6 and node.args[6]):
+        return strategies
+    sx, sw = tensor_spec(x), tensor_spec(w)
+    if sx is None or sw is None or sx.ndim < 3:
+        return strategies  # an unbatched input: channels are dim 0
+    groups = conv_groups(node)
+    out_channels = Shard(1)
+    if _shardable(sw.shape[0], ctx) and out_channels in _candidates(node, ctx):
+        if groups == 1:
+            reqs = {x: REPLICATE, w: Shard(0)}
+            if bias is not None:
+                reqs[bias] = Shard(0)
+            strategies.append(_strategy(node, "column", out_channels, reqs, ctx,
+                                        gemm=GemmSharding.COLUMN))
+        elif groups % ctx.tp == 0 and _shardable(sx.shape[1], ctx) and \
+                len(node.args) > (8 if op_name(node) == "convolution" else 6):
+            reqs = {x: Shard(1), w: Shard(0)}
+            if bias is not None:
+                reqs[bias] = Shard(0)
+            strategies.append(_strategy(node, "grouped", out_channels, reqs, ctx,
+                                        gemm=GemmSharding.COLUMN))
+    if groups == 1 and bias is None and _shardable(sx.shape[1], ctx) \
+            and _shardable(sw.shape[1], ctx):
+        strategies.append(_strategy(node, "row", PARTIAL, {x: Shard(1), w: Shard(1)}, ctx,
+                                    gemm=GemmSharding.ROW))
+    return strategies
+
+
 # ---------------------------------------------------------------------------------------------
 # Reductions, normalizations, attention, embedding, loss
 # ---------------------------------------------------------------------------------------------
@@ -690,6 +744,7 @@ _CREATION = frozenset({"arange", "zeros", "ones", "full", "empty", "new_ones", "
 
 _RULES: dict[str, Callable[[torch.fx.Node, RuleContext], list[Strategy] | None]] = {
     "linear": _linear, "mm": _mm, "addmm": _mm, "bmm": _mm, "baddbmm": _mm, "matmul": _mm,
+    **{name: _conv for name in CONV_OPS},
     "sum": _reduction, "mean": _reduction, "amax": _reduction, "amin": _reduction,
     "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax,
     "_log_softmax": _softmax,

@@ -43,7 +43,8 @@ from autopar.errors import ShardingError
 from autopar.ir import (BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, new_graph_module,
                         op_name)
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
-from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
+from autopar.passes.sharding_rules import (CONV_OPS, Item, Rewrite, Strategy, conv_groups,
+                                          is_tensor_node)
 from autopar.runtime.tp import FUNCTIONS
 from autopar.sharding import (
     REPLICATE,
@@ -348,6 +349,9 @@ class _Builder:
                     args[1] = [self.local_size(x, n.name) for x in args[1]]
                 else:
                     args[1] = self.local_size(args[1], n.name)
+        elif name in CONV_OPS and s.name == "grouped":  # each rank convolves its groups
+            index = 8 if name == "convolution" else 6  # positional: the rule requires it
+            args[index] = self.local_size(conv_groups(n), f"{n.name} ({name} groups)")
         elif name == "slice" and isinstance(n.args[0], torch.fx.Node):
             src = n.args[0]
             req = s.inputs[n.all_input_nodes.index(src)]

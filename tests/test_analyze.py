@@ -64,6 +64,41 @@ def test_gemm_flops_equal_torch_flop_counter(tiny_models, family):
     assert evaluate(profile.gemm_flops, b=b, s=s) == counter.get_total_flops()
 
 
+class _Convs(nn.Module):
+    """Plain, depthwise, grouped, pointwise, 1-D, 3-D and transposed convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.dw = nn.Conv2d(16, 16, 7, padding=3, groups=16)
+        self.grouped = nn.Conv2d(16, 32, 3, stride=2, padding=1, groups=4)
+        self.pw = nn.Conv2d(32, 8, 1)
+        self.c1 = nn.Conv1d(8, 12, 5, padding=2, groups=2)
+        self.c3 = nn.Conv3d(1, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 6, 2, stride=2, groups=2)
+
+    def forward(self, x):
+        x = self.pw(self.grouped(self.dw(self.stem(x))))
+        y = self.c1(x.flatten(2))
+        z = self.c3(x[:, :1].unsqueeze(1))
+        return y.mean() + z.mean() + self.up(x).mean()
+
+
+def test_convolution_flops_equal_torch_flop_counter():
+    """Independent reference: torch.utils.flop_counter's convolution formula, for every kind
+    of convolution (a depthwise one does C_in times fewer multiply-adds than a plain one of
+    its shape: the count read the input's channels until 2026-12-01)."""
+    model = _Convs()
+    x = torch.randn(2, 3, 16, 16)
+    captured = capture(model, (x,), lambda out: out)
+    profile = analyze(captured)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(x)
+    b = x.shape[0]
+    assert evaluate(profile.gemm_flops, b=b) == counter.get_total_flops()
+
+
 def test_repeated_layers_reuse_one_analysis(tiny_models):
     _, _, _, _, captured = tiny_models["llama"]
     analyze(captured)

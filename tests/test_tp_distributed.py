@@ -208,3 +208,68 @@ def test_a_parallelized_model_under_sequence_parallelism_keeps_shards(shared_poo
     assert sum(sum(costs.split(costs.template(i), layout, 2).regather)
                for i in range(costs.num_layers)) == 4
     assert with_sp[0][1] == pytest.approx(without[0][1], rel=1e-6)
+
+
+class _ConvNet(torch.nn.Module):
+    """A small network of convolutions: a plain stem, a depthwise, a grouped and a pointwise
+    convolution, a 1-D one over the flattened pixels, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=4, bias=False)
+        self.pw = nn.Conv2d(8, 16, 1, bias=False)
+        self.c1 = nn.Conv1d(16, 8, 3, padding=1, bias=False)
+        self.head = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gelu = torch.nn.functional.gelu
+        x = gelu(self.grouped(gelu(self.dw(gelu(self.stem(x))))))
+        x = gelu(self.c1(self.pw(x).flatten(2)))
+        return self.head(x.mean(-1))
+
+
+def test_convolutions_split_by_channel_match_single_process(shared_pool2):
+    """Convolutions split as Megatron splits linear layers (passes/sharding_rules.py
+    ``_conv``): column (output channels), row (input channels, a partial sum all-reduced) and
+    grouped (a depthwise or grouped convolution's groups divided over the ranks, no
+    collective), pinned in two layouts and as the search picks; loss and every parameter's
+    gradient equal one process's (fp32; 1e-4 relative, 1e-5 absolute: the sums of a split
+    reduction in another order)."""
+    from autopar import capture
+
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    model = _ConvNet()
+    loss_fn = torch.nn.functional.cross_entropy
+    inputs, targets = (torch.randn(2, 3, 8, 8, generator=gen),), (torch.tensor([1, 4]),)
+    captured = capture(model, inputs, loss_fn, example_targets=targets)
+    convs = [n.name for n in captured.gm.graph.nodes
+             if n.op == "call_function" and op_name(n) in ("conv1d", "conv2d")]
+    stem, dw, grouped, pw, c1 = convs
+    layouts = {
+        "columns then a row": ({stem: "column", dw: "column", grouped: "column", pw: "row",
+                                c1: "column"}, ["column", "grouped", "grouped", "row", "column"]),
+        "column, row": ({stem: "column", dw: "column", grouped: "column", pw: "column",
+                         c1: "row"}, ["column", "grouped", "grouped", "column", "row"]),
+        "searched": ({}, None),
+    }
+    ref = _reference(model, loss_fn, inputs, targets)
+    configs, programs = [], {}
+    for key, (pins, names) in layouts.items():
+        program = tensor_parallelize(captured, 2, cost=TINY_COST, pins=pins)
+        got = [info(n).strategy.name for n in program.sharded.graph.nodes
+               if n.op == "call_function" and op_name(n) in ("conv1d", "conv2d")]
+        if names is not None:
+            assert got == names, (key, got)
+        programs[(key, False)] = program
+        configs.append(((key, False), [program.source(r) for r in range(2)],
+                        [program.shard_state_dict(model, r) for r in range(2)], inputs, targets,
+                        None))
+    dw_weight = next(p for p in programs[("columns then a row", False)].layouts
+                     if p.fqn == "dw.weight")
+    assert dw_weight.local_shape == (4, 1, 3, 3)  # half the groups on each rank
+    results = shared_pool2.run(run_rank_programs, configs, timeout_s=300)
+    _check(results, programs, {key: ref for key in layouts}, 2)
