@@ -13,6 +13,13 @@ Runs (the numbers the papers report):
   GPU, 1.4T tokens in about 21 days (Touvron et al. 2023, section 2.4); the parallel layout is
   not published beyond "model and sequence parallelism" and selective activation checkpointing.
 
+- ResNet-50 v1.5 on one A100 80GB and on eight (DGX A100), 256 images of 224 x 224 per GPU,
+  mixed precision, SGD with momentum: 2470 img/s on one GPU, 16621 img/s on eight
+  (NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
+  "Training performance: NVIDIA DGX A100 (8x A100 80GB)", pytorch-21.03 NGC container; plain
+  data parallelism). transformers' ResNetConfig() is that network (stride 2 in the 3 x 3
+  convolutions). Convolutions priced as their implicit GEMMs (planner/kernels.py conv_time).
+
 For each run: autopar's prediction for the published layout (where known) and for the plan its
 own search picks.
 """
@@ -70,7 +77,30 @@ def main() -> int:
         print(row(f"LLaMA-65B, Megatron-style tp={tp} pp={pp}", ev, 2048, 1.4e12, label))
     best = search(cm).best
     print(row("LLaMA-65B, autopar's plan", best, 2048, 1.4e12, label))
+    resnet50()
     return 0
+
+
+def resnet50() -> None:
+    """ResNet-50 v1.5 on one and eight A100s at the published 256 images per GPU (fp16 mixed
+    precision, SGD with momentum: 4 bytes of state a parameter)."""
+    import tempfile
+
+    from transformers import ResNetConfig
+
+    print("\n| run | GPUs | step (256 images per GPU) | predicted img/s per GPU | published | "
+          "error |\n|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as root:
+        ResNetConfig(architectures=["ResNetForImageClassification"]).save_pretrained(root)
+        costs, _, _ = capture_model_costs(root)
+    for gpus, published in ((1, 2470), (8, 16621 / 8)):
+        cm = CostModel(costs, Cluster.load("a100-80g").with_devices(gpus),
+                       TrainingSetup(256 * gpus, 1, "fp16", optimizer_state_bytes=4.0))
+        ev = cm.refine(cm.evaluate(Candidate(gpus, 1, 1, 1, 256, ScheduleKind.ONE_F_ONE_B,
+                                             RecomputeKind.NONE, 0, False)))
+        rate = 256 / ev.prediction.step_time_s
+        print(f"| ResNet-50 v1.5, data parallel | {gpus} | {ev.prediction.step_time_s * 1e3:.1f} "
+              f"ms | {rate:.0f} | {published:.0f} | {rate / published - 1:+.0%} |")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,38 @@ def gemm_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any] | None:
     return None
 
 
+def conv_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any]:
+    """(groups, M, N, K) of a convolution as the implicit GEMM cuDNN runs (NVIDIA's
+    *Convolutional Layers User's Guide*: M = output pixels N P Q, N = output channels, K = input
+    channels times the kernel C R S), per group: M the batch times the output's spatial
+    elements, N the output channels per group, K the weight's input channels per group times
+    its kernel elements. A transposed convolution is the input-gradient GEMM of one: M the
+    input's pixels, N its output channels per group times the kernel, K its input channels per
+    group. ``2 groups M N K`` is its FLOPs."""
+    name, args = op_name(node), node.args
+    x, w = _spec(args[0]), _spec(args[1])
+    transposed = name.startswith("conv_transpose") or (
+        name == "convolution" and len(args) > 6 and bool(args[6]))
+    kernel = _prod(w.shape[2:])
+    if transposed:  # weight [C_in, C_out / groups, *kernel]
+        groups = _conv_groups(node)
+        return groups, x.numel // x.shape[1], w.shape[1] * kernel, w.shape[0] // groups
+    out = info(node).spec
+    groups = _conv_groups(node)
+    return groups, out.numel // out.shape[1], w.shape[0] // groups, w.shape[1] * kernel
+
+
+def _conv_groups(node: torch.fx.Node) -> int:
+    """The ``groups`` of a convolution node: ``conv1d / conv2d / conv3d(input, weight, bias,
+    stride, padding, dilation, groups)``, ``conv_transpose*(input, weight, bias, stride,
+    padding, output_padding, groups, dilation)``, ``convolution(input, weight, bias, stride,
+    padding, dilation, transposed, output_padding, groups)``."""
+    name = op_name(node)
+    index = 8 if name == "convolution" else 6
+    groups = node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
+    return int(groups)
+
+
 def _gemm_flops(node: torch.fx.Node) -> sympy.Expr:
     name = op_name(node)
     args = node.args
@@ -160,11 +192,8 @@ def _gemm_flops(node: torch.fx.Node) -> sympy.Expr:
         # every output element sums (input channels per group) x kernel products: the weight's
         # dim 1 is C_in / groups (a transposed convolution's C_out / groups, summed per input
         # element), whatever the groups
-        x, w = _spec(args[0]), _spec(args[1])
-        transposed = name.startswith("conv_transpose") or (
-            name == "convolution" and len(args) > 6 and bool(args[6]))
-        elements = x.numel if transposed else info(node).spec.numel
-        return 2 * elements * w.shape[1] * _prod(w.shape[2:])
+        groups, m, n, k = conv_dims(node)
+        return 2 * groups * m * n * k
     raise AssertionError(name)
 
 

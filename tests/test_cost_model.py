@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from autopar import Cluster, capture, models
 from autopar.plan_types import GemmSharding, RecomputeKind, ScheduleKind
@@ -36,6 +37,114 @@ def test_wave_quantization_matches_tile_assignment(batch, m, n):
                for t in ((256, 128), (128, 256), (128, 128)))
     assert wave_efficiency(batch, m, n, 108) == pytest.approx(want)
     assert wave_efficiency(batch, m, n, 0) == 1.0
+
+
+def _split_k_by_assignment(batch, m, n, k, sms, tile, splits):
+    """Brute force: the tiles each cut into ``splits`` K-slices of equal depth, handed to SMs
+    round-robin; the GEMM lasts as long as the busiest SM (whole slices)."""
+    tm, tn = tile
+    tm = min(tm, max(16, 2 ** math.ceil(math.log2(m))))
+    tn = min(tn, max(16, 2 ** math.ceil(math.log2(n))))
+    per_sm = [0] * sms
+    for i in range(batch * math.ceil(m / tm) * math.ceil(n / tn) * splits):
+        per_sm[i % sms] += 1
+    return batch * m * n * splits / (max(per_sm) * sms * tm * tn)
+
+
+@pytest.mark.parametrize("batch, m, n, k", [(1, 64, 576, 100352), (1, 256, 256, 4096),
+                                            (4, 64, 64, 8192), (1, 64, 576, 512),
+                                            (1, 2048, 4608, 12288)])
+def test_split_k_fills_the_sms_a_small_output_leaves_idle(batch, m, n, k):
+    """A weight gradient of a convolution (64 x 576 outputs summed over 100k pixels) has 5
+    tiles for 108 SMs: cut K into slices (split-K, as cuBLAS and CUTLASS do), each at least
+    SPLIT_K_MIN deep. Reference: brute-force assignment of every tile's slices to the SMs, best
+    tile and power-of-two split up to one wave; a GEMM with enough tiles is not split."""
+    from autopar.planner.kernels import SPLIT_K_MIN, gemm_tiling
+
+    best = (0.0, 1)
+    for tile in ((256, 128), (128, 256), (128, 128)):
+        s = 1
+        while True:
+            tiles = batch * math.ceil(m / min(tile[0], max(16, 2 ** math.ceil(math.log2(m))))) \
+                * math.ceil(n / min(tile[1], max(16, 2 ** math.ceil(math.log2(n)))))
+            if s > 1 and (tiles * s > 108 or k / s < SPLIT_K_MIN):
+                break
+            eff = min(_split_k_by_assignment(batch, m, n, k, 108, tile, s), 1.0)
+            if eff > best[0] + 1e-12:
+                best = (eff, s)
+            s *= 2
+    assert gemm_tiling(batch, m, n, k, 108) == pytest.approx(best)
+    if batch * m * n >= 108 * 128 * 128:
+        assert gemm_tiling(batch, m, n, k, 108)[1] == 1
+    assert gemm_tiling(1, 64, 576, 100352, 108)[0] > 0.6  # 5 tiles x 16 slices of 6272
+    assert wave_efficiency(1, 64, 576, 108) < 0.05  # one partial wave of 5 tiles
+
+
+def test_a_convolution_is_priced_as_its_implicit_gemm():
+    """A convolution's time is its implicit GEMM's (M = batch x output pixels, N = output
+    channels per group, K = input channels per group x kernel: NVIDIA's convolution guide) at
+    the GEMM rate of that shape, its bytes those it moves (input, weight, output once): a
+    3 x 3 convolution of ResNet-50's first stage is compute-bound at the GEMM rate, its
+    weight gradient split over K, and a depthwise one (N = 1) costs its bytes or its tiles'
+    waste. Priced through the captured layer and ``price_layer`` on the A100 preset, against
+    those closed forms; under tp 2 the column split halves N, the grouped one the groups."""
+    import torch.nn as nn
+
+    from autopar import capture
+    from autopar.planner.cost_model import ModelCosts
+    from autopar.planner.kernels import conv_time, gemm_tiling
+    from autopar.planner.layer_costs import price_layer
+
+    class Convs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(64, 64, 3, padding=1, bias=False)
+            self.dw = nn.Conv2d(64, 64, 7, padding=3, groups=64, bias=False)
+            self.pool = nn.AdaptiveAvgPool2d(1)  # a layer of its own, with the loss
+
+        def forward(self, x):
+            return self.pool(self.dw(self.conv(x)))
+
+    x = torch.randn(2, 64, 56, 56)
+    captured = capture(Convs(), (x,), lambda out: out.square().mean())
+    costs = ModelCosts(captured)
+    d = A100.device
+    rate = d.peak("bf16") * d.gemm_efficiency
+    b = 32
+    pixels = b * 56 * 56
+    moved = 2 * (2 * pixels * 64)  # bf16 input and output; the weights are small
+    want_f = {"conv": 2 * pixels * 64 * 576 / (rate * gemm_tiling(1, pixels, 64, 576, 108)[0]),
+              "dw": conv_time(A100, "bf16", 64, pixels, 1, 49, moved + 2 * 64 * 49)}
+    want_w = {"conv": 2 * pixels * 64 * 576 / (rate * gemm_tiling(1, 64, 576, pixels, 108)[0])}
+    for i, name in enumerate(costs.layer_names):
+        if name not in want_f:
+            continue
+        tmpl = costs.template(i)
+        lc = price_layer(tmpl, costs.split(tmpl, None, 1), A100, "bf16", 1, b, 1, 4, None)
+        assert lc.forward_s >= want_f[name]
+        # plus at most one other node of the layer at the kernel floor (3 us)
+        assert lc.forward_s == pytest.approx(want_f[name], abs=d.kernel_floor_s * 1.01), name
+        if name == "conv":
+            # plus the gradient's accumulation into .grad (a small weight: the kernel floor)
+            assert lc.weight_s == pytest.approx(want_w[name] + d.kernel_floor_s, rel=1e-6)
+            assert lc.weight_s < 2 * lc.forward_s  # split-K: not 20 x its forward
+    assert want_f["conv"] > 2 * pixels * 64 * 576 / rate * 0.99  # compute-bound at the rate
+    # tp 2: the plain convolution by columns (N = 32), the depthwise one by groups (32 of 64)
+    import dataclasses
+
+    from autopar.planner.layer_templates import Split
+
+    for name, dims in (("conv", (1, pixels, 32, 576)), ("dw", (32, pixels, 1, 49))):
+        i = costs.layer_names.index(name)
+        tmpl = costs.template(i)
+        split = costs.split(tmpl, None, 1)
+        halved = dataclasses.replace(split, gemm=[Split.COLUMN, *split.gemm[1:]],
+                                     divisor=[2, *split.divisor[1:]], cache={})
+        term = tmpl.terms[0]
+        moved = tmpl.values(b, 1)[term.index + 4] * 2 / 4 / 2  # bf16 of the fp32 graph, half
+        lc = price_layer(tmpl, halved, A100, "bf16", 2, b, 1, 4, None)
+        assert lc.forward_s == pytest.approx(conv_time(A100, "bf16", *dims, moved),
+                                             abs=d.kernel_floor_s * 1.01), name
 
 
 def test_gemm_roofline_regimes():

@@ -36,7 +36,7 @@ from typing import Sequence
 from autopar.cluster import Cluster
 from autopar.plan_types import OptimizerKernel
 
-__all__ = ["wave_efficiency", "table_rate", "gemm_time", "memory_time", "optimizer_time",
+__all__ = ["wave_efficiency", "gemm_tiling", "SPLIT_K_MIN", "table_rate", "gemm_time", "conv_time", "memory_time", "optimizer_time",
            "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "HOST_ADAMW_BYTES_PER_PARAM",
            "ADAMW_BYTES_PER_PARAM",
            "GEMM_TILES",
@@ -83,6 +83,36 @@ def wave_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
     return min(best, 1.0)
 
 
+#: The shortest K one slice of a split-K GEMM keeps: four main-loop iterations of the 64-deep K
+#: tile of CUTLASS's 16-bit Tensor Core threadblocks (128 x 128 x 64, its default for sm80 and
+#: sm90); a shorter slice spends its time in the prologue and in summing the partial products.
+SPLIT_K_MIN = 256
+
+
+def gemm_tiling(batch: float, m: float, n: float, k: float, sm_count: int) -> tuple[float, int]:
+    """(useful fraction of the SMs' time, K splits) of a GEMM: :func:`wave_efficiency`, or,
+    where its output has fewer tiles than the device has SMs, split-K: K cut into ``s`` slices
+    (a power of two, each at least ``SPLIT_K_MIN`` deep) computed by ``s`` times the tiles, as
+    cuBLAS and CUTLASS do for a small output over a long K (a convolution's or a small layer's
+    weight gradient: output channels x input channels, summed over every pixel or token of the
+    micro-batch); their fp32 partial sums are then added (:func:`gemm_time` counts those
+    bytes)."""
+    best = (wave_efficiency(batch, m, n, sm_count), 1)
+    if sm_count <= 0:
+        return best
+    for tm, tn in GEMM_TILES:
+        tm = min(tm, max(16, 2 ** math.ceil(math.log2(max(m, 1)))))
+        tn = min(tn, max(16, 2 ** math.ceil(math.log2(max(n, 1)))))
+        tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
+        s = 2
+        while tiles * s <= sm_count and k / s >= SPLIT_K_MIN:
+            eff = min(batch * m * n * s / (sm_count * tm * tn), 1.0)
+            if eff > best[0]:
+                best = (eff, s)
+            s *= 2
+    return best
+
+
 def table_rate(table: Sequence[Sequence[float]], point: Sequence[float]) -> float:
     """Rate at ``point`` from measured rows (coordinates..., rate): inverse-distance weighting
     (power 4) in log2 space, each coordinate clamped to the measured range (exact at measured
@@ -109,10 +139,36 @@ def gemm_time(cluster: Cluster, dtype: str, batch: float, m: float, n: float, k:
     flops = 2.0 * batch * m * n * k
     if d.gemm_table and dtype == d.default_dtype:  # measured rates by shape
         return max(flops / table_rate(d.gemm_table, (batch * m, n, k)), d.kernel_floor_s)
-    rate = d.peak(dtype) * d.gemm_efficiency * wave_efficiency(batch, m, n, d.sm_count)
-    nbytes = esize * batch * (m * k + k * n + m * n)
+    efficiency, splits = gemm_tiling(batch, m, n, k, d.sm_count)
+    rate = d.peak(dtype) * d.gemm_efficiency * efficiency
+    nbytes = esize * batch * (m * k + k * n + m * n) + _split_k_bytes(batch, m, n, splits)
     return max(flops / rate, nbytes / (d.memory_bandwidth * d.memory_efficiency),
                d.kernel_floor_s)
+
+
+def _split_k_bytes(batch: float, m: float, n: float, splits: int) -> float:
+    """The fp32 partial sums a split-K GEMM writes and reads back to add them."""
+    return 2 * 4 * splits * batch * m * n if splits > 1 else 0.0
+
+
+def conv_time(cluster: Cluster, dtype: str, groups: float, m: float, n: float, k: float,
+              nbytes: float) -> float:
+    """A convolution as the implicit GEMM cuDNN runs (``passes.analyze.conv_dims``: per group
+    an M x K by K x N product, M output pixels, N output channels, K input channels times the
+    kernel): its FLOPs at the GEMM rate of that shape (the device's measured table, or the peak
+    times ``gemm_efficiency`` and the wave quantization of ``groups`` x M x N outputs), but its
+    memory traffic the ``nbytes`` it really moves (input, weight and output once: the im2col
+    matrix a GEMM of that shape would read is never written). A depthwise convolution (N = 1)
+    thus costs its tiles' waste or its bytes, whichever is more."""
+    d = cluster.device
+    flops = 2.0 * groups * m * n * k
+    if d.gemm_table and dtype == d.default_dtype:
+        compute = flops / table_rate(d.gemm_table, (groups * m, n, k))
+    else:
+        efficiency, splits = gemm_tiling(groups, m, n, k, d.sm_count)
+        compute = flops / (d.peak(dtype) * d.gemm_efficiency * efficiency)
+        nbytes += _split_k_bytes(groups, m, n, splits)
+    return max(compute, nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
 
 
 def memory_time(cluster: Cluster, nbytes: float) -> float:

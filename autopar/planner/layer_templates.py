@@ -25,10 +25,14 @@ from autopar.planner.comm import Collective
 from autopar.planner.tp_layout import TPLayout
 
 __all__ = ["Template", "LayerSplit", "Term", "TermKind", "Split", "TensorRef",
-           "layer_split", "seq_degree", "BIAS_OP", "EXPERT_OP"]
+           "layer_split", "seq_degree", "BIAS_OP", "EXPERT_OP", "CONV_OP"]
 
 #: The op tag of an experts operation's GEMM terms (their rows scale with the routing imbalance).
 EXPERT_OP = "moe_experts"
+#: The op tag of a convolution's GEMM term: (groups, M, N, K) of its implicit GEMM
+#: (``passes.analyze.conv_dims``) and a fifth value, the bytes it reads and writes (the input,
+#: weight and output once: an implicit GEMM never writes the im2col matrix).
+CONV_OP = "convolution"
 
 
 class TermKind(enum.Enum):
@@ -52,7 +56,8 @@ class Term:
     weight_grad: bool  # a GEMM whose second operand is a trainable weight
     input_grads: int  # activation inputs that need a gradient (GEMM backward count)
     core: bool
-    #: first of this term's values (GEMM: batch, m, n, k; attention: flops, bytes, s, d, K/V
+    #: first of this term's values (GEMM: batch, m, n, k, and for ``CONV_OP`` the bytes moved;
+    #: attention: flops, bytes, s, d, K/V
     #: elements;
     #: memory: flops, bytes, elements of its largest float tensor)
     index: int

@@ -21,7 +21,7 @@ import torch.fx
 from autopar.errors import AutoparError
 from autopar.ir import (BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, next_block_names,
                         op_name)
-from autopar.planner.layer_templates import (BIAS_OP, EXPERT_OP, LayerSplit, Template, TensorRef,
+from autopar.planner.layer_templates import (BIAS_OP, CONV_OP, EXPERT_OP, LayerSplit, Template, TensorRef,
                                              Term, TermKind, layer_split, seq_degree)
 from autopar.planner.tp_layout import TPLayout, solve_layout
 
@@ -185,7 +185,8 @@ class ModelCosts:
                   first: Any = None) -> Template:
         """The template of ``layer`` (its signature's last captured instance); ``first``: the
         signature's first instance, whose boundary is what a cut between two of them sends."""
-        from autopar.passes.analyze import GEMM_OPS, VIEW_OPS, gemm_dims, moe_dims
+        from autopar.passes.analyze import (CONV_OPS, GEMM_OPS, VIEW_OPS, conv_dims, gemm_dims,
+                                            moe_dims)
 
         captured = self.captured
         exprs: list[sympy.Expr] = []
@@ -253,6 +254,14 @@ class ModelCosts:
                 moe_experts.append(int(d.experts))
                 moe_params.update(info(a).fqn for a in node.args[3:5]
                                   if isinstance(a, torch.fx.Node) and info(a).fqn)
+                continue
+            if op in CONV_OPS:  # its implicit GEMM, per group, at its own bytes
+                groups, m, n, k = conv_dims(node)
+                idx = add(groups)
+                for d in (m, n, k, moved):
+                    add(d)
+                terms.append(Term(TermKind.GEMM, name, meta.requires_grad,
+                                  _is_weight(node.args[1]), grads, core, idx, CONV_OP))
                 continue
             dims = gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
