@@ -175,6 +175,45 @@ def test_forked_workers_answer_in_order_and_a_dead_one_is_an_error():
         _forked_map(_exit_at_two, 10, [0, 1, 2, 3], 2)
 
 
+_FORK_AFTER_THREADS = """
+import torch
+from autopar.planner.search import _forked_map
+
+def parallel_op(state, item):
+    return int((torch.arange(state + item) >= 5).sum())  # parallel_for over 50k elements
+
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+(a @ a).sum()
+torch.arange(10**6).sum()
+print(_forked_map(parallel_op, 50304, [0, 1, 2], 2))
+"""
+
+
+def test_forked_workers_run_torch_after_the_parent_s_threads_started():
+    """A worker forked after its parent ran a multi-threaded op (the parent's OpenMP team
+    started; GNU OpenMP is not fork-safe) runs torch's parallel ops: each worker is one thread
+    (``torch.set_num_threads(1)``), so ``at::parallel_for`` runs inline. Before, the first
+    parallel op in a worker waited forever (``autopar plan`` of a GPT-2 config: padding its
+    vocabulary while solving a layout). In a fresh interpreter (the suite runs one thread), under
+    a deadline: a hang is a failure, not a stuck suite."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_AFTER_THREADS], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the parent and its stuck workers
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert out.strip() == "[50299, 50300, 50301]"
+
+
 def test_memory_decides_on_a_small_device(costs):
     cm = CostModel(costs["gpt2-small"], small_gpu(4).with_devices(8), TrainingSetup(128, 1024))
     result = search(cm, exhaustive=True, refine=0)

@@ -48,6 +48,8 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+import torch
+
 from autopar.errors import InfeasiblePlanError, InvalidInputError
 from autopar.ir import graphs_read_only
 from autopar.plan_types import RecomputeKind, ScheduleKind
@@ -570,7 +572,8 @@ def _forked_map(fn: Callable[[Any, Any], Any], state: Any, items: Iterable[Any],
     global _INHERITED
     _INHERITED = state
     try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_one_thread) as pool:
             futures = [pool.submit(_call_inherited, fn, item) for item in items]
             pending = set(futures)
             while pending:
@@ -580,6 +583,16 @@ def _forked_map(fn: Callable[[Any, Any], Any], state: Any, items: Iterable[Any],
             return [f.result() for f in futures]
     finally:
         _INHERITED = None
+
+
+def _one_thread() -> None:
+    """A forked worker runs torch's CPU ops on its own thread. The parent's OpenMP threads, once
+    started (any parallel op: a GEMM, a large ``arange``), are not in the child, and GNU OpenMP
+    is not fork-safe: the child's first parallel region waited on them forever (padding a
+    50257-entry vocabulary while solving a layout: ``torch.arange(50304) >= 50257``, so
+    ``autopar plan`` of a GPT-2 config hung after any multi-threaded op in its process). One
+    thread runs ``at::parallel_for`` inline; the workers are one per core anyway."""
+    torch.set_num_threads(1)
 
 
 def _call_inherited(fn: Callable[[Any, Any], Any], item: Any) -> Any:
