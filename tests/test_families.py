@@ -111,6 +111,28 @@ def test_autopar_plan_reads_each_familys_config(name, tmp_path):
     assert doc["model"]["params"] == sum(p.numel() for p in model.parameters())
 
 
+DEFAULT_FAMILIES = jobs.FAMILIES if FULL else ("gpt2", "convnext")
+
+
+@pytest.mark.parametrize("name", DEFAULT_FAMILIES)
+def test_autopar_plan_takes_each_familys_default_config(name, tmp_path):
+    """transformers' default config of the family (its full-size model: GPT-2 small, LLaMA-7B,
+    ConvNeXt-T, ...; its own context length) planned on 8 A100s with nothing pinned, on the
+    meta device: a plan that uses the 8 devices and a positive step. Found on the way: a
+    ConvNeXt's stages cut to two blocks, and the forked layout solve's hang after OpenMP
+    (tests/test_search.py)."""
+    import autopar
+    from autopar.planner.planning import plan_model
+
+    tiny = jobs._config(name)
+    type(tiny)(architectures=tiny.architectures).save_pretrained(tmp_path / name)
+    report = plan_model(str(tmp_path / name), autopar.Cluster.load("a100-80g").with_devices(8),
+                        global_batch=64, top_k=1, progress=False)
+    plan = report.plan
+    assert plan.dp * plan.tp * plan.pp * plan.cp == 8
+    assert report.prediction.step_time_s > 0
+
+
 #: Families whose checkpoint names transformers renames on load and back on save: ViT's
 #: attention (``encoder.layer.N.attention.attention.query`` is ``layers.N.attention.q_proj``),
 #: GPT-NeoX's head (``embed_out`` is ``lm_head``), Swin's attention.
