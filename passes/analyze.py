@@ -43,7 +43,7 @@ from autopar.ir import (
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
-           "MATMUL_OPS", "gemm_dims", "moe_dims", "MoEDims", "view_root", "identity_root", "saved_tensors"]
+           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_groups", "moe_dims", "MoEDims", "view_root", "identity_root", "saved_tensors"]
 
 ZERO = sympy.Integer(0)
 
@@ -155,14 +155,14 @@ def conv_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any]:
         name == "convolution" and len(args) > 6 and bool(args[6]))
     kernel = _prod(w.shape[2:])
     if transposed:  # weight [C_in, C_out / groups, *kernel]
-        groups = _conv_groups(node)
+        groups = conv_groups(node)
         return groups, x.numel // x.shape[1], w.shape[1] * kernel, w.shape[0] // groups
     out = info(node).spec
-    groups = _conv_groups(node)
+    groups = conv_groups(node)
     return groups, out.numel // out.shape[1], w.shape[0] // groups, w.shape[1] * kernel
 
 
-def _conv_groups(node: torch.fx.Node) -> int:
+def conv_groups(node: torch.fx.Node) -> int:
     """The ``groups`` of a convolution node: ``conv1d / conv2d / conv3d(input, weight, bias,
     stride, padding, dilation, groups)``, ``conv_transpose*(input, weight, bias, stride,
     padding, output_padding, groups, dilation)``, ``convolution(input, weight, bias, stride,

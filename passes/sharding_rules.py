@@ -52,7 +52,7 @@ import torch
 import torch.fx
 
 from autopar.ir import SEQ, NodeKind, TensorSpec, info, op_name
-from autopar.passes.analyze import CONV_OPS, MATMUL_OPS
+from autopar.passes.analyze import CONV_OPS, MATMUL_OPS, conv_groups
 from autopar.plan_types import GemmSharding
 from autopar.sharding import (
     PARTIAL,
@@ -68,7 +68,7 @@ from autopar.sharding import (
     placement_str,
 )
 
-__all__ = ["Strategy", "Rewrite", "Item", "RuleContext", "node_strategies", "CONV_OPS", "conv_groups",
+__all__ = ["Strategy", "Rewrite", "Item", "RuleContext", "node_strategies",
            "placeholder_strategies", "tensor_spec", "is_tensor_node", "is_elementwise"]
 
 INT_MAX = 9223372036854775807
@@ -569,15 +569,6 @@ def _mm(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
                                     {a: Shard(sa.ndim - 1), b: Shard(sb.ndim - 2)}, ctx,
                                     gemm=GemmSharding.ROW))
     return strategies
-
-
-def conv_groups(node: torch.fx.Node) -> int:
-    """The ``groups`` argument of a convolution node (1 when not given): ``conv1d / conv2d /
-    conv3d(input, weight, bias, stride, padding, dilation, groups)``, ``convolution(input,
-    weight, bias, stride, padding, dilation, transposed, output_padding, groups)``."""
-    index = 8 if op_name(node) == "convolution" else 6
-    groups = node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
-    return int(groups)
 
 
 def _conv(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:

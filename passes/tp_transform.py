@@ -43,8 +43,8 @@ from autopar.errors import ShardingError
 from autopar.ir import (BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, new_graph_module,
                         op_name)
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
-from autopar.passes.sharding_rules import (CONV_OPS, Item, Rewrite, Strategy, conv_groups,
-                                          is_tensor_node)
+from autopar.passes.analyze import CONV_OPS, conv_groups
+from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
 from autopar.runtime.tp import FUNCTIONS
 from autopar.sharding import (
     REPLICATE,
