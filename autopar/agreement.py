@@ -25,6 +25,7 @@ from autopar.errors import (
 )
 from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, Plan, Prediction,
                                  RecomputeKind, ScheduleKind)
+from autopar.planner.memory import MOMENT_BYTES
 from autopar.runtime.comm import collective
 from autopar.runtime.schedules import schedule_spec
 
@@ -174,7 +175,7 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
                    seq: int, mixed_precision: bool, seed: int | None = None, *,
                    offload_choices: tuple[str, ...] = ("optimizer",),
-                   optimizer_kernel: Any = None, optimizer_state_bytes: float = 8.0) -> Planned:
+                   optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
     message), and the dropout seed."""
     decided = None
@@ -271,7 +272,7 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None, optimizer_state_bytes: float = 8.0
+            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES
             ) -> tuple[Plan, Prediction | None, Any]:
     fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
@@ -379,7 +380,7 @@ def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_b
 
 def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None, optimizer_state_bytes: float = 8.0
+            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES
             ) -> tuple[Plan, Prediction | None, Any]:
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.planner.search import SearchSpace, search

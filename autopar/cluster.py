@@ -172,23 +172,20 @@ class DeviceSpec:
                    f"{owner}.{name} must be a host time per graph node",
                    expected="0 <= value < 10 ms (a few microseconds on CPUs, 0 on GPUs)",
                    found=value, fix="regenerate with autopar calibrate, or give 0")
+        # the default and the fused optimizer kernel's measured rates (0: priced as traffic)
+        rates = (("per_param", 1e-6, "time per parameter", "1 us (a few ns on a CPU core; 0: "
+                  "priced as memory traffic)"),
+                 ("per_tensor", 1e-2, "fixed time per parameter tensor", "10 ms (~0.1 ms on a "
+                  "CPU core; 0 for multi-tensor kernels)"))
         for prefix in ("", "fused_"):
-            name = f"{prefix}optimizer_s_per_param"
-            step = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
-            object.__setattr__(self, name, step)
-            _check(math.isfinite(step) and 0 <= step < 1e-6,
-                   f"{owner}.{name} must be an optimizer step's time per parameter",
-                   expected="0 <= value < 1 us (a few ns on a CPU core; 0: priced as memory "
-                            "traffic)", found=step, fix="regenerate with autopar calibrate, or "
-                                                        "give 0")
-            name = f"{prefix}optimizer_s_per_tensor"
-            per_tensor = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
-            object.__setattr__(self, name, per_tensor)
-            _check(math.isfinite(per_tensor) and 0 <= per_tensor < 1e-2,
-                   f"{owner}.{name} must be an optimizer step's fixed time per parameter tensor",
-                   expected="0 <= value < 10 ms (~0.1 ms on a CPU core; 0 for multi-tensor "
-                            "kernels)", found=per_tensor, fix="regenerate with autopar calibrate, "
-                                                              "or give 0")
+            for suffix, bound, what, limit in rates:
+                name = f"{prefix}optimizer_s_{suffix}"
+                value = parse_quantity(getattr(self, name), "s", what=f"{owner}.{name}")
+                object.__setattr__(self, name, value)
+                _check(math.isfinite(value) and 0 <= value < bound,
+                       f"{owner}.{name} must be an optimizer step's {what}",
+                       expected=f"0 <= value < {limit}", found=value,
+                       fix="regenerate with autopar calibrate, or give 0")
         for name in ("memory_bytes", "memory_bandwidth", "kernel_floor_s"):
             base = {"memory_bytes": "bytes", "memory_bandwidth": "bytes/s",
                     "kernel_floor_s": "s"}[name]

@@ -43,7 +43,9 @@ from autopar.ir import (
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
-           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_groups", "moe_dims", "MoEDims", "view_root", "identity_root", "saved_tensors"]
+           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_groups", "conv_groups_index",
+           "conv_is_transposed", "moe_dims", "MoEDims", "view_root", "identity_root",
+           "saved_tensors"]
 
 ZERO = sympy.Integer(0)
 
@@ -149,28 +151,35 @@ def conv_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any]:
     its kernel elements. A transposed convolution is the input-gradient GEMM of one: M the
     input's pixels, N its output channels per group times the kernel, K its input channels per
     group. ``2 groups M N K`` is its FLOPs."""
-    name, args = op_name(node), node.args
-    x, w = _spec(args[0]), _spec(args[1])
-    transposed = name.startswith("conv_transpose") or (
-        name == "convolution" and len(args) > 6 and bool(args[6]))
+    x, w = _spec(node.args[0]), _spec(node.args[1])
     kernel = _prod(w.shape[2:])
-    if transposed:  # weight [C_in, C_out / groups, *kernel]
-        groups = conv_groups(node)
+    groups = conv_groups(node)
+    if conv_is_transposed(node):  # weight [C_in, C_out / groups, *kernel]
         return groups, x.numel // x.shape[1], w.shape[1] * kernel, w.shape[0] // groups
     out = info(node).spec
-    groups = conv_groups(node)
     return groups, out.numel // out.shape[1], w.shape[0] // groups, w.shape[1] * kernel
 
 
-def conv_groups(node: torch.fx.Node) -> int:
-    """The ``groups`` of a convolution node: ``conv1d / conv2d / conv3d(input, weight, bias,
-    stride, padding, dilation, groups)``, ``conv_transpose*(input, weight, bias, stride,
+def conv_groups_index(node: torch.fx.Node) -> int:
+    """Where a convolution node takes ``groups``: ``conv1d / conv2d / conv3d(input, weight,
+    bias, stride, padding, dilation, groups)``, ``conv_transpose*(input, weight, bias, stride,
     padding, output_padding, groups, dilation)``, ``convolution(input, weight, bias, stride,
     padding, dilation, transposed, output_padding, groups)``."""
-    name = op_name(node)
-    index = 8 if name == "convolution" else 6
+    return 8 if op_name(node) == "convolution" else 6
+
+
+def conv_groups(node: torch.fx.Node) -> int:
+    """The ``groups`` of a convolution node (1 when not given)."""
+    index = conv_groups_index(node)
     groups = node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
     return int(groups)
+
+
+def conv_is_transposed(node: torch.fx.Node) -> bool:
+    """A transposed convolution: ``conv_transpose*``, or ``convolution(..., transposed=True)``."""
+    name = op_name(node)
+    return name.startswith("conv_transpose") or (
+        name == "convolution" and len(node.args) > 6 and bool(node.args[6]))
 
 
 def _gemm_flops(node: torch.fx.Node) -> sympy.Expr:

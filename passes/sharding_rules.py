@@ -52,7 +52,8 @@ import torch
 import torch.fx
 
 from autopar.ir import SEQ, NodeKind, TensorSpec, info, op_name
-from autopar.passes.analyze import CONV_OPS, MATMUL_OPS, conv_groups
+from autopar.passes.analyze import (CONV_OPS, MATMUL_OPS, conv_groups, conv_groups_index,
+                                    conv_is_transposed)
 from autopar.plan_types import GemmSharding
 from autopar.sharding import (
     PARTIAL,
@@ -587,8 +588,7 @@ def _conv(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     bias = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], torch.fx.Node) \
         else None
     strategies = [_replicated(node, ctx)]
-    if op_name(node).startswith("conv_transpose") or (
-            op_name(node) == "convolution" and len(node.args) > 6 and node.args[6]):
+    if conv_is_transposed(node):
         return strategies
     sx, sw = tensor_spec(x), tensor_spec(w)
     if sx is None or sw is None or sx.ndim < 3:
@@ -603,7 +603,7 @@ def _conv(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
             strategies.append(_strategy(node, "column", out_channels, reqs, ctx,
                                         gemm=GemmSharding.COLUMN))
         elif groups % ctx.tp == 0 and _shardable(sx.shape[1], ctx) and \
-                len(node.args) > (8 if op_name(node) == "convolution" else 6):
+                len(node.args) > conv_groups_index(node):  # positional: local_args sets it
             reqs = {x: Shard(1), w: Shard(0)}
             if bias is not None:
                 reqs[bias] = Shard(0)

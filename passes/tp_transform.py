@@ -43,7 +43,7 @@ from autopar.errors import ShardingError
 from autopar.ir import (BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, new_graph_module,
                         op_name)
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
-from autopar.passes.analyze import CONV_OPS, conv_groups
+from autopar.passes.analyze import CONV_OPS, conv_groups, conv_groups_index
 from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
 from autopar.runtime.tp import FUNCTIONS
 from autopar.sharding import (
@@ -350,8 +350,8 @@ class _Builder:
                 else:
                     args[1] = self.local_size(args[1], n.name)
         elif name in CONV_OPS and s.name == "grouped":  # each rank convolves its groups
-            index = 8 if name == "convolution" else 6  # positional: the rule requires it
-            args[index] = self.local_size(conv_groups(n), f"{n.name} ({name} groups)")
+            args[conv_groups_index(n)] = self.local_size(conv_groups(n),
+                                                         f"{n.name} ({name} groups)")
         elif name == "slice" and isinstance(n.args[0], torch.fx.Node):
             src = n.args[0]
             req = s.inputs[n.all_input_nodes.index(src)]

@@ -330,9 +330,8 @@ def _shallow(config: Any, layers: int) -> Any:
     list per stage: ``depths``, ``hidden_sizes``, ``num_heads``): those are not repeats of one
     block."""
     depth = config.num_hidden_layers
-    per_stage = [k for k, v in config.to_dict().items()
-                 if isinstance(v, (list, tuple)) and len(v) == depth and k != "layer_types"]
-    if per_stage:
+    if any(isinstance(v, (list, tuple)) and len(v) == depth and k != "layer_types"
+           for k, v in config.to_dict().items()):  # a list per stage
         return config
     copy = config.__class__.from_dict(config.to_dict())
     try:

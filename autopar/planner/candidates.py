@@ -10,7 +10,7 @@ from typing import Any, Mapping, NamedTuple
 
 from autopar.plan_types import OptimizerKernel, Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.planner.kernels import PRECISION_BYTES
-from autopar.planner.memory import RankMemory
+from autopar.planner.memory import MOMENT_BYTES, RankMemory
 
 __all__ = ["Candidate", "OFFLOAD_ORDER", "StageCost", "RankSums", "Staging", "Evaluation", "TrainingSetup"]
 
@@ -177,7 +177,7 @@ class TrainingSetup:
     #: mixed precision: Adam's two fp32 moments, 8; SGD with momentum 4, plain SGD 0
     #: (``parallelize`` measures it on the optimizer it is given,
     #: ``OptimizerFactory.state_bytes_per_param``).
-    optimizer_state_bytes: float = 8.0
+    optimizer_state_bytes: float = MOMENT_BYTES
 
     def __post_init__(self) -> None:
         if not self.optimizer_state_bytes >= 0:

@@ -31,12 +31,13 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from autopar.cluster import Cluster
 from autopar.plan_types import OptimizerKernel
 
-__all__ = ["wave_efficiency", "gemm_tiling", "SPLIT_K_MIN", "table_rate", "gemm_time", "conv_time", "memory_time", "optimizer_time",
+__all__ = ["wave_efficiency", "gemm_tiling", "SPLIT_K_MIN", "table_rate", "gemm_time",
+           "conv_time", "memory_time", "optimizer_time",
            "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "HOST_ADAMW_BYTES_PER_PARAM",
            "ADAMW_BYTES_PER_PARAM",
            "GEMM_TILES",
@@ -74,13 +75,19 @@ def wave_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
     if sm_count <= 0:
         return 1.0
     best = 0.0
-    for tm, tn in GEMM_TILES:
-        tm = min(tm, max(16, 2 ** math.ceil(math.log2(max(m, 1)))))
-        tn = min(tn, max(16, 2 ** math.ceil(math.log2(max(n, 1)))))
-        tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
+    for tm, tn, tiles in _tilings(batch, m, n):
         waves = math.ceil(tiles / sm_count)
         best = max(best, batch * m * n / (waves * sm_count * tm * tn))
     return min(best, 1.0)
+
+
+def _tilings(batch: float, m: float, n: float) -> Iterator[tuple[int, int, int]]:
+    """(tile rows, tile columns, tiles) of the output for each of ``GEMM_TILES``, a dimension
+    shorter than the tile getting a tile shrunk to it (at least 16)."""
+    for tm, tn in GEMM_TILES:
+        tm = min(tm, max(16, 2 ** math.ceil(math.log2(max(m, 1)))))
+        tn = min(tn, max(16, 2 ** math.ceil(math.log2(max(n, 1)))))
+        yield tm, tn, math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
 
 
 #: The shortest K one slice of a split-K GEMM keeps: four main-loop iterations of the 64-deep K
@@ -100,10 +107,7 @@ def gemm_tiling(batch: float, m: float, n: float, k: float, sm_count: int) -> tu
     best = (wave_efficiency(batch, m, n, sm_count), 1)
     if sm_count <= 0:
         return best
-    for tm, tn in GEMM_TILES:
-        tm = min(tm, max(16, 2 ** math.ceil(math.log2(max(m, 1)))))
-        tn = min(tn, max(16, 2 ** math.ceil(math.log2(max(n, 1)))))
-        tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
+    for tm, tn, tiles in _tilings(batch, m, n):
         s = 2
         while tiles * s <= sm_count and k / s >= SPLIT_K_MIN:
             eff = min(batch * m * n * s / (sm_count * tm * tn), 1.0)

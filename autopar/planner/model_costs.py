@@ -21,8 +21,9 @@ import torch.fx
 from autopar.errors import AutoparError
 from autopar.ir import (BATCH, SEQ, LayerKind, NodeKind, TensorSpec, info, next_block_names,
                         op_name)
-from autopar.planner.layer_templates import (BIAS_OP, CONV_OP, EXPERT_OP, LayerSplit, Template, TensorRef,
-                                             Term, TermKind, layer_split, seq_degree)
+from autopar.planner.layer_templates import (BIAS_OP, CONV_OP, EXPERT_OP, LayerSplit, Template,
+                                             TensorRef, Term, TermKind, layer_split,
+                                             seq_degree)
 from autopar.planner.tp_layout import TPLayout, solve_layout
 
 __all__ = ["ModelCosts"]
