@@ -96,6 +96,13 @@ class DeviceSpec:
     #: Measured fused-attention rates: rows (sequence, head dim, forward FLOP/s, backward
     #: FLOP/s), FLOPs counted as 4 b a s^2 d forward and 2.5 times that backward.
     attention_table: tuple[tuple[float, float, float, float], ...] = ()
+    #: Measured convolution rates at ``default_dtype``: rows (images, M, N, K, kernel elements,
+    #: forward, input-gradient, weight-gradient FLOP/s), M N K the implicit GEMM's
+    #: (``passes.analyze.conv_dims``). When present they replace the GEMM rates for
+    #: convolutions (a CPU's oneDNN runs a small 1 x 1 convolution in NCHW at a fifth of its
+    #: GEMM's rate, and at a third of its own rate on 16 images against 8); ``autopar
+    #: calibrate`` measures them. Empty: a convolution is its implicit GEMM.
+    conv_table: tuple[tuple[float, ...], ...] = ()
     #: Host time per graph node of the forward, added to the node's compute: dispatch of the op
     #: and autograd's recording of it, on the thread that then runs the op (CPU processes).
     #: 0 where the host runs ahead of the device (GPUs launch kernels asynchronously: their
@@ -208,10 +215,13 @@ class DeviceSpec:
                f"{owner}.collective_sms must be between 0 and sm_count ({self.sm_count})",
                expected=f"0 <= collective_sms <= {self.sm_count}", found=self.collective_sms,
                fix="give the NCCL channels a collective uses (0 when there are no SMs)")
-        for name in ("gemm_table", "attention_table"):
+        for name, width, shape in (("gemm_table", 4, "[[m, n, k, rate], ...]"),
+                                   ("attention_table", 4, "[[s, d, forward, backward], ...]"),
+                                   ("conv_table", 8, "[[images, m, n, k, kernel, forward, "
+                                                     "input gradient, weight gradient], ...]")):
             rows = tuple(tuple(float(x) for x in row) for row in getattr(self, name))
-            _check(all(len(r) == 4 and all(x > 0 for x in r) for r in rows),
-                   f"{owner}.{name} rows must be 4 positive numbers", expected="[[a, b, c, rate], ...]",
+            _check(all(len(r) == width and all(x > 0 for x in r) for r in rows),
+                   f"{owner}.{name} rows must be {width} positive numbers", expected=shape,
                    found=str(getattr(self, name))[:80], fix="regenerate with autopar calibrate")
             object.__setattr__(self, name, rows)
         table = {}
@@ -545,6 +555,7 @@ class Cluster:
                        "collective_sms": d.collective_sms,
                        "gemm_table": [list(r) for r in d.gemm_table],
                        "attention_table": [list(r) for r in d.attention_table],
+                       "conv_table": [list(r) for r in d.conv_table],
                        "op_table": {k: list(v) for k, v in d.op_table.items()},
                        "node_overhead_s": d.node_overhead_s,
                        "node_backward_overhead_s": d.node_backward_overhead_s,

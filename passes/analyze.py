@@ -43,7 +43,9 @@ from autopar.ir import (
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
-           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_groups", "conv_groups_index",
+           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_kernel_elements", "conv_images",
+           "conv_groups",
+           "conv_groups_index",
            "conv_is_transposed", "moe_dims", "MoEDims", "view_root", "identity_root",
            "saved_tensors"]
 
@@ -158,6 +160,18 @@ def conv_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any]:
         return groups, x.numel // x.shape[1], w.shape[1] * kernel, w.shape[0] // groups
     out = info(node).spec
     return groups, out.numel // out.shape[1], w.shape[0] // groups, w.shape[1] * kernel
+
+
+def conv_kernel_elements(node: torch.fx.Node) -> int:
+    """The elements of a convolution's kernel (9 for a 3 x 3 one)."""
+    return int(_prod(_spec(node.args[1]).shape[2:]))
+
+
+def conv_images(node: torch.fx.Node) -> Any:
+    """The images (batch) a convolution node convolves: its output's first dimension, 1 for an
+    unbatched input (no batch dimension: the output has the weight's rank less one)."""
+    out = info(node).spec
+    return out.shape[0] if out.ndim == _spec(node.args[1]).ndim else 1
 
 
 def conv_groups_index(node: torch.fx.Node) -> int:

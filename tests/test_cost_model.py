@@ -92,7 +92,7 @@ def test_a_convolution_is_priced_as_its_implicit_gemm():
 
     from autopar import capture
     from autopar.planner.cost_model import ModelCosts
-    from autopar.planner.kernels import conv_time, gemm_tiling
+    from autopar.planner.kernels import conv_times, gemm_tiling
     from autopar.planner.layer_costs import price_layer
 
     class Convs(nn.Module):
@@ -114,7 +114,8 @@ def test_a_convolution_is_priced_as_its_implicit_gemm():
     pixels = b * 56 * 56
     moved = 2 * (2 * pixels * 64)  # bf16 input and output; the weights are small
     want_f = {"conv": 2 * pixels * 64 * 576 / (rate * gemm_tiling(1, pixels, 64, 576, 108)[0]),
-              "dw": conv_time(A100, "bf16", 64, pixels, 1, 49, moved + 2 * 64 * 49)}
+              "dw": conv_times(A100, "bf16", 64, pixels, 1, 49, 49, b,
+                                moved + 2 * 64 * 49)[0]}
     want_w = {"conv": 2 * pixels * 64 * 576 / (rate * gemm_tiling(1, 64, 576, pixels, 108)[0])}
     for i, name in enumerate(costs.layer_names):
         if name not in want_f:
@@ -134,7 +135,8 @@ def test_a_convolution_is_priced_as_its_implicit_gemm():
 
     from autopar.planner.layer_templates import Split
 
-    for name, dims in (("conv", (1, pixels, 32, 576)), ("dw", (32, pixels, 1, 49))):
+    for name, dims in (("conv", (1, pixels, 32, 576, 9, b)),
+                       ("dw", (32, pixels, 1, 49, 49, b))):
         i = costs.layer_names.index(name)
         tmpl = costs.template(i)
         split = costs.split(tmpl, None, 1)
@@ -143,7 +145,7 @@ def test_a_convolution_is_priced_as_its_implicit_gemm():
         term = tmpl.terms[0]
         moved = tmpl.values(b, 1)[term.index + 4] * 2 / 4 / 2  # bf16 of the fp32 graph, half
         lc = price_layer(tmpl, halved, A100, "bf16", 2, b, 1, 4, None)
-        assert lc.forward_s == pytest.approx(conv_time(A100, "bf16", *dims, moved),
+        assert lc.forward_s == pytest.approx(conv_times(A100, "bf16", *dims, moved)[0],
                                              abs=d.kernel_floor_s * 1.01), name
 
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from autopar import Cluster
+from autopar import Cluster, capture
+from autopar.ir import evaluate
 from autopar.cluster import LinkKind, LinkSpec
 from autopar.plan_types import RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
@@ -450,7 +454,7 @@ def test_node_overhead_measurement():
     # a node costs microseconds on any CPU: more than nothing, less than a millisecond
     assert 0 < m["node_forward_s"] < 1e-3 and 0 < m["node_backward_s"] < 1e-3
     assert m["node_overhead_s"] <= m["node_forward_s"]
-    assert set(table) >= {"gelu(tanh)", "layer_norm", "cross_entropy_loss", "add"}
+    assert set(table) >= {"gelu(tanh)", "layer_norm", "cross_entropy_loss", "add", *CNN_OPS}
     assert all(0 < f < 1e-6 and 0 < b < 1e-6 for f, b in table.values())
 
 
@@ -686,3 +690,142 @@ def test_one_bucket_of_data_parallel_gradients_is_exposed_once(costs):
     assert params * 4 < 25e6
     assert got == pytest.approx(collective_time(host, Collective.ALL_REDUCE, params * 4,
                                                 mesh_span(host, 2, 1, 1, "dp")).seconds)
+
+
+#: A CNN's ops the op table measures (as the captured graph names them).
+CNN_OPS = {"batch_norm", "relu", "max_pool2d"}
+
+
+class _SmallCNN(nn.Module):
+    """conv 3 x 3 - batch norm - ReLU - max pool - conv 1 x 1: a ResNet stem's ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(32)
+        self.pw = nn.Conv2d(32, 16, 1, bias=False)
+
+    def forward(self, x):
+        return self.pw(F.max_pool2d(F.relu(self.bn(self.conv(x))), 3, 2, 1))
+
+
+def test_conv_table_prices_each_pass_at_its_measured_rate():
+    """A device with a ``conv_table`` prices a convolution's forward, input gradient and weight
+    gradient at that table's three rates (exact at a measured shape, groups folded into M), its
+    bytes a floor; without one, at its GEMM table's rates of the three implicit GEMMs' shapes
+    (forward (M, N, K), input gradient (M, K, N), weight gradient (N, K, M)). Closed forms."""
+    from autopar.planner.kernels import conv_times, table_rate
+
+    base = Cluster.load("cpu")
+    rows = ((8, 8192, 64, 576, 9, 1e11, 5e10, 2.5e10), (8, 512, 256, 256, 1, 3e10, 2e10, 1e10),
+            (16, 1024, 256, 256, 1, 1e10, 5e9, 4e9))
+    cl = dataclasses.replace(base, device=dataclasses.replace(base.device, conv_table=rows))
+    for images, m, n, k, kernel, *rates in rows:
+        flops = 2 * m * n * k
+        assert conv_times(cl, "fp32", 1, m, n, k, kernel, images, 1.0) == \
+            pytest.approx(tuple(flops / r for r in rates))
+        # two groups of half the pixels each: the same implicit GEMM rows, the same time
+        assert conv_times(cl, "fp32", 2, m / 2, n, k, kernel, images, 1.0) == \
+            pytest.approx(tuple(flops / r for r in rates))
+    d = cl.device
+    moved = 1e10  # far more bytes than the FLOPs take: the streaming time
+    assert conv_times(cl, "fp32", 1, 512, 256, 256, 1, 8, moved) == \
+        pytest.approx((moved / d.memory_bandwidth,) * 3)
+    # between the rows: between their rates, and their seconds per FLOP averaged (a harmonic
+    # mean of the rates): halfway (in log space) between two rows of 1e11 and 3e10 FLOP/s
+    # the average of 1e-11 and 3.3e-11 s per FLOP, not 6.5e10
+    f = conv_times(cl, "fp32", 1, 2048, 128, 1024, 3, 8, 1.0)[0]
+    assert 2 * 2048 * 128 * 1024 / 1e11 < f < 2 * 2048 * 128 * 1024 / 4e9
+    two = dataclasses.replace(cl, device=dataclasses.replace(cl.device, conv_table=(
+        (8, 1024, 64, 64, 1, 1e11, 1e11, 1e11), (8, 4096, 64, 64, 1, 3e10, 3e10, 3e10))))
+    flops = 2 * 2048 * 64 * 64
+    assert conv_times(two, "fp32", 1, 2048, 64, 64, 1, 8, 1.0)[0] == \
+        pytest.approx(flops * (1 / 1e11 + 1 / 3e10) / 2)
+    plain = dataclasses.replace(base, device=dataclasses.replace(base.device, conv_table=()))
+    flops = 2 * 8192 * 64 * 576
+    assert conv_times(plain, "fp32", 1, 8192, 64, 576, 9, 8, 1.0) == pytest.approx(
+        tuple(flops / table_rate(d.gemm_table, shape)
+              for shape in ((8192, 64, 576), (8192, 576, 64), (64, 576, 8192))))
+
+
+def test_cnn_layers_priced_by_the_conv_table_and_the_cnn_ops():
+    """Through the capture and ``price_layer``: with a ``conv_table`` and op-table entries for
+    batch norm, ReLU and max pooling, each layer's forward, input-gradient and weight-gradient
+    times move from those of the same host without them by exactly the convolutions' table
+    times less their GEMM-table times and the ops' per-element times less their streaming
+    times (``max(bytes / bw, elements x t)``), under the names the graph gives the ops, which
+    are the names ``measure_op_table`` measures."""
+    from autopar.planner.cost_model import ModelCosts
+    from autopar.planner.kernels import conv_times, memory_time
+    from autopar.planner.layer_costs import price_layer
+    from autopar.planner.layer_templates import CONV_OP, TermKind
+
+    x = torch.randn(4, 16, 32, 32)
+    costs = ModelCosts(capture(_SmallCNN(), (x,), lambda out: out.square().mean()))
+    rows = ((4, 4096, 32, 144, 9, 1e11, 5e10, 2.5e10), (4, 1024, 16, 32, 1, 3e10, 2e10, 1e10))
+    ops = {"batch_norm": (1e-8, 2e-8), "relu": (1e-9, 2e-9), "max_pool2d": (4e-9, 1e-9)}
+    plain = _host(devices=1)
+    plain = dataclasses.replace(plain, device=dataclasses.replace(plain.device, conv_table=()))
+    host = _host(ops=ops, devices=1)
+    host = dataclasses.replace(host, device=dataclasses.replace(host.device, conv_table=rows))
+    seen_ops, convs = set(), 0
+    for i, name in enumerate(costs.layer_names):
+        tmpl = costs.template(i)
+        split = costs.split(tmpl, None, 1)
+        lc = price_layer(tmpl, split, host, "fp32", 1, 4, 1, 4, None)
+        base = price_layer(tmpl, split, plain, "fp32", 1, 4, 1, 4, None)
+        values = tmpl.values(4, 1)
+        want = [0.0, 0.0, 0.0]  # forward, input gradient, weight gradient
+        for term in tmpl.terms:
+            if term.kind is TermKind.GEMM and term.op == CONV_OP:
+                g, m, n, k, moved, kernel, images = values[term.index:term.index + 7]
+                assert images == 4
+                new = conv_times(host, "fp32", g, m, n, k, kernel, images, moved)
+                old = conv_times(plain, "fp32", g, m, n, k, kernel, images, moved)
+                want[0] += new[0] - old[0]
+                want[1] += (new[1] - old[1]) if term.input_grads else 0.0
+                want[2] += new[2] - old[2]
+                convs += 1
+            elif term.kind is TermKind.MEMORY and term.op in ops:
+                seen_ops.add(term.op)
+                moved, elements = values[term.index + 1], values[term.index + 2]
+                for j, bytes_ in ((0, moved), (1, 2 * moved)):
+                    streamed = memory_time(host, bytes_)
+                    want[j] += max(streamed, elements * ops[term.op][j]) - streamed
+        got = (lc.forward_s - base.forward_s, lc.backward_s - base.backward_s,
+               lc.weight_s - base.weight_s)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15), name
+    assert convs == 2 and seen_ops == set(ops) == CNN_OPS  # what measure_op_table measures
+
+
+def test_conv_table_measures_the_implicit_gemm_the_model_reads(monkeypatch):
+    """``measure_conv_table`` (shrunk to one batch, channel count and side): a row per kernel
+    and one for the stem, its (images, M, N, K, kernel elements) what ``passes.analyze`` reads from the same
+    convolution in a captured graph, and three rates a CPU core can reach."""
+    from autopar.passes.analyze import conv_dims, conv_images, conv_kernel_elements
+    from autopar.planner import calibration
+
+    monkeypatch.setattr(calibration, "CONV_BATCHES", (4,))
+    monkeypatch.setattr(calibration, "CONV_CHANNELS", (16,))
+    monkeypatch.setattr(calibration, "CONV_SIDES", (8,))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = calibration.measure_conv_table(quick=True, repeat=1)
+    finally:
+        torch.set_num_threads(threads)
+    specs = [(kernel, 16, 1) for kernel in calibration.CONV_KERNELS]
+    specs.append((calibration.CONV_STEM_KERNEL, calibration.CONV_STEM_CHANNELS, 1))
+    specs += [(kernel, 16, 16) for kernel in calibration.CONV_DEPTHWISE_KERNELS]
+    assert len(rows) == len(specs)
+    for row, (kernel, c_in, groups) in zip(rows, specs):
+        conv = torch.nn.Conv2d(c_in, 16, kernel, padding=kernel // 2, bias=False, groups=groups)
+        x = torch.randn(4, c_in, 8, 8)
+        captured = capture(conv, (x,), lambda out: out.mean())
+        node = next(n for n in captured.gm.graph.nodes if n.op == "call_function"
+                    and "conv" in str(n.target))
+        g, m, n, k = conv_dims(node)
+        assert g == groups  # the table folds the groups into M, as conv_times looks them up
+        assert [evaluate(e, b=4) for e in (conv_images(node), g * m, n, k)] == row[:4]
+        assert conv_kernel_elements(node) == row[4] == kernel * kernel
+        assert all(1e7 < r < 1e13 for r in row[5:])

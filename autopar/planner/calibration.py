@@ -100,14 +100,17 @@ def _mean_time(fn: Callable[[], Any], calls: int) -> float:
 #: beyond a core's L2 cache, as a step's activations are. At 128 x 1024 (512 KiB, in cache) the
 #: table priced the small GPT's cross-entropy at a quarter and its forward 20% short.
 OP_ROWS, OP_COLS = 1024, 2048
+#: The same elements as images (batch, channels, height, width) for a CNN's ops.
+OP_IMAGE = (16, 32, 64, 64)
 
 
 def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
     """Forward and backward seconds per element of the element-wise and normalization ops a
-    transformer runs, as the graph names them, on ``OP_ROWS x OP_COLS`` fp32 elements with
-    autograd (a layer norm with its weight and bias, cross-entropy over ``OP_COLS`` classes;
+    transformer or a CNN runs, as the graph names them, on ``OP_ROWS x OP_COLS`` fp32 elements
+    with autograd (a layer norm with its weight and bias, cross-entropy over ``OP_COLS`` classes;
     ``linear.bias``: a bias vector broadcast into a fresh output, what a CPU GEMM with a bias
-    does before it accumulates, and its gradient, a sum over rows).
+    does before it accumulates, and its gradient, a sum over rows; batch norm, max pooling and
+    ReLU on the same elements as ``OP_IMAGE`` images, per element of the input).
     The backward is timed alone, on a graph built beforehand."""
     import torch
     import torch.nn.functional as F
@@ -117,6 +120,12 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
     weight = torch.ones(OP_COLS, requires_grad=True)
     bias = torch.zeros(OP_COLS, requires_grad=True)
     targets = torch.randint(0, OP_COLS, (OP_ROWS,))
+    # the same elements as a batch of images (NCHW) for a CNN's ops: training batch norm with
+    # its per-channel weight and bias, a ResNet stem's 3 x 3 stride-2 max pool
+    images = x.view(*OP_IMAGE)
+    channel_w = torch.ones(OP_IMAGE[1], requires_grad=True)
+    channel_b = torch.zeros(OP_IMAGE[1], requires_grad=True)
+    running = (torch.zeros(OP_IMAGE[1]), torch.ones(OP_IMAGE[1]))
     ops = {
         "gelu": lambda: F.gelu(x),
         "gelu(tanh)": lambda: F.gelu(x, approximate="tanh"),
@@ -128,6 +137,10 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
         "log_softmax": lambda: torch.log_softmax(x, -1),
         "cross_entropy_loss": lambda: F.cross_entropy(x, targets),
         "linear.bias": lambda: bias.expand(OP_ROWS, OP_COLS).contiguous(),
+        "batch_norm": lambda: F.batch_norm(images, *running, channel_w, channel_b,
+                                           training=True),
+        "max_pool2d": lambda: F.max_pool2d(images, 3, 2, 1),
+        "relu": lambda: F.relu(images),
     }
     n = x.numel()
     out = {}
@@ -140,9 +153,95 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
             start = time.perf_counter()
             result.backward(grad)
             times.append(time.perf_counter() - start)
-        x.grad = weight.grad = bias.grad = None
+        x.grad = weight.grad = bias.grad = channel_w.grad = channel_b.grad = None
         out[name] = [forward / n, statistics.median(times[1:]) / n]
     return out
+
+
+#: The convolution table's shapes (``measure_conv_table``): 2-D convolutions as a CNN runs them
+#: (fp32, NCHW, PyTorch's default layout, which oneDNN reorders to its blocked one and back;
+#: stride 1, the size kept): images per call in CONV_BATCHES, kernel sides CONV_KERNELS, input
+#: and output channels each in CONV_CHANNELS, output sides CONV_SIDES, and a stem (an image's
+#: CONV_STEM_CHANNELS in, a CONV_STEM_KERNEL-wide kernel, CONV_CHANNELS out), capped at
+#: CONV_MAX_MACS multiply-adds (``--quick``: a sixteenth, each pass timed once per repeat, not
+#: over four calls: 3 s on the 2-core VM where the whole table takes 37). The images are a coordinate of their
+#: own: on the 2-core VM (2026-12-02) a 1 x 1 convolution of 32 channels ran at 53-61 GFLOP/s on
+#: 8 or 12 images of 8 x 8 and at 18 on 16 (oneDNN picks another kernel), where the GEMM of its
+#: implicit-GEMM shape runs at ~150; a 3 x 3 ran at 36-164, a ResNet's 7 x 7 stem at 48. Small
+#: sides set the per-call floor (~0.1 ms on 16 images, however small the image). No GEMM table
+#: prices them. A bottleneck block's 8 or 16 channels pay that floor too (a 32 -> 8 1 x 1 on 16
+#: images of 16 x 16: 0.24 ms, 9 GFLOP/s), hence 8 channels in the table.
+CONV_BATCHES = (8, 16, 64)
+CONV_KERNELS = (1, 3)
+CONV_CHANNELS = (8, 32, 256)
+CONV_SIDES = (4, 8, 32)
+CONV_STEM_CHANNELS, CONV_STEM_KERNEL = 3, 7
+#: Depthwise convolutions (groups = channels, each in CONV_CHANNELS): their kernel sides. On the
+#: 2-core VM a 7 x 7 depthwise convolution's weight gradient (ConvNeXt's) took 1.5-2 ms on 16
+#: images of 4-16 pixels a side, 7-20 times its forward.
+CONV_DEPTHWISE_KERNELS = (3, 7)
+CONV_MAX_MACS = 2**31
+#: ``--quick`` also skips inputs of more elements than this (4 MiB): a depthwise convolution's
+#: few multiply-adds pass the cap, and its weight gradient on 64 images of 32 x 32 x 256 took a
+#: quarter of the table's time.
+CONV_QUICK_MAX_ELEMENTS = 2**20
+
+
+def measure_conv_table(quick: bool = False, repeat: int = 5) -> list[list[float]]:
+    """Rows ``[images, M, N, K, kernel elements, forward, input-gradient, weight-gradient
+    FLOP/s]`` of the convolutions in ``CONV_*`` (M, N, K their implicit GEMM's,
+    ``passes.analyze.conv_dims``; each pass ``2 M N K`` FLOPs), each pass timed alone
+    (``aten.convolution_backward`` with one output asked for), operands cycled through copies
+    (:func:`_conv_rates`)."""
+    shapes = [(kernel, c_in, c_out, 1) for kernel in CONV_KERNELS for c_in in CONV_CHANNELS
+              for c_out in CONV_CHANNELS]
+    shapes += [(CONV_STEM_KERNEL, CONV_STEM_CHANNELS, c_out, 1) for c_out in CONV_CHANNELS]
+    shapes += [(kernel, c, c, c) for kernel in CONV_DEPTHWISE_KERNELS for c in CONV_CHANNELS]
+    rows = []
+    cap = CONV_MAX_MACS // (16 if quick else 1)
+    for images in CONV_BATCHES:
+        for kernel, c_in, c_out, groups in shapes:
+            for side in CONV_SIDES:
+                # per group (conv_dims), the groups folded into M as conv_times looks them up
+                m = groups * images * side * side
+                n, k = c_out // groups, c_in // groups * kernel * kernel
+                if m * n * k > cap or (quick and images * side * side * c_in
+                                       > CONV_QUICK_MAX_ELEMENTS):
+                    continue
+                rows.append([images, m, n, k, kernel * kernel,
+                             *_conv_rates(images, c_in, c_out, side, kernel, groups, repeat,
+                                          inner=1 if quick else 4)])
+    return rows
+
+
+def _conv_rates(images: int, c_in: int, c_out: int, side: int, kernel: int, groups: int,
+                repeat: int, inner: int = 4) -> list[float]:
+    """FLOP/s of one convolution's forward, input gradient and weight gradient (stride 1, the
+    size kept), its operands cycled through up to 4 copies (out of a core's L2 cache where
+    they are large enough to matter; drawing 16 MiB of them per shape took longer than timing
+    the small shapes)."""
+    import torch
+    import torch.nn.functional as F
+
+    size = 4 * images * side * side * (c_in + c_out)
+    copies = max(1, min(4, COLD_BYTES // size))
+    pad = kernel // 2
+    ops = [(torch.rand(images, c_in, side, side),
+            torch.rand(c_out, c_in // groups, kernel, kernel),
+            torch.rand(images, c_out, side, side)) for _ in range(copies)]
+    turn = iter(range(10**9))
+
+    def run(mask: list[bool] | None) -> None:
+        x, w, g = ops[next(turn) % copies]
+        if mask is None:
+            F.conv2d(x, w, padding=pad, groups=groups)
+        else:
+            torch.ops.aten.convolution_backward(g, x, w, None, [1, 1], [pad, pad], [1, 1],
+                                                False, [0, 0], groups, mask)
+
+    flops = 2.0 * images * side * side * c_out * c_in // groups * kernel * kernel
+    return [flops / best_time(lambda: run(mask), repeat, inner=min(copies, inner))
+            for mask in (None, [True, False, False], [False, True, False])]
 
 
 def measure_compute(quick: bool = False) -> dict[str, float]:
@@ -201,6 +300,7 @@ def measure_compute(quick: bool = False) -> dict[str, float]:
                 t = best_time(gemm, repeat, inner=min(copies, 8))
                 table.append([m, n, k, 2 * m * n * k / t])
     out["gemm_table"] = table
+    out["conv_table"] = measure_conv_table(quick, repeat)
     # fused attention by sequence and head size, forward and backward
     att = measure_attention_table(attention_seqs(quick), ATTENTION_HEAD, repeat)
     out["attention_table"] = att
@@ -517,11 +617,11 @@ def measure_collectives(world: int, quick: bool = False) -> dict[str, Any]:
               if not k.endswith("_table")}
     merged["op_table"] = {op: [statistics.fmean(r["op_table"][op][j] for r in compute)
                                for j in (0, 1)] for op in compute[0]["op_table"]}
-    for key in ("gemm_table", "attention_table"):  # per shape, the mean over the ranks
+    # per shape, the mean of each measured rate over the ranks (a row's last ``rates`` values)
+    for key, rates in (("gemm_table", 1), ("attention_table", 2), ("conv_table", 3)):
         rows = [r[key] for r in compute]
-        merged[key] = [[*rows[0][i][:-2], *[statistics.fmean(rr[i][j] for rr in rows)
-                                            for j in (-2, -1)]] if key == "attention_table"
-                       else [*rows[0][i][:-1], statistics.fmean(rr[i][-1] for rr in rows)]
+        merged[key] = [[*rows[0][i][:-rates], *[statistics.fmean(rr[i][j] for rr in rows)
+                                                for j in range(-rates, 0)]]
                        for i in range(len(rows[0]))]
     return {"world": world, "sizes": list(sizes), "times": per_size, "compute": merged,
             "per_rank_compute": compute,
@@ -596,6 +696,7 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "default_dtype": "fp32",
             "gemm_table": c["gemm_table"],
             "attention_table": c["attention_table"],
+            "conv_table": c["conv_table"],
         },
         "intra_node": link,
         "inter_node": dict(link),
@@ -673,6 +774,15 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
             "device.gemm_table": f"F.linear rate for m in {list(TABLE_M)}, n, k in "
                                  f"{list(TABLE_NK)} (m n k <= 2^31), operands cycled through "
                                  f"{COLD_BYTES >> 20} MiB (cold caches); {where}",
+            "device.conv_table": (
+                f"conv2d forward, input and weight gradients (aten.convolution_backward), fp32 "
+                f"NCHW, images {list(CONV_BATCHES)}, kernels {list(CONV_KERNELS)}, channels in "
+                f"and out in {list(CONV_CHANNELS)}, and {CONV_STEM_CHANNELS} in by a "
+                f"{CONV_STEM_KERNEL} x {CONV_STEM_KERNEL} kernel, depthwise with kernels "
+                f"{list(CONV_DEPTHWISE_KERNELS)}, output sides "
+                f"{list(CONV_SIDES)}, stride 1 "
+                f"(M N K <= 2^{CONV_MAX_MACS.bit_length() - 1 - (4 if quick else 0)}), "
+                f"operands cycled through up to 4 copies; {where}"),
             "device.attention_table": f"causal scaled_dot_product_attention, batch x heads = "
                                       f"max(8, {ATTENTION_OPERAND_BYTES >> 20} MiB / "
                                       f"(4 s d)), s in {list(attention_seqs(quick))}, d in "

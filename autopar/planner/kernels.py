@@ -37,7 +37,7 @@ from autopar.cluster import Cluster
 from autopar.plan_types import OptimizerKernel
 
 __all__ = ["wave_efficiency", "gemm_tiling", "SPLIT_K_MIN", "table_rate", "gemm_time",
-           "conv_time", "memory_time", "optimizer_time",
+           "conv_times", "memory_time", "optimizer_time",
            "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "HOST_ADAMW_BYTES_PER_PARAM",
            "ADAMW_BYTES_PER_PARAM",
            "GEMM_TILES",
@@ -155,24 +155,44 @@ def _split_k_bytes(batch: float, m: float, n: float, splits: int) -> float:
     return 2 * 4 * splits * batch * m * n if splits > 1 else 0.0
 
 
-def conv_time(cluster: Cluster, dtype: str, groups: float, m: float, n: float, k: float,
-              nbytes: float) -> float:
-    """A convolution as the implicit GEMM cuDNN runs (``passes.analyze.conv_dims``: per group
-    an M x K by K x N product, M output pixels, N output channels, K input channels times the
-    kernel): its FLOPs at the GEMM rate of that shape (the device's measured table, or the peak
-    times ``gemm_efficiency`` and the wave quantization of ``groups`` x M x N outputs), but its
-    memory traffic the ``nbytes`` it really moves (input, weight and output once: the im2col
-    matrix a GEMM of that shape would read is never written). A depthwise convolution (N = 1)
-    thus costs its tiles' waste or its bytes, whichever is more."""
+def conv_times(cluster: Cluster, dtype: str, groups: float, m: float, n: float, k: float,
+               kernel: float, images: float, nbytes: float) -> tuple[float, float, float]:
+    """(forward, input gradient, weight gradient) seconds of a convolution, each the implicit
+    GEMM cuDNN runs (``passes.analyze.conv_dims``: per group an M x K by K x N product, M output
+    pixels, N output channels, K input channels times the ``kernel`` elements; the input
+    gradient ``(groups, M, K, N)``, the weight gradient ``(groups, N, K, M)``): its FLOPs at the
+    GEMM rate of that shape (the peak times ``gemm_efficiency`` and the tiling of ``groups`` x
+    its outputs, split-K included), or at the device's measured convolution rates where it has
+    a ``conv_table`` (its seconds per FLOP interpolated at ``(images, groups M, N, K,
+    kernel)``, ``images`` the batch the call convolves: a CPU's convolutions run far from its
+    GEMMs' rates, and oneDNN picks its kernel by the batch), else its measured GEMM table's;
+    but its memory traffic the
+    ``nbytes`` it really moves (input, weight and output once: the im2col matrix a GEMM of
+    that shape would read is never written). A depthwise convolution (N = 1) thus costs its
+    tiles' waste or its bytes, whichever is more."""
     d = cluster.device
     flops = 2.0 * groups * m * n * k
-    if d.gemm_table and dtype == d.default_dtype:
-        compute = flops / table_rate(d.gemm_table, (groups * m, n, k))
-    else:
-        efficiency, splits = gemm_tiling(groups, m, n, k, d.sm_count)
-        compute = flops / (d.peak(dtype) * d.gemm_efficiency * efficiency)
-        nbytes += _split_k_bytes(groups, m, n, splits)
-    return max(compute, nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
+    floor = max(nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
+    measured = dtype == d.default_dtype
+    if d.conv_table and measured:
+        # interpolated in seconds per FLOP (a harmonic mean of the rates): a shape between a
+        # fast row and a latency-bound one is not priced at the fast one's pace
+        point = (images, groups * m, n, k, kernel)
+        f, b, w = (max(flops * table_rate([(*r[:5], 1 / r[5 + j]) for r in d.conv_table],
+                                          point), floor) for j in range(3))
+        return f, b, w
+    times = []
+    for mm, nn, kk in ((m, n, k), (m, k, n), (n, k, m)):
+        moved = nbytes
+        if d.gemm_table and measured:
+            compute = flops / table_rate(d.gemm_table, (groups * mm, nn, kk))
+        else:
+            efficiency, splits = gemm_tiling(groups, mm, nn, kk, d.sm_count)
+            compute = flops / (d.peak(dtype) * d.gemm_efficiency * efficiency)
+            moved += _split_k_bytes(groups, mm, nn, splits)
+        times.append(max(compute, moved / (d.memory_bandwidth * d.memory_efficiency),
+                         d.kernel_floor_s))
+    return times[0], times[1], times[2]
 
 
 def memory_time(cluster: Cluster, nbytes: float) -> float:

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 from autopar.cluster import Cluster
 from autopar.planner.comm import Collective, collective_time, p2p_time
-from autopar.planner.kernels import (ATTENTION_BACKWARD_FACTOR, PRECISION_BYTES, conv_time,
+from autopar.planner.kernels import (ATTENTION_BACKWARD_FACTOR, PRECISION_BYTES, conv_times,
                                      gemm_time, memory_time, table_rate)
 from autopar.planner.layer_templates import (BIAS_OP, CONV_OP, EXPERT_OP, LayerSplit, Split,
                                              Template, TensorRef, TermKind, seq_degree)
@@ -141,21 +141,22 @@ def price_layer(template: Template, split: LayerSplit, cluster: Cluster, dtype: 
                     bwd += experts * gemm_time(cluster, dtype, 1, rows, k, n)
                     wgt += experts * gemm_time(cluster, dtype, 1, n, k, rows)
                 continue
-            if term.op == CONV_OP:  # (groups, M, N, K) and the bytes it moves
-                moved = v[i + 4] * scale / div
+            if term.op == CONV_OP:  # (groups, M, N, K), its bytes, kernel elements, images
+                moved, kernel, images = v[i + 4] * scale / div, v[i + 5], v[i + 6]
                 if how is Split.COLUMN and batch > 1:  # grouped: each rank its groups
                     batch = batch / tp
                 elif how is Split.COLUMN:
                     n = math.ceil(n / tp)
                 elif how is Split.ROW:
                     k = k / tp
-                f = conv_time(cluster, dtype, batch, m, n, k, moved)
+                f, f_input, f_weight = conv_times(cluster, dtype, batch, m, n, k, kernel, images,
+                                                moved)
                 fwd += f
-                if term.backward:  # the input's gradient (B), the weight's (W): a GEMM each
+                if term.backward:  # the input's gradient (B), the weight's (W)
                     if term.input_grads:
-                        bwd += conv_time(cluster, dtype, batch, m, k, n, moved)
+                        bwd += f_input
                     if term.weight_grad:
-                        wgt += conv_time(cluster, dtype, batch, n, k, m, moved)
+                        wgt += f_weight
                 continue
             if how is Split.COLUMN:
                 n = math.ceil(n / tp)

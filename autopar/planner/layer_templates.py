@@ -30,8 +30,10 @@ __all__ = ["Template", "LayerSplit", "Term", "TermKind", "Split", "TensorRef",
 #: The op tag of an experts operation's GEMM terms (their rows scale with the routing imbalance).
 EXPERT_OP = "moe_experts"
 #: The op tag of a convolution's GEMM term: (groups, M, N, K) of its implicit GEMM
-#: (``passes.analyze.conv_dims``) and a fifth value, the bytes it reads and writes (the input,
-#: weight and output once: an implicit GEMM never writes the im2col matrix).
+#: (``passes.analyze.conv_dims``), a fifth value, the bytes it reads and writes (the input,
+#: weight and output once: an implicit GEMM never writes the im2col matrix), a sixth and a
+#: seventh, its kernel's elements and its images (what a measured ``conv_table`` is indexed by
+#: besides M, N, K).
 CONV_OP = "convolution"
 
 
@@ -56,7 +58,8 @@ class Term:
     weight_grad: bool  # a GEMM whose second operand is a trainable weight
     input_grads: int  # activation inputs that need a gradient (GEMM backward count)
     core: bool
-    #: first of this term's values (GEMM: batch, m, n, k, and for ``CONV_OP`` the bytes moved;
+    #: first of this term's values (GEMM: batch, m, n, k, and for ``CONV_OP`` the bytes moved,
+    #: the kernel's elements and the images;
     #: attention: flops, bytes, s, d, K/V
     #: elements;
     #: memory: flops, bytes, elements of its largest float tensor)

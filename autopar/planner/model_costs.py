@@ -186,7 +186,8 @@ class ModelCosts:
                   first: Any = None) -> Template:
         """The template of ``layer`` (its signature's last captured instance); ``first``: the
         signature's first instance, whose boundary is what a cut between two of them sends."""
-        from autopar.passes.analyze import (CONV_OPS, GEMM_OPS, VIEW_OPS, conv_dims, gemm_dims,
+        from autopar.passes.analyze import (CONV_OPS, GEMM_OPS, VIEW_OPS, conv_dims,
+                                            conv_images, conv_kernel_elements, gemm_dims,
                                             moe_dims)
 
         captured = self.captured
@@ -259,7 +260,7 @@ class ModelCosts:
             if op in CONV_OPS:  # its implicit GEMM, per group, at its own bytes
                 groups, m, n, k = conv_dims(node)
                 idx = add(groups)
-                for d in (m, n, k, moved):
+                for d in (m, n, k, moved, conv_kernel_elements(node), conv_images(node)):
                     add(d)
                 terms.append(Term(TermKind.GEMM, name, meta.requires_grad,
                                   _is_weight(node.args[1]), grads, core, idx, CONV_OP))
