@@ -175,7 +175,8 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
                    seq: int, mixed_precision: bool, seed: int | None = None, *,
                    offload_choices: tuple[str, ...] = ("optimizer",),
-                   optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES) -> Planned:
+                   optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
+                   optimizer_step: Any = None) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
     message), and the dropout seed."""
     decided = None
@@ -185,7 +186,8 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
         try:
             decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
                                                   seq, mixed_precision, offload_choices,
-                                                  optimizer_kernel, optimizer_state_bytes)
+                                                  optimizer_kernel, optimizer_state_bytes,
+                                                  optimizer_step)
             payload = {"plan": decided.to_json(),
                        "prediction": prediction.to_json() if prediction else None,
                        "seed": int(seed if seed is not None else torch.initial_seed())}
@@ -272,8 +274,8 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES
-            ) -> tuple[Plan, Prediction | None, Any]:
+            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
+            optimizer_step: Any = None) -> tuple[Plan, Prediction | None, Any]:
     fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
         check_plan(plan, fingerprint, world, global_batch)
@@ -295,7 +297,7 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     vocab_multiple = pins.pop("vocab_multiple", None)  # nor is this (any value makes tp divide)
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
                                           mixed_precision, offload_choices, optimizer_kernel,
-                                          optimizer_state_bytes)
+                                          optimizer_state_bytes, optimizer_step)
     if vocab_multiple is not None:
         decided = decided.replace(vocab_multiple=vocab_multiple)
     if shard_size is not None:
@@ -380,8 +382,8 @@ def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_b
 
 def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES
-            ) -> tuple[Plan, Prediction | None, Any]:
+            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
+            optimizer_step: Any = None) -> tuple[Plan, Prediction | None, Any]:
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.planner.search import SearchSpace, search
 
@@ -400,7 +402,8 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
     cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype,
                                                          optimizer_kernel=optimizer_kernel,
                                                          optimizer_state_bytes=
-                                                         optimizer_state_bytes))
+                                                         optimizer_state_bytes,
+                                                         optimizer_step=optimizer_step))
     result = search(cost_model, SearchSpace(**space_pins, offload_choices=offload_choices),
                     top_k=5, progress=False)
     for ev in (result.best, *result.alternatives):

@@ -189,9 +189,11 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     planned = agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed,
                             offload_choices=("optimizer", "disk") if offload_dir is not None
                             else ("optimizer",),
-                            # priced as it runs, its state as it keeps it
+                            # priced as it runs, its state as it keeps it, its step as it
+                            # steps (what it moves and calls, counted on a probe)
                             optimizer_kernel=training.optimizer.kernel,
-                            optimizer_state_bytes=training.optimizer.state_bytes_per_param())
+                            optimizer_state_bytes=training.optimizer.state_bytes_per_param(),
+                            optimizer_step=training.optimizer.step_cost())
     if planned.plan.offload == "disk" and offload_dir is None:  # a Plan (file) given whole
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",

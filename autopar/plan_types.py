@@ -25,8 +25,8 @@ from autopar._version import __version__, major_minor
 from autopar.errors import InvalidPlanError, PlanMismatchError
 from autopar.runtime.schedules import ScheduleKind, schedule_spec
 
-__all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "OptimizerKernel", "StagePlan", "Plan",
-           "Prediction", "PLAN_FORMAT_VERSION"]
+__all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "OptimizerKernel", "OptimizerStep",
+           "StagePlan", "Plan", "Prediction", "PLAN_FORMAT_VERSION"]
 
 #: Bumped when the JSON form of a plan changes incompatibly.
 PLAN_FORMAT_VERSION = 1
@@ -70,6 +70,25 @@ class OptimizerKernel(str, enum.Enum):
     def default_on(cls, gpu: bool) -> "OptimizerKernel":
         """torch's choice when the options leave it open (``_default_to_fused_or_foreach``)."""
         return cls.FOREACH if gpu else cls.FOR_LOOP
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStep:
+    """What one optimizer step moves and runs, counted on a probe by the runtime
+    (``runtime.optim.OptimizerFactory.step_cost``): bytes read and written per parameter element
+    (torch's for-loop AdamW 84, its fused kernel 28, SGD with momentum 32, plain SGD 12) and ATen
+    calls per parameter tensor (8, 1, 3, 1). The cost model prices a step by them
+    (``planner.kernels.optimizer_time``)."""
+
+    bytes_per_param: float
+    ops_per_tensor: float
+
+    def __post_init__(self) -> None:
+        if not (self.bytes_per_param >= 0 and self.ops_per_tensor >= 0):
+            raise InvalidPlanError("an optimizer step moves bytes and runs ops",
+                                   expected="bytes_per_param >= 0 and ops_per_tensor >= 0",
+                                   found=f"{self.bytes_per_param}, {self.ops_per_tensor}",
+                                   fix="count them with OptimizerFactory.step_cost()")
 
 
 class GemmSharding(str, enum.Enum):

@@ -66,10 +66,15 @@ def _inputs(batch: int):
             (torch.randint(0, CLASSES, (batch,), generator=gen),))
 
 
-def _worker(cluster: str, rounds: int, steps: int) -> list[list[float]]:
+def _optimizer():
     import functools
 
     import torch
+
+    return functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+def _worker(cluster: str, rounds: int, steps: int) -> list[list[float]]:
     import torch.distributed as dist
 
     import autopar
@@ -82,7 +87,7 @@ def _worker(cluster: str, rounds: int, steps: int) -> list[list[float]]:
         pms.append(autopar.parallelize(
             model, cluster, example_inputs=inputs, example_targets=targets, loss_fn=loss,
             plan={"dp": world, "tp": 1, "pp": 1, "num_micro_batches": 1},
-            optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)))
+            optimizer=_optimizer()))
     out: list[list[float]] = [[] for _ in pms]
     inputs, targets = _inputs(BATCH)
     for r in range(rounds):
@@ -103,13 +108,21 @@ def _worker(cluster: str, rounds: int, steps: int) -> list[list[float]]:
 
 
 def predict(name: str, cluster: str, world: int) -> float:
+    """The predicted step, the optimizer's state and step measured as parallelize measures
+    them (``OptimizerFactory``)."""
+    import torch
+
     import autopar
+    from autopar.runtime.optim import OptimizerFactory
 
     model, loss = build(name)
     inputs, targets = _inputs(BATCH)
+    factory = OptimizerFactory(torch.optim.SGD, dict(_optimizer().keywords))
     report = autopar.plan(model, cluster, example_inputs=inputs, example_targets=targets,
                           loss_fn=loss, global_batch=BATCH, devices=world, dp=world, tp=1, pp=1,
-                          micro_batch_size=BATCH // world, recompute="none", zero=0)
+                          micro_batch_size=BATCH // world, recompute="none", zero=0,
+                          optimizer_state_bytes=factory.state_bytes_per_param(),
+                          optimizer_step=factory.step_cost())
     return report.prediction.step_time_s
 
 

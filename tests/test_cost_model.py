@@ -168,14 +168,19 @@ def test_the_optimizer_step_moves_what_its_kernel_moves():
     three (28 bytes), foreach runs the for-loop's nine ops batched (84: each op's operands read
     and its result written, torch/optim/adamw.py); torch's default on a GPU is foreach. The
     step of a one-device plan is priced so."""
-    from autopar.plan_types import OptimizerKernel
-    from autopar.planner.kernels import optimizer_time
+    from autopar.plan_types import OptimizerKernel, OptimizerStep
+    from autopar.planner.kernels import offloaded_optimizer_time, optimizer_time
 
     P = 355e6  # GPT-2 medium
     stream = A100.device.memory_bandwidth * A100.device.memory_efficiency
     assert optimizer_time(A100, P, kernel=OptimizerKernel.FUSED) == pytest.approx(28 * P / stream)
     for kernel in (None, OptimizerKernel.FOREACH, OptimizerKernel.FOR_LOOP):
         assert optimizer_time(A100, P, kernel=kernel) == pytest.approx(84 * P / stream)
+    # another optimizer's step streams what it moves (SGD with momentum: 32 bytes, foreach)
+    sgd = OptimizerStep(32.0, 3.0)
+    assert optimizer_time(A100, P, step=sgd) == pytest.approx(32 * P / stream)
+    assert offloaded_optimizer_time(A100, P, "none", 2.0, step=sgd) == \
+        pytest.approx(32 * P / stream)
     zm = models.build("gpt2-small", device="meta", layers=2)
     inputs, targets = zm.example_inputs(batch=2, seq=16)
     costs = ModelCosts(capture(zm.model, inputs, zm.loss_fn, example_targets=targets))

@@ -542,6 +542,39 @@ def test_optimizer_step_at_the_measured_rate_of_its_kernel(costs, per_param, ker
         assert got == pytest.approx(alone / host.compute_share(devices))
 
 
+def test_another_optimizers_step_at_adamws_measured_rate_per_byte_and_per_call():
+    """A CPU core's measured step rates are AdamW's (``optimizer_s_per_param``,
+    ``optimizer_s_per_tensor``); another optimizer's step (its ``OptimizerStep``) is priced at
+    them times its bytes over AdamW's 84 and its calls per tensor over AdamW's 8: SGD with
+    momentum (32 bytes, 3 calls) at 32/84 and 3/8 of them. On its host, an offloaded step's
+    measured host rates scale the same way."""
+    from autopar.plan_types import OptimizerKernel, OptimizerStep
+    from autopar.planner.kernels import offloaded_optimizer_time, optimizer_time
+
+    host = _host(devices=1, optimizer=4e-9, per_tensor=5e-5)
+    params, tensors = 1e7, 40
+    sgd = OptimizerStep(32.0, 3.0)
+    assert optimizer_time(host, params, tensors) == pytest.approx(params * 4e-9 + tensors * 5e-5)
+    assert optimizer_time(host, params, tensors, step=sgd) == pytest.approx(
+        params * 4e-9 * 32 / 84 + tensors * 5e-5 * 3 / 8)
+    # the fused kernel's measured rates are fused AdamW's: 28 bytes, one call
+    fused = dataclasses.replace(host, device=dataclasses.replace(
+        host.device, fused_optimizer_s_per_param=1e-9, fused_optimizer_s_per_tensor=3e-6))
+    assert optimizer_time(fused, params, tensors, OptimizerKernel.FUSED,
+                          OptimizerStep(20.0, 1.0)) == pytest.approx(
+        params * 1e-9 * 20 / 28 + tensors * 3e-6)
+    a100 = dataclasses.replace(Cluster.load("a100-80g"), host_optimizer_s_per_param=2e-9,
+                               host_optimizer_s_per_tensor=1e-5, host_memory_bandwidth=1e15)
+    per_node = a100.devices_per_node
+    # optimizer offload: the host's measured AdamW time (far over its streaming) scaled
+    base, scaled = (offloaded_optimizer_time(a100, params, "optimizer", 2.0, tensors=tensors,
+                                             buckets=1, step=s) for s in (None, sgd))
+    link = params * 6.0 / a100.host_link_bandwidth
+    assert base == pytest.approx(link + per_node * (params * 2e-9 + tensors * 1e-5))
+    assert scaled == pytest.approx(link + per_node * (params * 2e-9 * 32 / 84
+                                                      + tensors * 1e-5 * 3 / 8))
+
+
 def test_optimizer_pays_its_fixed_cost_per_parameter_tensor(costs):
     """A for-loop AdamW's fixed cost per tensor (``optimizer_s_per_tensor``) is added once per
     parameter tensor a rank steps: the model's own tensors (counted on the nn.Module, the tied

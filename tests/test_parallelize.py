@@ -526,14 +526,19 @@ def test_the_optimizer_is_priced_as_it_runs():
     assert 0 < optimizer_s[True] < optimizer_s[False] / 3, optimizer_s
 
 
-@pytest.mark.parametrize("make,state", [
-    (functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9), 4),
-    (lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True), 12)])
-def test_the_optimizers_state_is_priced_as_it_is_kept(make, state):
+@pytest.mark.parametrize("make,state,step", [
+    (functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9), 4, (32.0, 3.0)),
+    (lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True), 12, (96.0, 9.0))])
+def test_the_optimizers_state_is_priced_as_it_is_kept(make, state, step):
     """parallelize prices the optimizer state the optimizer it is given keeps (measured on a
     probe: SGD's momentum 4 bytes a parameter, AdamW with amsgrad 12; a callable too), not
     Adam's 8: the prediction's optimizer bytes equal what the rank holds after a step
-    (fp32: no master copy), within the scalar step counters."""
+    (fp32: no master copy), within the scalar step counters. Its step is priced by what that
+    optimizer moves and calls (hand counts of torch's for-loop: SGD with momentum 32 bytes a
+    parameter and 3 calls a tensor, amsgrad AdamW 96 and 9), not AdamW's 84 and 8."""
+    from autopar.plan_types import OptimizerStep
+    from autopar.planner.kernels import optimizer_time
+
     _, loss_fn = jobs.make_model("own_gpt")
     data = jobs.batches("own_gpt", 1)
     pm = autopar.parallelize(jobs.make_model("own_gpt")[0], "cpu", example_inputs=data[0][0],
@@ -545,6 +550,10 @@ def test_the_optimizers_state_is_priced_as_it_is_kept(make, state):
         held = pm.memory_bytes()["optimizer"]
         assert held == pytest.approx(state * params, rel=1e-3)
         assert pm.prediction.memory["optimizer"] == pytest.approx(held, rel=1e-3)
+        cpu = autopar.Cluster.load("cpu").with_devices(1)
+        tensors = len(pm.executor.params)
+        assert pm.prediction.breakdown["optimizer_s"] == pytest.approx(
+            optimizer_time(cpu, params, tensors, step=OptimizerStep(*step)), rel=1e-6)
     finally:
         pm.close()
 

@@ -109,6 +109,33 @@ def test_the_planner_counts_the_state_of_the_optimizer_given(shared_pool4, zero,
                                                  rel=0.05)
 
 
+@pytest.mark.parametrize("optimizer,options,moved,calls", [
+    # torch/optim/adamw.py's for-loop, per parameter tensor: param.mul_ (weight decay) 8,
+    # exp_avg.lerp_(grad) 12, exp_avg_sq.mul_ 8, .addcmul_(grad, grad) 16, sqrt() 8, / bias
+    # correction 8, .add_(eps) 8, param.addcdiv_(exp_avg, denom) 16: 84 bytes, 8 calls
+    (torch.optim.AdamW, {}, 84, 8),
+    (torch.optim.AdamW, {"foreach": True}, 84, 8),  # the same ops, batched
+    # amsgrad: torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq) 12 more
+    (torch.optim.AdamW, {"amsgrad": True}, 96, 9),
+    # one kernel: weights, gradients and both moments read, weights and moments written
+    (torch.optim.AdamW, {"fused": True}, 28, 1),
+    # torch/optim/sgd.py: buf.mul_(momentum) 8, .add_(grad) 12, param.add_(buf) 12
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 32, 3),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}, 20, 1),
+    (torch.optim.SGD, {"lr": 0.1}, 12, 1),  # param.add_(grad)
+    # torch/optim/adagrad.py: state_sum.addcmul_ 16, sqrt() 8, .add_(eps) 8, param.addcdiv_ 16
+    (torch.optim.Adagrad, {}, 48, 4)])
+def test_the_step_cost_counted_on_the_probe_is_what_torch_runs(optimizer, options, moved,
+                                                               calls):
+    """``OptimizerFactory.step_cost``: the bytes an optimizer's step reads and writes per
+    parameter element and its ATen calls per parameter tensor, counted under a dispatch mode on
+    the probe's second step, equal what torch's implementation of each optimizer does by hand
+    count of its source (each op reading its operands and writing its result; in-place ops
+    read and write their destination); the fused kernels read their gradients only."""
+    step = OptimizerFactory(optimizer, options).step_cost()
+    assert (step.bytes_per_param, step.ops_per_tensor) == (moved, calls)
+
+
 # -- mixed precision ------------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,zero,shard_size", [

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-from autopar.plan_types import OptimizerKernel, Plan, Prediction, RecomputeKind, ScheduleKind
+from autopar.plan_types import (OptimizerKernel, OptimizerStep, Plan, Prediction, RecomputeKind,
+                                ScheduleKind)
 from autopar.planner.kernels import PRECISION_BYTES
 from autopar.planner.memory import MOMENT_BYTES, RankMemory
 
@@ -178,6 +179,9 @@ class TrainingSetup:
     #: (``parallelize`` measures it on the optimizer it is given,
     #: ``OptimizerFactory.state_bytes_per_param``).
     optimizer_state_bytes: float = MOMENT_BYTES
+    #: What the optimizer's step moves and runs (``OptimizerFactory.step_cost``: SGD with
+    #: momentum 32 bytes a parameter and 3 calls a tensor); None: AdamW's (planner/kernels.py).
+    optimizer_step: OptimizerStep | None = None
 
     def __post_init__(self) -> None:
         if not self.optimizer_state_bytes >= 0:

@@ -586,7 +586,8 @@ class CostModel:
             buckets = max(1, math.ceil(rs.params / BUCKET_ELEMENTS))
             optimizer_s = max(optimizer_s, offloaded_optimizer_time(
                 cl, local, c.offload, w_bytes, state_bytes=self.setup.optimizer_state_bytes,
-                tensors=tensors, kernel=self.setup.optimizer_kernel, buckets=buckets) / self.host.optimizer_share())
+                tensors=tensors, kernel=self.setup.optimizer_kernel, buckets=buckets,
+                step=self.setup.optimizer_step) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)

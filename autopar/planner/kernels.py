@@ -14,13 +14,16 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
   measured shapes.
 - memory-bound: ``t = max(bytes / (bw * e_mem), floor)``.
 - the optimizer step, by the kernel it runs (``OptimizerKernel``: torch's default is foreach on
-  a GPU, the for-loop on a CPU): the bytes it moves per parameter of the local shard
-  (``ADAMW_BYTES_PER_PARAM``: 28 fused, 84 for foreach and the for-loop, which run the same
-  ops) at the memory bandwidth, or the device's measured time per parameter where it measured
-  one (``optimizer_s_per_param``, ``fused_optimizer_s_per_param``: a CPU core steps a tensor at a
-  time, mostly in its caches, faster than streaming it), plus the measured fixed
-  cost per parameter tensor it steps (``optimizer_s_per_tensor``: a CPU core's for-loop AdamW
-  runs ~10 ops per tensor, 45-70 us however small the tensor).
+  a GPU, the for-loop on a CPU) and by what the optimizer's step moves and runs
+  (``OptimizerStep``, counted by the runtime on a probe; AdamW's by default): the bytes it moves
+  per parameter of the local shard (AdamW's ``ADAMW_BYTES_PER_PARAM``: 28 fused, 84 for
+  foreach and the for-loop, which run the same ops; SGD with momentum 32) at the memory
+  bandwidth, or the device's measured time per parameter of AdamW where it measured one
+  (``optimizer_s_per_param``, ``fused_optimizer_s_per_param``: a CPU core steps a tensor at a
+  time, mostly in its caches, faster than streaming it) times the bytes' ratio to AdamW's,
+  plus the measured fixed cost per parameter tensor (``optimizer_s_per_tensor``: a CPU core's
+  for-loop AdamW runs 8 ops per tensor, 45-70 us however small the tensor) times the calls'
+  ratio to AdamW's.
 - an offloaded step on a GPU's host: the same over fp32 host tensors (torch's default there:
   the for-loop), at the node's host memory bandwidth, or the host's measured rate where that is
   longer (``Cluster.host_optimizer_s_per_param``, measured for the for-loop).
@@ -34,12 +37,12 @@ import math
 from typing import Iterator, Sequence
 
 from autopar.cluster import Cluster
-from autopar.plan_types import OptimizerKernel
+from autopar.plan_types import OptimizerKernel, OptimizerStep
 
 __all__ = ["wave_efficiency", "gemm_tiling", "SPLIT_K_MIN", "table_rate", "gemm_time",
            "conv_times", "memory_time", "optimizer_time",
            "offloaded_optimizer_time", "OPTIMIZER_BYTES_PER_PARAM", "HOST_ADAMW_BYTES_PER_PARAM",
-           "ADAMW_BYTES_PER_PARAM",
+           "ADAMW_BYTES_PER_PARAM", "ADAMW_OPS_PER_TENSOR",
            "GEMM_TILES",
            "ATTENTION_BACKWARD_FACTOR", "PRECISION_BYTES"]
 
@@ -60,6 +63,13 @@ HOST_ADAMW_BYTES_PER_PARAM = 84
 ADAMW_BYTES_PER_PARAM = {OptimizerKernel.FUSED: OPTIMIZER_BYTES_PER_PARAM,
                          OptimizerKernel.FOREACH: HOST_ADAMW_BYTES_PER_PARAM,
                          OptimizerKernel.FOR_LOOP: HOST_ADAMW_BYTES_PER_PARAM}
+#: ATen calls torch's AdamW makes per parameter tensor by its kernel: the fused kernel one for
+#: them all, foreach and the for-loop eight (two ``mul_``, ``lerp_``, ``addcmul_``, ``sqrt``,
+#: ``div``, ``add_``, ``addcdiv_``; counted by ``OptimizerFactory.step_cost``). The measured
+#: per-tensor cost of a device is AdamW's; another optimizer's is that times its calls over
+#: these.
+ADAMW_OPS_PER_TENSOR = {OptimizerKernel.FUSED: 1.0, OptimizerKernel.FOREACH: 8.0,
+                        OptimizerKernel.FOR_LOOP: 8.0}
 #: Thread-block tiles cuBLAS uses for large GEMMs (NVIDIA Matrix Multiplication Background).
 GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 #: FlashAttention-2's backward does 5 matmuls to the forward's 2.
@@ -204,7 +214,7 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
                              weight_bytes: float, state_bytes: float = 8.0,
                              tensors: float = 0.0,
                              kernel: OptimizerKernel | None = None,
-                             buckets: int = 1) -> float:
+                             buckets: int = 1, step: OptimizerStep | None = None) -> float:
     """One device's optimizer step over ``params`` parameters with its state offloaded
     (``Plan.offload``), as the runtime does it (runtime/data_parallel.py, runtime/offload.py):
 
@@ -215,7 +225,8 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
       step, up) run as a pipeline of ``buckets`` equal items, ``(D + S + U) / n + (n - 1) / n x
       max(D, S, U)``;
     - the host steps with ``kernel`` (None: torch's default on host tensors, the for-loop):
-      its ``ADAMW_BYTES_PER_PARAM`` of memory traffic per parameter at the node's
+      its memory traffic per parameter (``step``'s, else AdamW's ``ADAMW_BYTES_PER_PARAM``,
+      as in :func:`optimizer_time`) at the node's
       ``host_memory_bandwidth`` shared by its devices, or the measured time of torch's default
       AdamW on that host (``host_optimizer_s_per_param`` and ``_per_tensor``, one device's step
       using the whole host, so ``devices_per_node`` of them one after another; not for the
@@ -226,19 +237,23 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
       devices, overlapped with the other buckets' steps: the longer of the two.
     """
     if offload == "none":
-        return optimizer_time(cluster, params, tensors, kernel)
+        return optimizer_time(cluster, params, tensors, kernel, step)
     per_node = cluster.devices_per_node
     if cluster.host_link_bandwidth > 0:
         on_host = kernel or OptimizerKernel.FOR_LOOP
         link = params * (4.0 + weight_bytes) / cluster.host_link_bandwidth
-        host = ADAMW_BYTES_PER_PARAM[on_host] * params * per_node / \
+        moved = step.bytes_per_param if step is not None else ADAMW_BYTES_PER_PARAM[on_host]
+        host = moved * params * per_node / \
             cluster.host_memory_bandwidth if cluster.host_memory_bandwidth > 0 \
-            else optimizer_time(cluster, params, tensors, on_host)
+            else optimizer_time(cluster, params, tensors, on_host, step)
         if on_host is not OptimizerKernel.FUSED:  # what calibrate --device cuda measures
-            host = max(host, per_node * (params * cluster.host_optimizer_s_per_param
-                                         + tensors * cluster.host_optimizer_s_per_tensor))
+            ratio = moved / ADAMW_BYTES_PER_PARAM[on_host]  # it measures AdamW (as above)
+            calls = step.ops_per_tensor / ADAMW_OPS_PER_TENSOR[on_host] if step else 1.0
+            host = max(host, per_node * (params * cluster.host_optimizer_s_per_param * ratio
+                                         + tensors * cluster.host_optimizer_s_per_tensor
+                                         * calls))
     else:
-        link, host = 0.0, optimizer_time(cluster, params, tensors, kernel)
+        link, host = 0.0, optimizer_time(cluster, params, tensors, kernel, step)
     if offload == "disk":
         if cluster.disk_bandwidth <= 0:
             return math.inf
@@ -252,22 +267,30 @@ def offloaded_optimizer_time(cluster: Cluster, params: float, offload: str,
 
 
 def optimizer_time(cluster: Cluster, params: float, tensors: float = 0.0,
-                   kernel: OptimizerKernel | None = None) -> float:
-    """One device's Adam step over ``params`` parameters in ``tensors`` tensors with ``kernel``
-    (None: torch's default on the device, foreach on a GPU cluster, the for-loop on a CPU one),
-    alone on its core: its measured time per parameter, or without one the kernel's memory
-    traffic (``ADAMW_BYTES_PER_PARAM``), plus its measured fixed cost of each tensor (the
-    fused kernel's ``fused_optimizer_*``, else torch's default's, which foreach on a CPU runs
-    as a loop too)."""
+                   kernel: OptimizerKernel | None = None,
+                   step: OptimizerStep | None = None) -> float:
+    """One device's optimizer step over ``params`` parameters in ``tensors`` tensors with
+    ``kernel`` (None: torch's default on the device, foreach on a GPU cluster, the for-loop on a
+    CPU one), alone on its core. ``step``: what the optimizer's step moves and runs, counted by
+    the runtime (``OptimizerFactory.step_cost``); None: AdamW's (``ADAMW_BYTES_PER_PARAM``,
+    ``ADAMW_OPS_PER_TENSOR``). Its bytes at the device's measured time per parameter of
+    AdamW scaled by their ratio to AdamW's bytes (a CPU core's measured rate is a rate per
+    byte moved mostly in its caches), or without one streamed at the memory bandwidth; plus
+    the measured fixed cost of each tensor (the fused kernel's ``fused_optimizer_*``, else
+    torch's default's, which foreach on a CPU runs as a loop too), AdamW's, scaled by the
+    calls per tensor over AdamW's."""
     d = cluster.device
     kernel = kernel or OptimizerKernel.default_on(cluster.backend == "nccl")
     if kernel is OptimizerKernel.FUSED:
         per_param, per_tensor = d.fused_optimizer_s_per_param, d.fused_optimizer_s_per_tensor
     else:
         per_param, per_tensor = d.optimizer_s_per_param, d.optimizer_s_per_tensor
+    adamw = ADAMW_BYTES_PER_PARAM[kernel]
+    moved = step.bytes_per_param if step is not None else adamw
+    calls = step.ops_per_tensor / ADAMW_OPS_PER_TENSOR[kernel] if step is not None else 1.0
     # measured where the device measured the kernel: a CPU core steps one parameter's tensors at
     # a time, each mostly in its caches (the for-loop at 3.4-4.1 ns per parameter where its 84
     # bytes would stream in 5.7, the fused kernel at 0.8 where its 28 would take 1.9: cpu.yaml)
-    elements = params * per_param if per_param > 0 else \
-        memory_time(cluster, ADAMW_BYTES_PER_PARAM[kernel] * params)
-    return elements + tensors * per_tensor
+    elements = params * per_param * moved / adamw if per_param > 0 else \
+        memory_time(cluster, moved * params)
+    return elements + tensors * per_tensor * calls

@@ -14,6 +14,7 @@ back. It holds the plan and its prediction (the fields of :class:`autopar.plan_t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -26,7 +27,7 @@ from autopar.models.workload import Workload
 from autopar.planner.cost_model import CostModel, Evaluation, ModelCosts, TrainingSetup
 from autopar.planner.memory import MOMENT_BYTES
 from autopar.planner.search import SearchResult, SearchSpace, few_collections, search
-from autopar.plan_types import Plan, Prediction
+from autopar.plan_types import OptimizerStep, Plan, Prediction
 
 __all__ = ["PlanReport", "plan", "plan_workload", "capture_workload_costs", "plan_model",
            "read_document", "DOCUMENT_VERSION"]
@@ -99,6 +100,8 @@ class PlanReport:
                             if self.setup.optimizer_kernel is not None else {}),
                          **({"optimizer_state_bytes": self.setup.optimizer_state_bytes}
                             if self.setup.optimizer_state_bytes != MOMENT_BYTES else {}),
+                         **({"optimizer_step": dataclasses.asdict(self.setup.optimizer_step)}
+                            if self.setup.optimizer_step is not None else {}),
                          **({"moe_imbalance": self.setup.moe_imbalance}
                             if self.cost_model.model.num_experts else {})},
             "cluster": self.cluster.to_json(),
@@ -179,10 +182,12 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
                   progress: bool | None = None,
                   model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
                   moe_imbalance: float = 1.0, optimizer_kernel: Any = None,
-                  optimizer_state_bytes: float = MOMENT_BYTES) -> PlanReport:
+                  optimizer_state_bytes: float = MOMENT_BYTES,
+                  optimizer_step: OptimizerStep | None = None) -> PlanReport:
     """Search the best plan for ``work`` on ``cluster`` (all its devices); ``moe_imbalance``:
     the routing assumption of a mixture-of-experts model, ``optimizer_kernel`` the optimizer's
-    implementation, ``optimizer_state_bytes`` its state per parameter (TrainingSetup)."""
+    implementation, ``optimizer_state_bytes`` its state per parameter, ``optimizer_step`` what
+    its step moves and runs (TrainingSetup)."""
     start = time.perf_counter()
     # the inputs' own errors first: capturing a large model takes seconds
     if global_batch < 1:
@@ -205,7 +210,8 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
     try:
         setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype,
                               moe_imbalance=moe_imbalance, optimizer_kernel=optimizer_kernel,
-                              optimizer_state_bytes=optimizer_state_bytes)
+                              optimizer_state_bytes=optimizer_state_bytes,
+                              optimizer_step=optimizer_step)
     except ValueError as exc:
         raise InvalidInputError(str(exc), fix="pass --moe-imbalance >= 1, --optimizer-kernel "
                                               "fused, foreach or for-loop, and "
@@ -227,7 +233,8 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
                overrides: Mapping[str, Any] | None = None,
                moe_imbalance: float = 1.0, optimizer_kernel: Any = None,
-               optimizer_state_bytes: float = MOMENT_BYTES) -> PlanReport:
+               optimizer_state_bytes: float = MOMENT_BYTES,
+               optimizer_step: OptimizerStep | None = None) -> PlanReport:
     """Search the best plan for what ``name`` names (a zoo preset or family, a transformers
     config file or directory, ``file.py:function``) on ``cluster``; ``overrides`` shape a
     preset, family or config (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
@@ -241,7 +248,8 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                              space=space, top_k=top_k, progress=progress,
                              model_costs=model_costs, moe_imbalance=moe_imbalance,
                              optimizer_kernel=optimizer_kernel,
-                             optimizer_state_bytes=optimizer_state_bytes)
+                             optimizer_state_bytes=optimizer_state_bytes,
+                             optimizer_step=optimizer_step)
 
 
 def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: Any,
@@ -249,7 +257,7 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
          dtype: str | None = None, devices: int | None = None,
          devices_per_node: int | None = None, top_k: int = 5, progress: bool = False,
          optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
-         **pins: Any) -> PlanReport:
+         optimizer_step: OptimizerStep | None = None, **pins: Any) -> PlanReport:
     """Plan ``model`` for ``cluster`` without running it: no process group, and a model on the
     meta device is welcome (shapes are all planning needs).
 
@@ -266,6 +274,9 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
             will run (``AdamW(fused=True)``, ...); default: torch's default on the device.
         optimizer_state_bytes: bytes per parameter of the optimizer's own state (default 8,
             Adam's two fp32 moments; SGD with momentum 4, plain SGD 0).
+        optimizer_step: what its step moves and runs, an :class:`autopar.OptimizerStep`
+            (``OptimizerFactory(torch.optim.SGD, {"momentum": 0.9}).step_cost()``: 32 bytes a
+            parameter, 3 calls a tensor); default: AdamW's.
         pins: dp, tp, pp, virtual_stages, micro_batch_size, schedule, recompute, zero,
             sequence_parallel: fixed; the rest is searched.
 
@@ -294,7 +305,8 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
     return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
                          space=space, top_k=top_k, progress=progress,
                          optimizer_kernel=optimizer_kernel,
-                         optimizer_state_bytes=optimizer_state_bytes)
+                         optimizer_state_bytes=optimizer_state_bytes,
+                         optimizer_step=optimizer_step)
 
 
 def read_document(path: str) -> Mapping[str, Any]:
