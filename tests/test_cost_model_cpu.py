@@ -832,8 +832,8 @@ def test_cnn_layers_priced_by_the_conv_table_and_the_cnn_ops():
 
 
 def test_conv_table_measures_the_implicit_gemm_the_model_reads(monkeypatch):
-    """``measure_conv_table`` (shrunk to one batch, channel count and side): a row per kernel
-    and one for the stem, its (images, M, N, K, kernel elements) what ``passes.analyze`` reads from the same
+    """``measure_conv_table`` (shrunk to one batch, channel count and side): a row per kernel,
+    one for the stem and one per depthwise kernel, its (images, M, N, K, kernel elements) what ``passes.analyze`` reads from the same
     convolution in a captured graph, and three rates a CPU core can reach."""
     from autopar.passes.analyze import conv_dims, conv_images, conv_kernel_elements
     from autopar.planner import calibration

@@ -164,13 +164,14 @@ def measure_op_table(repeat: int = 5) -> dict[str, list[float]]:
 #: and output channels each in CONV_CHANNELS, output sides CONV_SIDES, and a stem (an image's
 #: CONV_STEM_CHANNELS in, a CONV_STEM_KERNEL-wide kernel, CONV_CHANNELS out), capped at
 #: CONV_MAX_MACS multiply-adds (``--quick``: a sixteenth, each pass timed once per repeat, not
-#: over four calls: 3 s on the 2-core VM where the whole table takes 37). The images are a coordinate of their
-#: own: on the 2-core VM (2026-12-02) a 1 x 1 convolution of 32 channels ran at 53-61 GFLOP/s on
-#: 8 or 12 images of 8 x 8 and at 18 on 16 (oneDNN picks another kernel), where the GEMM of its
-#: implicit-GEMM shape runs at ~150; a 3 x 3 ran at 36-164, a ResNet's 7 x 7 stem at 48. Small
-#: sides set the per-call floor (~0.1 ms on 16 images, however small the image). No GEMM table
-#: prices them. A bottleneck block's 8 or 16 channels pay that floor too (a 32 -> 8 1 x 1 on 16
-#: images of 16 x 16: 0.24 ms, 9 GFLOP/s), hence 8 channels in the table.
+#: over four calls, up to CONV_QUICK_MAX_IMAGES: 2 s on the 2-core VM where the whole table
+#: takes 37). The images are a coordinate of their own: on the 2-core VM (2026-12-02) a
+#: 1 x 1 convolution of 32 channels ran at 53-61 GFLOP/s on 8 or 12 images of 8 x 8 and at 18 on
+#: 16 (oneDNN picks another kernel), where the GEMM of its implicit-GEMM shape runs at ~150; a
+#: 3 x 3 ran at 36-164, a ResNet's 7 x 7 stem at 48. Small sides set the per-call floor (~0.1 ms
+#: on 16 images, however small the image). No GEMM table prices them. A bottleneck block's 8 or
+#: 16 channels pay that floor too (a 32 -> 8 1 x 1 on 16 images of 16 x 16: 0.24 ms, 9
+#: GFLOP/s), hence 8 channels in the table.
 CONV_BATCHES = (8, 16, 64)
 CONV_KERNELS = (1, 3)
 CONV_CHANNELS = (8, 32, 256)
@@ -180,6 +181,8 @@ CONV_STEM_CHANNELS, CONV_STEM_KERNEL = 3, 7
 #: 2-core VM a 7 x 7 depthwise convolution's weight gradient (ConvNeXt's) took 1.5-2 ms on 16
 #: images of 4-16 pixels a side, 7-20 times its forward.
 CONV_DEPTHWISE_KERNELS = (3, 7)
+#: ``--quick`` measures only up to this many images (the 64-image rows were half its time).
+CONV_QUICK_MAX_IMAGES = 16
 CONV_MAX_MACS = 2**31
 #: ``--quick`` also skips inputs of more elements than this (4 MiB): a depthwise convolution's
 #: few multiply-adds pass the cap, and its weight gradient on 64 images of 32 x 32 x 256 took a
@@ -193,6 +196,7 @@ def measure_conv_table(quick: bool = False, repeat: int = 5) -> list[list[float]
     ``passes.analyze.conv_dims``; each pass ``2 M N K`` FLOPs), each pass timed alone
     (``aten.convolution_backward`` with one output asked for), operands cycled through copies
     (:func:`_conv_rates`)."""
+    # (kernel side, channels in, out, groups)
     shapes = [(kernel, c_in, c_out, 1) for kernel in CONV_KERNELS for c_in in CONV_CHANNELS
               for c_out in CONV_CHANNELS]
     shapes += [(CONV_STEM_KERNEL, CONV_STEM_CHANNELS, c_out, 1) for c_out in CONV_CHANNELS]
@@ -200,12 +204,14 @@ def measure_conv_table(quick: bool = False, repeat: int = 5) -> list[list[float]
     rows = []
     cap = CONV_MAX_MACS // (16 if quick else 1)
     for images in CONV_BATCHES:
+        if quick and images > CONV_QUICK_MAX_IMAGES:
+            continue
         for kernel, c_in, c_out, groups in shapes:
             for side in CONV_SIDES:
                 # per group (conv_dims), the groups folded into M as conv_times looks them up
                 m = groups * images * side * side
                 n, k = c_out // groups, c_in // groups * kernel * kernel
-                if m * n * k > cap or (quick and images * side * side * c_in
+                if m * n * k > cap or (quick and images * c_in * side * side
                                        > CONV_QUICK_MAX_ELEMENTS):
                     continue
                 rows.append([images, m, n, k, kernel * kernel,
@@ -776,11 +782,12 @@ def calibrate_cluster(world: int = 2, *, quick: bool = False, name: str | None =
                                  f"{COLD_BYTES >> 20} MiB (cold caches); {where}",
             "device.conv_table": (
                 f"conv2d forward, input and weight gradients (aten.convolution_backward), fp32 "
-                f"NCHW, images {list(CONV_BATCHES)}, kernels {list(CONV_KERNELS)}, channels in "
+                f"NCHW, images "
+                f"{[b for b in CONV_BATCHES if not quick or b <= CONV_QUICK_MAX_IMAGES]}, "
+                f"kernels {list(CONV_KERNELS)}, channels in "
                 f"and out in {list(CONV_CHANNELS)}, and {CONV_STEM_CHANNELS} in by a "
                 f"{CONV_STEM_KERNEL} x {CONV_STEM_KERNEL} kernel, depthwise with kernels "
-                f"{list(CONV_DEPTHWISE_KERNELS)}, output sides "
-                f"{list(CONV_SIDES)}, stride 1 "
+                f"{list(CONV_DEPTHWISE_KERNELS)}, output sides {list(CONV_SIDES)}, stride 1 "
                 f"(M N K <= 2^{CONV_MAX_MACS.bit_length() - 1 - (4 if quick else 0)}), "
                 f"operands cycled through up to 4 copies; {where}"),
             "device.attention_table": f"causal scaled_dot_product_attention, batch x heads = "

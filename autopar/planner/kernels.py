@@ -33,6 +33,7 @@ table from ``autopar calibrate``), never fitted to end-to-end throughput.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator, Sequence
 
@@ -188,8 +189,8 @@ def conv_times(cluster: Cluster, dtype: str, groups: float, m: float, n: float, 
         # interpolated in seconds per FLOP (a harmonic mean of the rates): a shape between a
         # fast row and a latency-bound one is not priced at the fast one's pace
         point = (images, groups * m, n, k, kernel)
-        f, b, w = (max(flops * table_rate([(*r[:5], 1 / r[5 + j]) for r in d.conv_table],
-                                          point), floor) for j in range(3))
+        f, b, w = (max(flops * table_rate(rows, point), floor)
+                   for rows in _seconds_per_flop(d.conv_table))
         return f, b, w
     times = []
     for mm, nn, kk in ((m, n, k), (m, k, n), (n, k, m)):
@@ -203,6 +204,14 @@ def conv_times(cluster: Cluster, dtype: str, groups: float, m: float, n: float, 
         times.append(max(compute, moved / (d.memory_bandwidth * d.memory_efficiency),
                          d.kernel_floor_s))
     return times[0], times[1], times[2]
+
+
+@functools.lru_cache(maxsize=8)
+def _seconds_per_flop(table: tuple[tuple[float, ...], ...]
+                      ) -> tuple[list[tuple[float, ...]], ...]:
+    """A ``conv_table``'s rows as three tables (forward, input gradient, weight gradient) of
+    seconds per FLOP, made once per table."""
+    return tuple([(*r[:5], 1 / r[5 + j]) for r in table] for j in range(3))
 
 
 def memory_time(cluster: Cluster, nbytes: float) -> float:
