@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +77,7 @@ def _worker(cluster: str, rounds: int, steps: int) -> list[list[float]]:
     import torch.distributed as dist
 
     import autopar
+    from benchmarks.predicted_vs_measured import interleaved_step_times
 
     world = dist.get_world_size()
     pms = []
@@ -88,20 +88,7 @@ def _worker(cluster: str, rounds: int, steps: int) -> list[list[float]]:
             model, cluster, example_inputs=inputs, example_targets=targets, loss_fn=loss,
             plan={"dp": world, "tp": 1, "pp": 1, "num_micro_batches": 1},
             optimizer=_optimizer()))
-    out: list[list[float]] = [[] for _ in pms]
-    inputs, targets = _inputs(BATCH)
-    for r in range(rounds):
-        for k in range(len(pms)):
-            i = (k + r) % len(pms)
-            times = []
-            for step in range(steps + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                pms[i].train_step(inputs, targets)
-                dist.barrier()
-                if step:
-                    times.append(time.perf_counter() - start)
-            out[i].append(statistics.median(times))
+    out = interleaved_step_times(pms, *_inputs(BATCH), rounds, steps)
     for pm in pms:
         pm.close()
     return out

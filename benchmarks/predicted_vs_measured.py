@@ -107,7 +107,6 @@ def _autopar_worker(plans: list[dict], rounds: int, steps: int, cluster: dict, s
     import functools
 
     import torch
-    import torch.distributed as dist
 
     import autopar
     from autopar import models
@@ -120,7 +119,20 @@ def _autopar_worker(plans: list[dict], rounds: int, steps: int, cluster: dict, s
                                cluster=autopar.Cluster.from_json(cluster),
                                optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
            for plan in plans]
-    out: list[list[float]] = [[] for _ in plans]
+    out = interleaved_step_times(pms, inputs, targets, rounds, steps)
+    for pm in pms:
+        pm.close()
+    return out
+
+
+def interleaved_step_times(pms: list, inputs: tuple, targets: tuple, rounds: int, steps: int
+                           ) -> list[list[float]]:
+    """Per model, this rank's median step of each of ``rounds`` rounds; each round runs every
+    model for a warm-up and ``steps`` timed steps (each bracketed by barriers), the models'
+    order rotating by round."""
+    import torch.distributed as dist
+
+    out: list[list[float]] = [[] for _ in pms]
     for r in range(rounds):
         for k in range(len(pms)):
             i = (k + r) % len(pms)
@@ -133,8 +145,6 @@ def _autopar_worker(plans: list[dict], rounds: int, steps: int, cluster: dict, s
                 if step >= 1:
                     times.append(time.perf_counter() - start)
             out[i].append(statistics.median(times))
-    for pm in pms:
-        pm.close()
     return out
 
 
