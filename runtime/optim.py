@@ -59,8 +59,9 @@ class _StepTraffic(TorchDispatchMode):
     ``numel`` (the probe's own tensors: its weight, gradient and states; scalar state such as a
     step count left out) reads each such argument (but an ``out=`` and the destination of
     ``copy_`` / ``fill_`` / ``zero_``) and writes each it mutates (its schema's ``!``
-    annotation) and each fresh output. torch's fused kernels declare their gradients mutable (they unscale them in
-    place under a grad scaler); without a ``grad_scale`` they only read them."""
+    annotation) and each fresh output. torch's fused kernels declare their gradients mutable
+    (they unscale them in place under a grad scaler); without a ``grad_scale`` they only read
+    them."""
 
     _OVERWRITES = frozenset({"copy_", "fill_", "zero_"})
 

@@ -177,10 +177,9 @@ def conv_times(cluster: Cluster, dtype: str, groups: float, m: float, n: float, 
     a ``conv_table`` (its seconds per FLOP interpolated at ``(images, groups M, N, K,
     kernel)``, ``images`` the batch the call convolves: a CPU's convolutions run far from its
     GEMMs' rates, and oneDNN picks its kernel by the batch), else its measured GEMM table's;
-    but its memory traffic the
-    ``nbytes`` it really moves (input, weight and output once: the im2col matrix a GEMM of
-    that shape would read is never written). A depthwise convolution (N = 1) thus costs its
-    tiles' waste or its bytes, whichever is more."""
+    but its memory traffic the ``nbytes`` it really moves (input, weight and output once: the
+    im2col matrix a GEMM of that shape would read is never written). A depthwise convolution
+    (N = 1) thus costs its tiles' waste or its bytes, whichever is more."""
     d = cluster.device
     flops = 2.0 * groups * m * n * k
     floor = max(nbytes / (d.memory_bandwidth * d.memory_efficiency), d.kernel_floor_s)
