@@ -18,7 +18,7 @@ Runs (the numbers the papers report):
   (NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
   "Training performance: NVIDIA DGX A100 (8x A100 80GB)", pytorch-21.03 NGC container; plain
   data parallelism). transformers' ResNetConfig() is that network (stride 2 in the 3 x 3
-  convolutions). Convolutions priced as their implicit GEMMs (planner/kernels.py conv_time).
+  convolutions). Convolutions priced as their implicit GEMMs (planner/kernels.py conv_times).
 
 For each run: autopar's prediction for the published layout (where known) and for the plan its
 own search picks.

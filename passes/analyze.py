@@ -43,11 +43,9 @@ from autopar.ir import (
 from autopar.passes.infra import PassContext, PassManager, PassResult, graph_pass, graph_property
 
 __all__ = ["analyze", "analyze_graph", "ModelProfile", "LayerCost", "VIEW_OPS", "GEMM_OPS",
-           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_kernel_elements", "conv_images",
-           "conv_groups",
-           "conv_groups_index",
-           "conv_is_transposed", "moe_dims", "MoEDims", "view_root", "identity_root",
-           "saved_tensors"]
+           "MATMUL_OPS", "CONV_OPS", "gemm_dims", "conv_dims", "conv_kernel_elements",
+           "conv_images", "conv_groups", "conv_groups_index", "conv_is_transposed", "moe_dims",
+           "MoEDims", "view_root", "identity_root", "saved_tensors"]
 
 ZERO = sympy.Integer(0)
 
@@ -154,7 +152,7 @@ def conv_dims(node: torch.fx.Node) -> tuple[Any, Any, Any, Any]:
     input's pixels, N its output channels per group times the kernel, K its input channels per
     group. ``2 groups M N K`` is its FLOPs."""
     x, w = _spec(node.args[0]), _spec(node.args[1])
-    kernel = _prod(w.shape[2:])
+    kernel = conv_kernel_elements(node)
     groups = conv_groups(node)
     if conv_is_transposed(node):  # weight [C_in, C_out / groups, *kernel]
         return groups, x.numel // x.shape[1], w.shape[1] * kernel, w.shape[0] // groups

@@ -320,6 +320,14 @@ def test_calibrate_writes_a_cluster_file(quick_calibration, capsys):
     assert str(sorted({int(s) for s, _ in rows})) in cluster.sources["device.attention_table"]
     # a CPU GEMM's bias broadcast, priced per output element (forward, backward)
     assert all(t > 0 for t in cluster.device.op_table["linear.bias"])
+    # a CNN's ops, and the convolution table --quick measures (up to CONV_QUICK_MAX_IMAGES
+    # images), merged over the ranks with its three rates per row, as its source says
+    assert {"batch_norm", "max_pool2d", "relu"} <= set(cluster.device.op_table)
+    conv = cluster.device.conv_table
+    assert conv and {r[0] for r in conv} == {b for b in calibration.CONV_BATCHES
+                                             if b <= calibration.CONV_QUICK_MAX_IMAGES}
+    assert all(1e7 < rate < 1e13 for r in conv for rate in r[5:])
+    assert str(sorted({int(r[0]) for r in conv})) in cluster.sources["device.conv_table"]
     # AdamW's default step on a core: slower than its 28 bytes per parameter of traffic at the
     # host's memory bandwidth. The probe prices a copy as 2 transfers per byte (read + write);
     # a write-allocate cache also reads the destination first (3 transfers), so the true
