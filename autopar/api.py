@@ -193,7 +193,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                             # steps (what it moves and calls, counted on a probe)
                             optimizer_kernel=training.optimizer.kernel,
                             optimizer_state_bytes=training.optimizer.state_bytes_per_param(),
-                            optimizer_step=training.optimizer.step_cost())
+                            optimizer_step=training.optimizer.step_cost(
+                                gpu=cl.backend == "nccl"))
     if planned.plan.offload == "disk" and offload_dir is None:  # a Plan (file) given whole
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",

@@ -74,20 +74,32 @@ class OptimizerKernel(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class OptimizerStep:
-    """What one optimizer step moves and runs, counted on a probe by the runtime
+    """What one optimizer step moves, runs and allocates, counted on a probe by the runtime
     (``runtime.optim.OptimizerFactory.step_cost``): bytes read and written per parameter element
     (torch's for-loop AdamW 84, its fused kernel 28, SGD with momentum 32, plain SGD 12) and ATen
-    calls per parameter tensor (8, 1, 3, 1). The cost model prices a step by them
-    (``planner.kernels.optimizer_time``)."""
+    calls per parameter tensor (8, 1, 3, 1), priced by ``planner.kernels.optimizer_time``; and
+    the temporaries it holds at its peak (``planner.memory.optimizer_step_bytes``): bytes per
+    element of every tensor it steps (foreach AdamW's square roots of all its moments at once,
+    4) and per element of the largest tensor it steps (the for-loop AdamW's square root and
+    quotient of one tensor while the previous tensor's denominator is still bound, 12). None:
+    not counted (the kernel's AdamW figures)."""
 
     bytes_per_param: float
     ops_per_tensor: float
+    temporary_bytes: float | None = None
+    tensor_temporary_bytes: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.bytes_per_param >= 0 and self.ops_per_tensor >= 0):
-            raise InvalidPlanError("an optimizer step moves bytes and runs ops",
-                                   expected="bytes_per_param >= 0 and ops_per_tensor >= 0",
-                                   found=f"{self.bytes_per_param}, {self.ops_per_tensor}",
+        counts = (self.bytes_per_param, self.ops_per_tensor,
+                  *(t for t in (self.temporary_bytes, self.tensor_temporary_bytes)
+                    if t is not None))
+        if not all(x >= 0 for x in counts):
+            raise InvalidPlanError("an optimizer step moves, runs and holds what it counts",
+                                   expected="bytes_per_param, ops_per_tensor and temporaries "
+                                            ">= 0",
+                                   found=f"{self.bytes_per_param}, {self.ops_per_tensor}, "
+                                         f"{self.temporary_bytes}, "
+                                         f"{self.tensor_temporary_bytes}",
                                    fix="count them with OptimizerFactory.step_cost()")
 
 

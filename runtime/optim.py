@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -61,7 +62,13 @@ class _StepTraffic(TorchDispatchMode):
     ``copy_`` / ``fill_`` / ``zero_``) and writes each it mutates (its schema's ``!``
     annotation) and each fresh output. torch's fused kernels declare their gradients mutable
     (they unscale them in place under a grad scaler); without a ``grad_scale`` they only read
-    them."""
+    them.
+
+    It also follows the step's temporaries: each fresh output of a parameter's ``numel`` (in
+    storage no argument holds) is alive from its call until Python drops it (a weak reference's
+    finalizer), and ``peak`` is the most bytes of them alive at once: torch's for-loop AdamW
+    holds ``exp_avg_sq.sqrt()`` and its quotient by the bias correction together, its foreach
+    path ``_foreach_sqrt`` of every moment at once."""
 
     _OVERWRITES = frozenset({"copy_", "fill_", "zero_"})
 
@@ -70,6 +77,11 @@ class _StepTraffic(TorchDispatchMode):
         self.numel = numel
         self.bytes = 0
         self.calls = 0
+        self.live = 0
+        self.peak = 0
+
+    def _release(self, size: int) -> None:
+        self.live -= size
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -78,6 +90,7 @@ class _StepTraffic(TorchDispatchMode):
         scaled = kwargs.get("grad_scale") is not None
         moved = 0
         inputs = set()
+        storages = set()
         for i, arg in enumerate(func._schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             written = arg.alias_info is not None and arg.alias_info.is_write and not (
@@ -85,6 +98,7 @@ class _StepTraffic(TorchDispatchMode):
             for t in pytree.tree_leaves(value):
                 if isinstance(t, torch.Tensor):
                     inputs.add(id(t))
+                    storages.add(t.untyped_storage().data_ptr())
                     if t.numel() == self.numel:
                         size = t.numel() * t.element_size()
                         read = not written or not (arg.name == "out" or (
@@ -92,7 +106,12 @@ class _StepTraffic(TorchDispatchMode):
                         moved += size * (read + written)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.numel() == self.numel and id(t) not in inputs:
-                moved += t.numel() * t.element_size()
+                size = t.numel() * t.element_size()
+                moved += size
+                if t.untyped_storage().data_ptr() not in storages:
+                    self.live += size
+                    weakref.finalize(t, self._release, size)
+        self.peak = max(self.peak, self.live)
         if moved:
             self.bytes += moved
             self.calls += 1
@@ -220,19 +239,27 @@ class OptimizerFactory:
         prices (TrainingSetup.optimizer_kernel)."""
         return self.built_kernel or OptimizerKernel.of_options(self.options)
 
-    def _probe(self) -> tuple[torch.nn.Parameter, torch.optim.Optimizer] | None:
-        """The optimizer built over one 64 x 64 fp32 parameter (the dtype of the master weights
-        it steps) and stepped once; None where it cannot step a CPU tensor (a kernel only for
-        GPUs)."""
-        probe = torch.nn.Parameter(torch.zeros(64, 64))
-        probe.grad = torch.full_like(probe, 1e-3)
+    def _probe(self, tensors: int = 1, foreach: bool = False
+               ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer] | None:
+        """The optimizer built over ``tensors`` 64 x 64 fp32 parameters (the dtype of the master
+        weights it steps) and stepped once; with ``foreach`` a group that leaves its kernel to
+        torch (``foreach=None``) set to the foreach path torch takes on a GPU. None where it
+        cannot step a CPU tensor (a kernel only for GPUs)."""
+        probes = [torch.nn.Parameter(torch.zeros(64, 64)) for _ in range(tensors)]
+        for probe in probes:
+            probe.grad = torch.full_like(probe, 1e-3)
         try:
-            optimizer = (self.make([probe]) if self.make is not None
-                         else self.optimizer_class([probe], **self.options))
+            optimizer = (self.make(probes) if self.make is not None
+                         else self.optimizer_class(probes, **self.options))
+            if foreach:
+                for group in optimizer.param_groups:
+                    if "foreach" in group and group["foreach"] is None \
+                            and not group.get("fused"):
+                        group["foreach"] = True
             optimizer.step()
         except Exception:  # noqa: BLE001 - a GPU-only kernel
             return None
-        return probe, optimizer
+        return probes, optimizer
 
     def state_bytes_per_param(self) -> float:
         """Bytes of state the optimizer keeps per parameter element, measured: built over a
@@ -245,27 +272,43 @@ class OptimizerFactory:
         built = self._probe()
         if built is None:
             return 8.0
-        probe, optimizer = built
+        (probe,), optimizer = built
         held = sum(t.numel() * t.element_size() for state in optimizer.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
         return held / probe.numel()
 
-    def step_cost(self) -> OptimizerStep | None:
-        """What one step moves and runs, counted on the probe's second step (the first builds
-        the state: SGD clones its momentum there) under a dispatch mode that sees every ATen
-        call (:class:`_StepTraffic`): bytes read and written per parameter element, calls per
-        parameter tensor. torch's for-loop AdamW 84 bytes and 8 calls, foreach the same, fused
-        28 and 1; SGD with momentum 32 and 3, fused 20; plain SGD 12 and 1; Adagrad 48 and 4.
-        The probe runs on a CPU with the optimizer's own options, so an unset ``foreach``
-        counts the for-loop, whose ops foreach batches (the same bytes). None where the
-        optimizer cannot step a CPU tensor (the cost model then prices AdamW's)."""
-        built = self._probe()
-        if built is None:
-            return None
-        probe, optimizer = built
-        with _StepTraffic(probe.numel()) as traffic:
-            optimizer.step()
-        return OptimizerStep(traffic.bytes / probe.numel(), float(traffic.calls))
+    def step_cost(self, gpu: bool = False) -> OptimizerStep | None:
+        """What one step moves, runs and allocates, counted on the probe's second step (the
+        first builds the state: SGD clones its momentum there) under a dispatch mode that sees
+        every ATen call (:class:`_StepTraffic`): bytes read and written per parameter element,
+        calls per parameter tensor: torch's for-loop AdamW 84 bytes and 8 calls, foreach the
+        same, fused 28 and 1; SGD with momentum 32 and 3, fused 20; plain SGD 12 and 1; Adagrad
+        48 and 4. The probe runs on a CPU with the optimizer's own options; ``gpu``: a kernel
+        left to torch is counted on the foreach path it takes on a GPU (on a CPU, the for-loop;
+        the same bytes, batched).
+
+        Its temporaries, from the peaks of live fresh tensors over two probe tensors and over
+        three (n elements each): what grows with the tensors stepped, ``peak_3 - peak_2`` per n
+        (foreach AdamW's ``_foreach_sqrt`` of every moment at once: 4 bytes an element), and
+        what a step holds whatever their number, ``peak_3 - 3 (peak_3 - peak_2)`` per n of the
+        largest tensor (the for-loop's square root and quotient of one tensor, 8 bytes an
+        element, while the previous tensor's 4-byte ``denom`` is still bound: 12). SGD and the
+        fused kernels hold none. None where the optimizer cannot step a CPU tensor (the cost
+        model then prices AdamW's)."""
+        counted = []
+        for tensors in (1, 2, 3):
+            built = self._probe(tensors, foreach=gpu)
+            if built is None:
+                return None
+            probes, optimizer = built
+            with _StepTraffic(probes[0].numel()) as traffic:
+                optimizer.step()
+            counted.append(traffic)
+        one, two, three = counted
+        n = 64 * 64
+        grows = max(three.peak - two.peak, 0) / n
+        return OptimizerStep(one.bytes / n, float(one.calls), temporary_bytes=grows,
+                             tensor_temporary_bytes=max(three.peak / n - 3 * grows, 0.0))
 
     @property
     def is_elementwise(self) -> bool:

@@ -406,6 +406,41 @@ def test_optimizer_step_temporary_is_torchs(kernel):
     assert optimizer_step_bytes(stepped, "optimizer", separate_host=True) == 0.0
 
 
+@pytest.mark.parametrize("optimizer,options,gpu", [
+    (torch.optim.AdamW, {}, False), (torch.optim.AdamW, {}, True),
+    (torch.optim.AdamW, {"amsgrad": True, "weight_decay": 0.1}, True),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, False),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, True),
+    (torch.optim.SGD, {"lr": 0.1}, True), (torch.optim.Adagrad, {}, False),
+    (torch.optim.RMSprop, {"momentum": 0.9}, True)])
+def test_counted_step_temporaries_predict_the_step_peak(optimizer, options, gpu):
+    """The temporaries ``step_cost`` counts on 64 x 64 probes predict what a step over other
+    tensors allocates (five buckets of 30,000 elements and one of 7, counted by storage as
+    the test above counts them): ``optimizer_step_bytes`` with the counted step, where AdamW's
+    kernel formula would price SGD's and Adagrad's steps as AdamW's."""
+    from autopar.runtime.optim import OptimizerFactory
+
+    step = OptimizerFactory(optimizer, options).step_cost(gpu=gpu)
+    buckets = [torch.nn.Parameter(torch.randn(n)) for n in (30_000,) * 5 + (7,)]
+    for p in buckets:
+        p.grad = torch.randn_like(p)
+    opt = optimizer(buckets, **options)
+    if gpu:  # the path torch takes for CUDA tensors, on these CPU ones
+        for group in opt.param_groups:
+            if group.get("foreach") is None:
+                group["foreach"] = True
+    opt.step()
+    held = buckets + [p.grad for p in buckets] + [
+        v for state in opt.state.values() for v in state.values()]
+    counter = _NewStorageBytes(held)
+    with counter:
+        opt.step()
+    stepped = sum(p.numel() for p in buckets)
+    want = optimizer_step_bytes(stepped, "none", separate_host=gpu, step=step, largest=30_000)
+    # the scalar step counters and bias corrections: a few bytes per bucket
+    assert want <= counter.peak <= want + 64 * len(buckets), (step, counter.peak)
+
+
 def test_the_step_temporary_sets_the_peak_when_activations_are_small(gpt2_small):
     """A rank's peak is its states plus the larger of its activations (with ZeRO-3's buffers)
     and the optimizer step's temporary: 4 bytes per stepped parameter on a GPU, the rank's

@@ -136,6 +136,37 @@ def test_the_step_cost_counted_on_the_probe_is_what_torch_runs(optimizer, option
     assert (step.bytes_per_param, step.ops_per_tensor) == (moved, calls)
 
 
+@pytest.mark.parametrize("optimizer,options,gpu,grows,held", [
+    # torch/optim/adamw.py's for-loop (a CPU's default): denom = (exp_avg_sq.sqrt() /
+    # bias_correction2_sqrt).add_(eps), the square root and the quotient (4 + 4 bytes an element
+    # of the tensor stepped) while the previous tensor's denom (4) is still bound: 12 per element
+    # of the largest tensor, nothing that grows with the tensors stepped
+    (torch.optim.AdamW, {}, False, 0, 12),
+    # _multi_tensor_adam (a GPU's default): torch._foreach_sqrt(exp_avg_sqs), one fp32 square
+    # root of every moment at once, divided and added to in place
+    (torch.optim.AdamW, {}, True, 4, 0),
+    (torch.optim.AdamW, {"foreach": True}, False, 4, 0),
+    (torch.optim.AdamW, {"fused": True}, True, 0, 0),  # one kernel, nothing allocated
+    (torch.optim.AdamW, {"foreach": False}, True, 0, 12),  # pinned: a GPU runs it too
+    # torch/optim/sgd.py: momentum and update in place
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, True, 0, 0),
+    # weight decay: grad = grad.add(param, alpha=wd), one tensor's at a time (rebound before
+    # the next one's), or device_grads = torch._foreach_add(...) of every tensor at once
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, False, 0, 4),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, True, 4, 0),
+    # torch/optim/adagrad.py's for-loop: std = state_sum.sqrt().add_(eps), param.addcdiv_:
+    # 4, and the previous tensor's std 4
+    (torch.optim.Adagrad, {}, False, 0, 8)])
+def test_the_step_temporaries_counted_on_the_probe_are_torchs(optimizer, options, gpu, grows,
+                                                             held):
+    """``OptimizerFactory.step_cost``'s temporaries: the bytes per element of every tensor
+    stepped that a step holds at its peak, and per element of the largest one, from the peaks
+    over two and three probe tensors, equal a count by hand of torch's source for each kernel
+    (``gpu``: a kernel left to torch is counted as the foreach path a GPU takes)."""
+    step = OptimizerFactory(optimizer, options).step_cost(gpu=gpu)
+    assert (step.temporary_bytes, step.tensor_temporary_bytes) == (grows, held)
+
+
 # -- mixed precision ------------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,zero,shard_size", [

@@ -314,7 +314,8 @@ class CostModel:
                                            self.cluster.host_link_bandwidth > 0,
                                            self._receives_ahead(c, m),
                                            self.setup.optimizer_kernel,
-                                           self.setup.optimizer_state_bytes)
+                                           self.setup.optimizer_state_bytes,
+                                           self.setup.optimizer_step)
             reason = self._out_of_memory((peak,))
             if reason is not None:
                 return Evaluation(c, reason, ranks=(peak,), stages=st.stages,
@@ -454,7 +455,7 @@ class CostModel:
         # the optimizer step's temporary over the stepped share (memory.optimizer_step_bytes);
         # on a CPU it is bounded by a bucket, not per parameter: the evaluation counts it
         step_bytes = (optimizer_step_bytes(1 / n if c.zero >= 1 else 1.0, c.offload, True,
-                                           self.setup.optimizer_kernel)
+                                           self.setup.optimizer_kernel, self.setup.optimizer_step)
                       if separate_host else 0.0)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
                                 bandwidth, latency, step_bytes,
@@ -647,7 +648,8 @@ class CostModel:
             rank_acts = self._rank_activations(c, m, st)
         return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
                            self.cluster.host_link_bandwidth > 0, self._receives_ahead(c, m),
-                           self.setup.optimizer_kernel, self.setup.optimizer_state_bytes)
+                           self.setup.optimizer_kernel, self.setup.optimizer_state_bytes,
+                           self.setup.optimizer_step)
 
     def _receives_ahead(self, c: Candidate, m: int) -> tuple[int, ...]:
         """Per pipeline rank, the boundary tensors received ahead of their compute

@@ -37,8 +37,12 @@ temporary of its own (:func:`optimizer_step_bytes`). torch's Adam / AdamW on CUD
 stepped tensor at once: one fp32 temporary the size of the rank's stepped (ZeRO: sharded)
 master weights. On a CPU the for-loop path (``_single_tensor_adam``) computes
 ``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``, two temporaries the size of one tensor, here a
-flat gradient bucket (runtime/data_parallel.py, 25 MiB by default). An offloaded optimizer steps
-on the host and leaves none on the device. The rank's peak is its states plus the larger of the
+flat gradient bucket (runtime/data_parallel.py, 25 MiB by default), while the previous tensor's
+``denom`` is still bound. Other optimizers hold other temporaries (SGD none, SGD with weight
+decay foreach a decayed copy of every gradient): ``parallelize`` counts the optimizer it is
+given on probes (``OptimizerFactory.step_cost``: the bytes that grow with the tensors stepped
+and those held per element of the one being stepped), on the path the device takes, and prices
+those. An offloaded optimizer steps on the host and leaves none on the device. The rank's peak is its states plus the larger of the
 two moments: ``max(activations + buffers, step temporary)``. Measured on an H100
 (``benchmarks/gpu_memory.py``, 2026-11-28): LLaMA-7B shapes cut to 4 layers (1.07 B parameters,
 2 x 2048 tokens, full recompute) peak 3.99 GiB above their states, the 4.0 GiB of that
@@ -51,7 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from autopar.plan_types import OptimizerKernel
+from autopar.plan_types import OptimizerKernel, OptimizerStep
 
 if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
@@ -114,18 +118,31 @@ BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
 def optimizer_step_bytes(stepped_params: float, offload: str, separate_host: bool,
-                         kernel: OptimizerKernel | None = None) -> float:
-    """Device bytes the optimizer step allocates on top of the states (module docstring), by
-    its kernel (None: torch's default, foreach on a GPU, ``separate_host``, the for-loop on a
-    CPU): foreach one fp32 temporary per stepped parameter (its ``_foreach_sqrt``), the for-loop
-    two the size of the largest tensor it steps (a flat bucket), the fused kernel none; none on
-    the device when the step is offloaded to the host."""
+                         kernel: OptimizerKernel | None = None,
+                         step: OptimizerStep | None = None,
+                         largest: float | None = None) -> float:
+    """Device bytes the optimizer step allocates on top of the states (module docstring). With
+    ``step``'s counted temporaries (``OptimizerFactory.step_cost``): its bytes per element of
+    every stepped parameter, plus its bytes per element of the largest tensor one step call
+    holds (``largest``; by default a flat bucket's, runtime/data_parallel.py). The for-loop's
+    12 there (the tensor it steps and the previous one's denominator) are exact for tensors of
+    equal size and a bound where they shrink. Without a count, AdamW's by its ``kernel`` (None:
+    torch's default, foreach on a GPU, ``separate_host``, the for-loop on a CPU): foreach one
+    fp32 temporary per stepped parameter (its ``_foreach_sqrt``), the for-loop two the size of
+    the largest tensor it steps, the fused kernel none. None on the device when the step is
+    offloaded to the host."""
+    if separate_host and offload != "none":
+        return 0.0
+    largest = min(stepped_params, BUCKET_ELEMENTS if largest is None else largest)
+    if step is not None and step.temporary_bytes is not None:
+        return (step.temporary_bytes * stepped_params
+                + (step.tensor_temporary_bytes or 0.0) * largest)
     kernel = kernel or OptimizerKernel.default_on(separate_host)
-    if (separate_host and offload != "none") or kernel is OptimizerKernel.FUSED:
+    if kernel is OptimizerKernel.FUSED:
         return 0.0
     if kernel is OptimizerKernel.FOREACH:
         return MASTER_BYTES * stepped_params
-    return 2 * MASTER_BYTES * min(stepped_params, BUCKET_ELEMENTS)
+    return 2 * MASTER_BYTES * largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +211,8 @@ def _peak_bytes(weights: float, gradients: float, optimizer: float, activations:
 
 def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                  dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                 kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES
-                 ) -> Iterator[tuple[float, ...]]:
+                 kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES,
+                 step: OptimizerStep | None = None) -> Iterator[tuple[float, ...]]:
     """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
     bytes, as :func:`rank_memory` documents them."""
     w_bytes, g_bytes, _ = STATE_BYTES[dtype]
@@ -220,13 +237,13 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
         dense = rs.params - ex
         stepped = dense / n + ex / ne if zero >= 1 else rs.params
         yield (w_per * dense + w_ex * ex, g_per * dense + g_ex * ex, o_per * dense + o_ex * ex,
-               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host, kernel))
+               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host, kernel, step))
 
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                 dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES
-                ) -> list[RankMemory]:
+                kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES,
+                step: OptimizerStep | None = None) -> list[RankMemory]:
     """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
     its dp x cp replicas (:func:`model_state_bytes`, inlined: the search calls this for every
     rank of every candidate; experts' shards span the dp / ep ranks holding the same experts),
@@ -239,17 +256,19 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     (``ScheduleSpec.receives_ahead`` on a transport that pairs messages by their order, NCCL:
     up to p - 1 on interleaved 1F1B's first rank; one on gloo), each the largest the rank
     receives; and the optimizer step's temporary over the parameters the rank steps, by the
-    optimizer's ``kernel`` (:func:`optimizer_step_bytes`); the optimizer's own state is
+    optimizer's ``kernel`` or its counted ``step`` (:func:`optimizer_step_bytes`); the
+    optimizer's own state is
     ``state_bytes`` per parameter (:func:`sharded_state_bytes`)."""
     return [RankMemory(r, *fields)
             for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                                    receives_ahead, kernel, state_bytes))]
+                                                    receives_ahead, kernel, state_bytes,
+                                                    step))]
 
 
 def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                      dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                     kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES
-                     ) -> tuple[RankMemory, float]:
+                     kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES,
+                     step: OptimizerStep | None = None) -> tuple[RankMemory, float]:
     """The rank of :func:`rank_memory` with the highest total (the first of equals) and the
     least total without the optimizer state over all ranks, without a :class:`RankMemory` per
     rank: the search's memory screen asks this of every candidate, most of which do not fit
@@ -258,7 +277,7 @@ def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: S
     best: tuple[int, tuple[float, ...]] | None = None
     least = math.inf
     for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                       receives_ahead, kernel, state_bytes)):
+                                       receives_ahead, kernel, state_bytes, step)):
         total = _peak_bytes(*f)
         if total > peak:
             peak, best = total, (r, f)
