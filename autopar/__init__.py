@@ -11,7 +11,7 @@ from autopar.cluster import Cluster
 from autopar.frontend import CapturedGraph, capture, plan_fingerprint
 from autopar.models.workload import Workload
 from autopar.parallel_model import ParallelModel
-from autopar.plan_types import OptimizerStep, Plan, Prediction
+from autopar.plan_types import OptimizerProfile, OptimizerStep, Plan, Prediction
 from autopar.planner.planning import PlanReport, plan
 from autopar.errors import (
     AutoparError,
@@ -38,6 +38,7 @@ __all__ = [
     "Workload",
     "ParallelModel",
     "Plan",
+    "OptimizerProfile",
     "OptimizerStep",
     "Prediction",
     "capture",

@@ -23,9 +23,8 @@ from autopar.errors import (
     PlanMismatchError,
     error_from_parts,
 )
-from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, Plan, Prediction,
-                                 RecomputeKind, ScheduleKind)
-from autopar.planner.memory import MOMENT_BYTES
+from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, OptimizerProfile, Plan,
+                                 Prediction, RecomputeKind, ScheduleKind)
 from autopar.runtime.comm import collective
 from autopar.runtime.schedules import schedule_spec
 
@@ -175,10 +174,10 @@ def validate_pins(pins: Mapping[str, Any], world: int) -> dict[str, Any]:
 def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int,
                    seq: int, mixed_precision: bool, seed: int | None = None, *,
                    offload_choices: tuple[str, ...] = ("optimizer",),
-                   optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
-                   optimizer_step: Any = None) -> Planned:
+                   optimizer: OptimizerProfile = OptimizerProfile()) -> Planned:
     """Rank 0 decides; every rank gets its plan, or raises its error (same class, same
-    message), and the dropout seed."""
+    message), and the dropout seed. A search prices ``optimizer`` (the runtime's profile of
+    the one the user gave)."""
     decided = None
     error = None
     search = None
@@ -186,8 +185,7 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
         try:
             decided, prediction, search = _decide(plan, captured, cluster, world, global_batch,
                                                   seq, mixed_precision, offload_choices,
-                                                  optimizer_kernel, optimizer_state_bytes,
-                                                  optimizer_step)
+                                                  optimizer)
             payload = {"plan": decided.to_json(),
                        "prediction": prediction.to_json() if prediction else None,
                        "seed": int(seed if seed is not None else torch.initial_seed())}
@@ -274,8 +272,8 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
-            optimizer_step: Any = None) -> tuple[Plan, Prediction | None, Any]:
+            optimizer: OptimizerProfile = OptimizerProfile()
+            ) -> tuple[Plan, Prediction | None, Any]:
     fingerprint = captured.fingerprint()
     if isinstance(plan, Plan):
         check_plan(plan, fingerprint, world, global_batch)
@@ -296,8 +294,7 @@ def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: in
     shard_size = pins.pop("zero_shard_size", None)  # not a search dimension: applied after
     vocab_multiple = pins.pop("vocab_multiple", None)  # nor is this (any value makes tp divide)
     decided, prediction, search = _search(pins, captured, cluster, global_batch, seq,
-                                          mixed_precision, offload_choices, optimizer_kernel,
-                                          optimizer_state_bytes, optimizer_step)
+                                          mixed_precision, offload_choices, optimizer)
     if vocab_multiple is not None:
         decided = decided.replace(vocab_multiple=vocab_multiple)
     if shard_size is not None:
@@ -382,8 +379,8 @@ def _plan_from_pins(pins: Mapping[str, Any], captured: Any, world: int, global_b
 
 def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: int, seq: int,
             mixed_precision: bool, offload_choices: tuple[str, ...] = ("optimizer",),
-            optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
-            optimizer_step: Any = None) -> tuple[Plan, Prediction | None, Any]:
+            optimizer: OptimizerProfile = OptimizerProfile()
+            ) -> tuple[Plan, Prediction | None, Any]:
     from autopar.planner.cost_model import CostModel, ModelCosts, TrainingSetup
     from autopar.planner.search import SearchSpace, search
 
@@ -400,10 +397,7 @@ def _search(pins: Mapping[str, Any], captured: Any, cluster: Any, global_batch: 
     dtype = "bf16" if mixed_precision else "fp32"
     costs = ModelCosts(captured, name=type(captured.model).__name__)
     cost_model = CostModel(costs, cluster, TrainingSetup(global_batch, seq, dtype,
-                                                         optimizer_kernel=optimizer_kernel,
-                                                         optimizer_state_bytes=
-                                                         optimizer_state_bytes,
-                                                         optimizer_step=optimizer_step))
+                                                         optimizer=optimizer))
     result = search(cost_model, SearchSpace(**space_pins, offload_choices=offload_choices),
                     top_k=5, progress=False)
     for ev in (result.best, *result.alternatives):

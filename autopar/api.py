@@ -48,6 +48,7 @@ from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import collective, set_default_timeout
 from autopar.runtime.mesh import ParallelMesh
+from autopar.runtime.optim import OptimizerFactory
 
 __all__ = ["parallelize", "PINNABLE"]
 
@@ -175,7 +176,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                                 expected="parallelize(..., offload_dir=<a writable directory>)",
                                 found="no offload_dir", fix="pass offload_dir, or pin "
                                                             "offload='optimizer' or 'none'")
-    training = TrainingOptions(_optimizer_factory(optimizer, model), max_grad_norm=max_grad_norm,
+    training = TrainingOptions(OptimizerFactory.of(optimizer, model.named_parameters()),
+                               max_grad_norm=max_grad_norm,
                                mixed_precision=mixed_precision, bucket_mb=bucket_mb,
                                offload_dir=os.fspath(offload_dir) if offload_dir else None,
                                compile_backend=_compile_backend(compile))
@@ -190,11 +192,8 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                             offload_choices=("optimizer", "disk") if offload_dir is not None
                             else ("optimizer",),
                             # priced as it runs, its state as it keeps it, its step as it
-                            # steps (what it moves and calls, counted on a probe)
-                            optimizer_kernel=training.optimizer.kernel,
-                            optimizer_state_bytes=training.optimizer.state_bytes_per_param(),
-                            optimizer_step=training.optimizer.step_cost(
-                                gpu=cl.backend == "nccl"))
+                            # steps (what it moves, calls and holds, counted on probes)
+                            optimizer=training.optimizer.profile(gpu=cl.backend == "nccl"))
     if planned.plan.offload == "disk" and offload_dir is None:  # a Plan (file) given whole
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",
@@ -510,37 +509,6 @@ def _preset_for(device: torch.device) -> str:
     from autopar.cluster import preset_for_device
 
     return preset_for_device("cpu" if device.type != "cuda" else torch.cuda.get_device_name(device))
-
-
-def _optimizer_factory(optimizer: Any, model: nn.Module) -> Any:
-    """``optimizer=`` as an OptimizerFactory: a factory as it is; a torch optimizer class or a
-    ``functools.partial`` of one by class and options; any other callable (a lambda, a function,
-    a partial of a function) read once on stand-ins of the model's parameters."""
-    from autopar.runtime.optim import OptimizerFactory
-
-    if isinstance(optimizer, OptimizerFactory):
-        return optimizer
-    if isinstance(optimizer, functools.partial) and isinstance(optimizer.func, type) and \
-            issubclass(optimizer.func, torch.optim.Optimizer) and not optimizer.args:
-        return OptimizerFactory(optimizer.func, dict(optimizer.keywords))
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        return OptimizerFactory(optimizer, {})
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidInputError("optimizer is an optimizer already built over the original "
-                                "model's parameters",
-                                expected="how to build one: a class, functools.partial(cls, "
-                                         "lr=...), or a callable taking the parameters",
-                                found=f"a {type(optimizer).__name__} instance",
-                                fix="pass lambda params: torch.optim.AdamW(params, lr=...): each "
-                                    "rank builds it over the shards it updates")
-    if callable(optimizer):
-        return OptimizerFactory.from_callable(optimizer, list(model.named_parameters()))
-    raise InvalidInputError("optimizer has an unexpected form",
-                            expected="a torch optimizer class, functools.partial(torch.optim."
-                                     "AdamW, lr=...), or a callable taking the parameters and "
-                                     "returning a torch.optim.Optimizer",
-                            found=repr(optimizer)[:80],
-                            fix="optimizer=functools.partial(torch.optim.AdamW, lr=3e-4)")
 
 
 # ---------------------------------------------------------------------------------------------

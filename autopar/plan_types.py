@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autopar._version import __version__, major_minor
-from autopar.errors import InvalidPlanError, PlanMismatchError
+from autopar.errors import InvalidInputError, InvalidPlanError, PlanMismatchError
 from autopar.runtime.schedules import ScheduleKind, schedule_spec
 
 __all__ = ["ScheduleKind", "RecomputeKind", "GemmSharding", "OptimizerKernel", "OptimizerStep",
-           "StagePlan", "Plan", "Prediction", "PLAN_FORMAT_VERSION"]
+           "OptimizerProfile", "StagePlan", "Plan", "Prediction", "PLAN_FORMAT_VERSION"]
 
 #: Bumped when the JSON form of a plan changes incompatibly.
 PLAN_FORMAT_VERSION = 1
@@ -101,6 +101,49 @@ class OptimizerStep:
                                          f"{self.temporary_bytes}, "
                                          f"{self.tensor_temporary_bytes}",
                                    fix="count them with OptimizerFactory.step_cost()")
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerProfile:
+    """What the planner prices of the optimizer, one value the runtime measures on probes
+    (``runtime.optim.OptimizerFactory.profile``) and ``autopar.plan`` takes: the ``kernel`` its
+    step runs (None: torch's default on the device, foreach on a GPU, the for-loop on a CPU),
+    its own ``state_bytes`` per parameter beyond the fp32 master weights (Adam's two fp32
+    moments 8, SGD with momentum 4, plain SGD 0) and what its ``step`` moves, runs and holds
+    (None: AdamW's). The default is AdamW's on torch's default kernel."""
+
+    kernel: OptimizerKernel | None = None
+    state_bytes: float = 8.0
+    step: OptimizerStep | None = None
+
+    def __post_init__(self) -> None:
+        if not self.state_bytes >= 0:
+            raise InvalidInputError("an optimizer keeps no negative state",
+                                    expected="state bytes >= 0 per parameter",
+                                    found=str(self.state_bytes),
+                                    fix="pass --optimizer-state-bytes >= 0, or count it with "
+                                        "OptimizerFactory.state_bytes_per_param()")
+        if self.kernel is not None:
+            try:
+                kernel = OptimizerKernel(self.kernel)
+            except ValueError:
+                raise InvalidInputError(
+                    "unknown optimizer kernel",
+                    expected=" or ".join(repr(k.value) for k in OptimizerKernel),
+                    found=repr(self.kernel),
+                    fix="pass one of them, or None for torch's default") from None
+            object.__setattr__(self, "kernel", kernel)
+
+    def document(self) -> dict[str, object]:
+        """The fields that differ from the default, for a plan document."""
+        out: dict[str, object] = {}
+        if self.kernel is not None:
+            out["kernel"] = self.kernel.value
+        if self.state_bytes != 8.0:
+            out["state_bytes"] = self.state_bytes
+        if self.step is not None:
+            out["step"] = dataclasses.asdict(self.step)
+        return out
 
 
 class GemmSharding(str, enum.Enum):

@@ -108,8 +108,7 @@ def predict(name: str, cluster: str, world: int) -> float:
     report = autopar.plan(model, cluster, example_inputs=inputs, example_targets=targets,
                           loss_fn=loss, global_batch=BATCH, devices=world, dp=world, tp=1, pp=1,
                           micro_batch_size=BATCH // world, recompute="none", zero=0,
-                          optimizer_state_bytes=factory.state_bytes_per_param(),
-                          optimizer_step=factory.step_cost())
+                          optimizer=factory)
     return report.prediction.step_time_s
 
 

@@ -122,11 +122,12 @@ def predict(captured, preset: str, batch: int, seq: int, *, micro_batch_size: in
     micro-batch of the whole batch, no recompute, bf16) on the ``preset`` cluster (a name or
     file)."""
     from autopar.cluster import Cluster
-    from autopar.plan_types import RecomputeKind, ScheduleKind
+    from autopar.plan_types import OptimizerProfile, RecomputeKind, ScheduleKind
     from autopar.planner.cost_model import Candidate, CostModel, ModelCosts, TrainingSetup
 
     cm = CostModel(ModelCosts(captured), Cluster.load(preset).with_devices(1),
-                   TrainingSetup(batch, seq, dtype, optimizer_kernel=optimizer_kernel))
+                   TrainingSetup(batch, seq, dtype,
+                                 optimizer=OptimizerProfile(kernel=optimizer_kernel)))
     ev = cm.refine(cm.evaluate(Candidate(1, 1, 1, 1, micro_batch_size or batch,
                                          ScheduleKind.ONE_F_ONE_B, RecomputeKind(recompute), 0,
                                          False, offload=offload)))

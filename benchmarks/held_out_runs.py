@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 
 from autopar import Cluster
-from autopar.plan_types import OptimizerKernel, RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerKernel, OptimizerProfile, RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 from autopar.planner.search import search
@@ -57,7 +57,8 @@ def main() -> int:
 
     costs, _, _ = capture_model_costs("gpt3-175b", attention="eager")
     cm = CostModel(costs, megatron_2021_cluster(1024),
-                   TrainingSetup(1536, 2048, "fp16", optimizer_kernel=OptimizerKernel.FUSED))
+                   TrainingSetup(1536, 2048, "fp16",
+                                 optimizer=OptimizerProfile(OptimizerKernel.FUSED)))
     for sched, v in ((ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED_1F1B, 2)):
         ev = cm.refine(cm.evaluate(Candidate(8, 8, 16, v, 1, sched, RecomputeKind.FULL, 0,
                                              False)))
@@ -95,7 +96,8 @@ def resnet50() -> None:
         costs, _, _ = capture_model_costs(root)
     for gpus, published in ((1, 2470), (8, 16621 / 8)):
         cm = CostModel(costs, Cluster.load("a100-80g").with_devices(gpus),
-                       TrainingSetup(256 * gpus, 1, "fp16", optimizer_state_bytes=4.0))
+                       TrainingSetup(256 * gpus, 1, "fp16",
+                                     optimizer=OptimizerProfile(state_bytes=4.0)))
         ev = cm.refine(cm.evaluate(Candidate(gpus, 1, 1, 1, 256, ScheduleKind.ONE_F_ONE_B,
                                              RecomputeKind.NONE, 0, False)))
         rate = 256 / ev.prediction.step_time_s

@@ -48,7 +48,7 @@ import statistics
 import sys
 
 from autopar import Cluster
-from autopar.plan_types import OptimizerKernel, RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerKernel, OptimizerProfile, RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 
@@ -140,7 +140,8 @@ def predict(run: Run, _cache: dict = {}):  # noqa: B006 - one capture per model 
                                           hidden=run.hidden, heads=run.heads, vocab=VOCAB,
                                           seq=SEQ)[0]
     cm = CostModel(_cache[key], megatron_2021_cluster(run.gpus),
-                   TrainingSetup(run.batch, SEQ, "fp16", optimizer_kernel=OptimizerKernel.FUSED))
+                   TrainingSetup(run.batch, SEQ, "fp16",
+                                 optimizer=OptimizerProfile(OptimizerKernel.FUSED)))
     c = Candidate(run.dp, run.tp, run.pp, 1, run.micro_batch, ScheduleKind.ONE_F_ONE_B,
                   run.recompute, 0, run.sequence_parallel)
     problem = cm.check(c)

@@ -27,6 +27,7 @@ This module imports only torch and the leaf vocabulary (``autopar.errors``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import InvalidInputError
-from autopar.plan_types import OptimizerKernel, OptimizerStep
+from autopar.plan_types import OptimizerKernel, OptimizerProfile, OptimizerStep
 
 __all__ = ["OptimizerFactory", "OptimizerCallableError", "MixedPrecision", "ELEMENTWISE_OPTIMIZERS", "global_grad_norm",
            "clip_coefficient"]
@@ -223,6 +224,37 @@ class OptimizerFactory:
         return cls(type(probe), {}, group_options=lambda name: table.get(name, {}), make=make,
                    built_kernel=OptimizerKernel.of_options(probe.defaults))
 
+    @classmethod
+    def of(cls, optimizer: Any, named_parameters: Iterable[tuple[str, torch.Tensor]]
+           ) -> "OptimizerFactory":
+        """``optimizer=`` of ``parallelize`` or ``plan`` as a factory: a factory as it is; a
+        torch optimizer class, or a ``functools.partial`` of one, by class and options; any
+        other callable (a lambda, a function, a partial of a function) read once on stand-ins
+        of ``named_parameters`` (:meth:`from_callable`)."""
+        if isinstance(optimizer, OptimizerFactory):
+            return optimizer
+        if isinstance(optimizer, functools.partial) and isinstance(optimizer.func, type) and \
+                issubclass(optimizer.func, torch.optim.Optimizer) and not optimizer.args:
+            return cls(optimizer.func, dict(optimizer.keywords))
+        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            return cls(optimizer, {})
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInputError("optimizer is an optimizer already built over the original "
+                                    "model's parameters",
+                                    expected="how to build one: a class, functools.partial(cls, "
+                                             "lr=...), or a callable taking the parameters",
+                                    found=f"a {type(optimizer).__name__} instance",
+                                    fix="pass lambda params: torch.optim.AdamW(params, lr=...): "
+                                        "each rank builds it over the shards it updates")
+        if callable(optimizer):
+            return cls.from_callable(optimizer, list(named_parameters))
+        raise InvalidInputError("optimizer has an unexpected form",
+                                expected="a torch optimizer class, functools.partial(torch.optim."
+                                         "AdamW, lr=...), or a callable taking the parameters "
+                                         "and returning a torch.optim.Optimizer",
+                                found=repr(optimizer)[:80],
+                                fix="optimizer=functools.partial(torch.optim.AdamW, lr=3e-4)")
+
     def renamed(self, fqn_of: Mapping[str, str]) -> "OptimizerFactory":
         """This factory with ``group_options`` asked by the names in ``fqn_of``'s values for
         the engine's local names (its keys): the engine names a stage's parameters by graph
@@ -236,7 +268,7 @@ class OptimizerFactory:
     def kernel(self) -> OptimizerKernel | None:
         """How the step runs: the ``fused`` / ``foreach`` the optimizer is given; None: torch's
         default for the device (foreach on a GPU, the for-loop on a CPU). What the cost model
-        prices (TrainingSetup.optimizer_kernel)."""
+        prices (OptimizerProfile.kernel)."""
         return self.built_kernel or OptimizerKernel.of_options(self.options)
 
     def _probe(self, tensors: int = 1, foreach: bool = False
@@ -267,7 +299,7 @@ class OptimizerFactory:
         (scalar state, such as Adam's step count, left out): AdamW 8 (its two moments), with
         ``amsgrad`` 12, SGD with momentum 4, plain SGD 0, Adagrad 4; a factored optimizer
         (Adafactor) its rows and columns over the probe's 4096 elements. What the cost model
-        prices (TrainingSetup.optimizer_state_bytes). An optimizer that cannot step a CPU
+        prices (OptimizerProfile.state_bytes). An optimizer that cannot step a CPU
         tensor is counted as Adam's 8."""
         built = self._probe()
         if built is None:
@@ -309,6 +341,12 @@ class OptimizerFactory:
         grows = max(three.peak - two.peak, 0) / n
         return OptimizerStep(one.bytes / n, float(one.calls), temporary_bytes=grows,
                              tensor_temporary_bytes=max(three.peak / n - 3 * grows, 0.0))
+
+    def profile(self, gpu: bool = False) -> OptimizerProfile:
+        """What the planner prices of this optimizer: its kernel, its state per parameter
+        (:meth:`state_bytes_per_param`) and its step (:meth:`step_cost`, on the path a GPU
+        takes with ``gpu``)."""
+        return OptimizerProfile(self.kernel, self.state_bytes_per_param(), self.step_cost(gpu))
 
     @property
     def is_elementwise(self) -> bool:

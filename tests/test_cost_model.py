@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopar import Cluster, capture, models
-from autopar.plan_types import GemmSharding, RecomputeKind, ScheduleKind
+from autopar.plan_types import GemmSharding, OptimizerProfile, RecomputeKind, ScheduleKind
 from autopar.planner.comm import Collective, collective_time, mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         gemm_time, wave_efficiency)
@@ -187,7 +187,8 @@ def test_the_optimizer_step_moves_what_its_kernel_moves():
     one = A100.with_devices(1)
     steps = {}
     for kernel in (None, "fused"):
-        cm = CostModel(costs, one, TrainingSetup(8, 1024, "bf16", optimizer_kernel=kernel))
+        cm = CostModel(costs, one, TrainingSetup(8, 1024, "bf16",
+                                                 optimizer=OptimizerProfile(kernel)))
         ev = cm.evaluate(Candidate(1, 1, 1, 1, 8, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE,
                                    0, False))
         steps[kernel] = ev.prediction.breakdown["optimizer_s"]

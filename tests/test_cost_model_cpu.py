@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from autopar import Cluster, capture
 from autopar.ir import evaluate
 from autopar.cluster import LinkKind, LinkSpec
-from autopar.plan_types import RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerProfile, RecomputeKind, ScheduleKind
 from autopar.planner.cost_model import Candidate, CostModel, TrainingSetup
 from autopar.planner.planning import capture_model_costs
 from autopar.planner.schedule_model import (PipelineWork, closed_form_pipeline_time,
@@ -525,7 +525,7 @@ def test_optimizer_step_at_the_measured_rate_of_its_kernel(costs, per_param, ker
     from autopar.plan_types import OptimizerKernel
     from autopar.planner.kernels import ADAMW_BYTES_PER_PARAM, memory_time
 
-    setup = TrainingSetup(8, SHAPE["seq"], "fp32", optimizer_kernel=kernel)
+    setup = TrainingSetup(8, SHAPE["seq"], "fp32", optimizer=OptimizerProfile(kernel))
     params = sum(n for i in range(costs.num_layers)
                  for n in costs.template(i).params.values()) - SHAPE["vocab"] * SHAPE["hidden"]
     bytes_each = ADAMW_BYTES_PER_PARAM[OptimizerKernel(kernel or "for-loop")]

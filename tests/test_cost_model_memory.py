@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar import Cluster, capture, models
 from autopar.ir import evaluate, info
-from autopar.plan_types import RecomputeKind, ScheduleKind
+from autopar.plan_types import OptimizerProfile, RecomputeKind, ScheduleKind
 from autopar.planner.comm import mesh_span
 from autopar.planner.cost_model import (Candidate, CostModel, ModelCosts, TrainingSetup,
                                         price_layer)
@@ -97,7 +97,8 @@ def test_the_optimizers_own_state_replaces_adams_moments(gpt2_small, state, zero
     P = sum(p.numel() for p in zm.model.parameters())
     c = Candidate(8, 1, 1, 1, 1, ScheduleKind.ONE_F_ONE_B, RecomputeKind.FULL, zero, False)
     ev = CostModel(costs, A100.with_devices(8),
-                   TrainingSetup(64, 1024, optimizer_state_bytes=state)).evaluate(c)
+                   TrainingSetup(64, 1024, optimizer=OptimizerProfile(state_bytes=state))
+                   ).evaluate(c)
     rank = ev.ranks[0]
     assert rank.optimizer == pytest.approx((4 + state) * P / (8 if zero else 1), rel=1e-9)
     assert rank.weights + rank.gradients == pytest.approx((2 + 4) * P / (8 if zero == 3 else 1),
@@ -105,16 +106,16 @@ def test_the_optimizers_own_state_replaces_adams_moments(gpt2_small, state, zero
     adam = CostModel(costs, A100.with_devices(8), TrainingSetup(64, 1024)).evaluate(c)
     assert adam.ranks[0].total - rank.total == pytest.approx(
         (8 - state) * P / (8 if zero else 1), rel=1e-9)
-    cm = CostModel(costs, A100.with_devices(8), TrainingSetup(64, 1024,
-                                                              optimizer_state_bytes=state))
+    cm = CostModel(costs, A100.with_devices(8),
+                   TrainingSetup(64, 1024, optimizer=OptimizerProfile(state_bytes=state)))
     assert cm.memory_floor(c) <= rank.total
     if zero == 0 and state == 0.0:  # between SGD's 10 bytes a parameter and Adam's 18
         middle = (rank.total + adam.ranks[0].total) / 2
         small = dataclasses.replace(A100.device, memory_bytes=int(
             middle + A100.device.reserved_memory_bytes))
         cluster = dataclasses.replace(A100, device=small).with_devices(8)
-        assert CostModel(costs, cluster, TrainingSetup(64, 1024, optimizer_state_bytes=0.0)
-                         ).evaluate(c).feasible
+        assert CostModel(costs, cluster, TrainingSetup(
+            64, 1024, optimizer=OptimizerProfile(state_bytes=0.0))).evaluate(c).feasible
         assert not CostModel(costs, cluster, TrainingSetup(64, 1024)).evaluate(c).feasible
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import autopar
-from autopar import InvalidInputError, OffloadError
+from autopar import InvalidInputError, OffloadError, OptimizerProfile
 from autopar.runtime.local_pool import LocalPool
 
 import offload_jobs as jobs
@@ -231,7 +231,7 @@ def test_a_measured_host_optimizer_prices_the_offloaded_step(gpt2_costs):
         want = _pipelined(P * 4 / 25e9, host, P * 2 / 25e9, 19)
         assert ev.prediction.breakdown["optimizer_s"] == pytest.approx(want, rel=1e-9)
     # torch's fused AdamW on the host (not measured: its 28 bytes per parameter)
-    cm = CostModel(costs, preset, TrainingSetup(64, 1024, optimizer_kernel="fused"))
+    cm = CostModel(costs, preset, TrainingSetup(64, 1024, optimizer=OptimizerProfile("fused")))
     ev = cm.evaluate(_candidate(8, 0, "optimizer"))
     want = _pipelined(P * 4 / 25e9, 28 * P * 8 / 409.6e9, P * 2 / 25e9, 19)
     assert ev.prediction.breakdown["optimizer_s"] == pytest.approx(want, rel=1e-9)

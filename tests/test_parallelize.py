@@ -496,8 +496,8 @@ def test_a_parameter_the_graph_never_reads_is_kept_and_not_stepped():
 
 
 def test_the_optimizer_is_priced_as_it_runs():
-    """parallelize prices the optimizer's kernel the user asked for (TrainingSetup.
-    optimizer_kernel): torch's fused AdamW, which the cpu preset measured at a fraction of the
+    """parallelize prices the optimizer's kernel the user asked for (OptimizerProfile.kernel):
+    torch's fused AdamW, which the cpu preset measured at a fraction of the
     default for-loop's time per parameter and per tensor, predicts a step well under a third
     of the default's; and the fused optimizer trains as one process's fused AdamW (the same
     kernel on the same numbers: 1e-6)."""

@@ -73,7 +73,7 @@ def test_the_optimizer_kernel_is_a_planning_input(capsys):
                      "--global-batch", "8", "--json", *extra]) == 0
         doc = json.loads(capsys.readouterr().out)
         steps[tuple(extra)] = doc["prediction"]["breakdown"]["optimizer_s"]
-        assert doc["training"].get("optimizer_kernel") == (extra[1] if extra else None)
+        assert doc["training"].get("optimizer", {}).get("kernel") == (extra[1] if extra else None)
     assert steps[()] == pytest.approx(3 * steps[("--optimizer-kernel", "fused")])
 
 
@@ -88,7 +88,7 @@ def test_the_optimizer_state_is_a_planning_input(capsys):
                      "--global-batch", "8", "--zero", "0", "--json", *extra]) == 0
         doc = json.loads(capsys.readouterr().out)
         memory[bool(extra)] = doc["prediction"]["memory"]["optimizer"]
-        assert doc["training"].get("optimizer_state_bytes") == (0.0 if extra else None)
+        assert doc["training"].get("optimizer", {}).get("state_bytes") == (0.0 if extra else None)
     assert memory[True] == pytest.approx(memory[False] / 3, rel=1e-6)
 
 

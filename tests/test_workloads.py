@@ -276,3 +276,37 @@ def test_python_plan_refuses_bad_pins():
     with pytest.raises(InvalidInputError, match="bad pinned choice"):
         autopar.plan(nn.Linear(2, 2), "cpu", example_inputs=(torch.zeros(2, 2),),
                      loss_fn=lambda y: y.sum(), global_batch=2, colour="red")
+
+
+def test_python_plan_prices_the_optimizer_it_is_given():
+    """autopar.plan(optimizer=...) takes what parallelize takes and prices its profile on the
+    cluster's device (OptimizerFactory.profile): on one H100 under bf16, plain SGD keeps the
+    fp32 master weights alone (4 bytes a parameter of Adam's 12) and its step holds no
+    temporary, where torch's foreach AdamW holds a 4-byte square root of every moment; SGD
+    with momentum keeps 4 bytes more; an OptimizerProfile is taken whole."""
+    from autopar import models
+
+    zm = models.build("gpt", device="meta", dropout=0.0, layers=2, hidden=64, heads=4,
+                      vocab=128, seq=32)
+    tokens = torch.empty(2, 16, dtype=torch.long, device="meta")
+    P = sum(p.numel() for p in zm.model.parameters())
+
+    def memory(optimizer):
+        report = autopar.plan(zm.model, "h100-80g", devices=1, example_inputs=(tokens,),
+                              example_targets=(tokens.clone(),), loss_fn=zm.loss_fn,
+                              global_batch=8, seq=32, micro_batch_size=8, zero=0,
+                              recompute="none", optimizer=optimizer)
+        return report.document()["prediction"]["memory"], report.document()["training"]
+
+    adam, adam_training = memory(None)
+    sgd, sgd_training = memory(functools.partial(torch.optim.SGD, lr=0.1))
+    momentum, _ = memory(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    fused, fused_training = memory(autopar.OptimizerProfile(kernel="fused"))
+    assert "optimizer" not in adam_training  # the default: AdamW on torch's default kernel
+    assert adam["optimizer"] == pytest.approx(12 * P, rel=1e-6)
+    assert adam["optimizer_step"] == pytest.approx(4 * P, rel=1e-6)
+    assert sgd["optimizer"] == pytest.approx(4 * P, rel=1e-6) and sgd["optimizer_step"] == 0
+    assert sgd_training["optimizer"]["state_bytes"] == 0.0
+    assert sgd_training["optimizer"]["step"]["bytes_per_param"] == 12.0
+    assert momentum["optimizer"] == pytest.approx(8 * P, rel=1e-6)
+    assert fused["optimizer_step"] == 0 and fused_training["optimizer"] == {"kernel": "fused"}

@@ -88,6 +88,7 @@ def space_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from autopar.cluster import Cluster
+    from autopar.plan_types import OptimizerProfile
     from autopar.planner.planning import plan_model
 
     cluster = Cluster.load(args.cluster).with_devices(args.gpus, args.gpus_per_node)
@@ -95,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args),
                         moe_imbalance=args.moe_imbalance,
-                        optimizer_kernel=args.optimizer_kernel,
-                        optimizer_state_bytes=args.optimizer_state_bytes)
+                        optimizer=OptimizerProfile(args.optimizer_kernel,
+                                                   args.optimizer_state_bytes))
     doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:

@@ -8,10 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-from autopar.plan_types import (OptimizerKernel, OptimizerStep, Plan, Prediction, RecomputeKind,
-                                ScheduleKind)
+from autopar.plan_types import OptimizerProfile, Plan, Prediction, RecomputeKind, ScheduleKind
 from autopar.planner.kernels import PRECISION_BYTES
-from autopar.planner.memory import MOMENT_BYTES, RankMemory
+from autopar.planner.memory import RankMemory
 
 __all__ = ["Candidate", "OFFLOAD_ORDER", "StageCost", "RankSums", "Staging", "Evaluation", "TrainingSetup"]
 
@@ -171,22 +170,12 @@ class TrainingSetup:
     #: Mixture-of-experts: rows of the busiest expert-parallel rank over the mean (1: uniform
     #: routing, what the load-balancing loss aims at). An assumption the user may change.
     moe_imbalance: float = 1.0
-    #: The optimizer's kernel (``AdamW(fused=..., foreach=...)``); None: torch's default on the
-    #: device, foreach on a GPU and the for-loop on a CPU (planner/kernels.py prices each).
-    optimizer_kernel: OptimizerKernel | None = None
-    #: Bytes per parameter of the optimizer's own state, beyond the fp32 master weights of
-    #: mixed precision: Adam's two fp32 moments, 8; SGD with momentum 4, plain SGD 0
-    #: (``parallelize`` measures it on the optimizer it is given,
-    #: ``OptimizerFactory.state_bytes_per_param``).
-    optimizer_state_bytes: float = MOMENT_BYTES
-    #: What the optimizer's step moves and runs (``OptimizerFactory.step_cost``: SGD with
-    #: momentum 32 bytes a parameter and 3 calls a tensor); None: AdamW's (planner/kernels.py).
-    optimizer_step: OptimizerStep | None = None
+    #: The optimizer as the planner prices it: its kernel, its own state per parameter and
+    #: what its step moves, runs and holds (``OptimizerFactory.profile`` measures the one
+    #: ``parallelize`` is given); the default: AdamW on torch's default kernel.
+    optimizer: OptimizerProfile = OptimizerProfile()
 
     def __post_init__(self) -> None:
-        if not self.optimizer_state_bytes >= 0:
-            raise ValueError(f"optimizer_state_bytes must be >= 0, got "
-                             f"{self.optimizer_state_bytes}")
         if not self.moe_imbalance >= 1.0:
             raise ValueError(f"moe_imbalance must be >= 1 (the busiest rank over the mean), got "
                              f"{self.moe_imbalance}")
@@ -196,5 +185,3 @@ class TrainingSetup:
             raise ValueError(f"seq must be >= 1, got {self.seq}")
         if self.dtype not in PRECISION_BYTES:
             raise ValueError(f"dtype must be one of {sorted(PRECISION_BYTES)}, got {self.dtype!r}")
-        if self.optimizer_kernel is not None:
-            object.__setattr__(self, "optimizer_kernel", OptimizerKernel(self.optimizer_kernel))

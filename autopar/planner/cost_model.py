@@ -312,10 +312,7 @@ class CostModel:
             peak, least = peak_rank_memory(c, st.ranks, self._rank_activations(c, m, st),
                                            self.setup.dtype,
                                            self.cluster.host_link_bandwidth > 0,
-                                           self._receives_ahead(c, m),
-                                           self.setup.optimizer_kernel,
-                                           self.setup.optimizer_state_bytes,
-                                           self.setup.optimizer_step)
+                                           self._receives_ahead(c, m), self.setup.optimizer)
             reason = self._out_of_memory((peak,))
             if reason is not None:
                 return Evaluation(c, reason, ranks=(peak,), stages=st.stages,
@@ -429,7 +426,7 @@ class CostModel:
         w_bytes, g_bytes, _ = STATE_BYTES[self.setup.dtype]
         separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp  # replicas: ZeRO shards over data- and context-parallel ranks
-        opt_state = self.setup.optimizer_state_bytes
+        opt_state = self.setup.optimizer.state_bytes
         per_param = sum(sharded_state_bytes(self.setup.dtype, c.zero, n, c.offload,
                                             separate_host, opt_state))
         # an expert's states shard over the dp / ep ranks holding it: priced as dense ones
@@ -455,7 +452,7 @@ class CostModel:
         # the optimizer step's temporary over the stepped share (memory.optimizer_step_bytes);
         # on a CPU it is bounded by a bucket, not per parameter: the evaluation counts it
         step_bytes = (optimizer_step_bytes(1 / n if c.zero >= 1 else 1.0, c.offload, True,
-                                           self.setup.optimizer_kernel, self.setup.optimizer_step)
+                                           self.setup.optimizer.kernel, self.setup.optimizer.step)
                       if separate_host else 0.0)
         return PartitionProblem(tuple(layers), p, m, c.schedule, v, memory, per_param,
                                 bandwidth, latency, step_bytes,
@@ -586,9 +583,9 @@ class CostModel:
             # pipelines its copies and steps over the rank's buckets
             buckets = max(1, math.ceil(rs.params / BUCKET_ELEMENTS))
             optimizer_s = max(optimizer_s, offloaded_optimizer_time(
-                cl, local, c.offload, w_bytes, state_bytes=self.setup.optimizer_state_bytes,
-                tensors=tensors, kernel=self.setup.optimizer_kernel, buckets=buckets,
-                step=self.setup.optimizer_step) / self.host.optimizer_share())
+                cl, local, c.offload, w_bytes, state_bytes=self.setup.optimizer.state_bytes,
+                tensors=tensors, kernel=self.setup.optimizer.kernel, buckets=buckets,
+                step=self.setup.optimizer.step) / self.host.optimizer_share())
             slack += rs.backward_chunk0
         peak_rank = max(ranks, key=lambda x: x.total)
         dp_exposed += self._tied_sum_time(c, st)
@@ -648,8 +645,7 @@ class CostModel:
             rank_acts = self._rank_activations(c, m, st)
         return rank_memory(c, st.ranks, rank_acts, self.setup.dtype,
                            self.cluster.host_link_bandwidth > 0, self._receives_ahead(c, m),
-                           self.setup.optimizer_kernel, self.setup.optimizer_state_bytes,
-                           self.setup.optimizer_step)
+                           self.setup.optimizer)
 
     def _receives_ahead(self, c: Candidate, m: int) -> tuple[int, ...]:
         """Per pipeline rank, the boundary tensors received ahead of their compute
@@ -684,7 +680,7 @@ class CostModel:
                                                     c.tp, c.ep)
         separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp
-        opt_state = self.setup.optimizer_state_bytes
+        opt_state = self.setup.optimizer.state_bytes
         states = ((held - experts) * sum(sharded_state_bytes(self.setup.dtype, c.zero, n,
                                                             c.offload, separate_host,
                                                             opt_state))

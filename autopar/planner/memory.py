@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from autopar.plan_types import OptimizerKernel, OptimizerStep
+from autopar.plan_types import OptimizerKernel, OptimizerProfile, OptimizerStep
 
 if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
@@ -211,18 +211,18 @@ def _peak_bytes(weights: float, gradients: float, optimizer: float, activations:
 
 def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                  dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                 kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES,
-                 step: OptimizerStep | None = None) -> Iterator[tuple[float, ...]]:
+                 optimizer: OptimizerProfile = OptimizerProfile()
+                 ) -> Iterator[tuple[float, ...]]:
     """Per pipeline rank: (weights, gradients, optimizer, activations, buffers, optimizer step)
     bytes, as :func:`rank_memory` documents them."""
     w_bytes, g_bytes, _ = STATE_BYTES[dtype]
     n = c.dp * c.cp  # replicas
     zero = c.zero
     w_per, g_per, o_per = sharded_state_bytes(dtype, zero, n, c.offload, separate_host,
-                                              state_bytes)
+                                              optimizer.state_bytes)
     ne = max(n // c.ep, 1)  # the ranks an expert's ZeRO shards span
     w_ex, g_ex, o_ex = sharded_state_bytes(dtype, zero, ne, c.offload, separate_host,
-                                           state_bytes)
+                                           optimizer.state_bytes)
     gathered = zero == 3 and not c.reshard_after_forward
     for r, (rs, acts) in enumerate(zip(ranks, activations)):
         if gathered:
@@ -237,13 +237,13 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
         dense = rs.params - ex
         stepped = dense / n + ex / ne if zero >= 1 else rs.params
         yield (w_per * dense + w_ex * ex, g_per * dense + g_ex * ex, o_per * dense + o_ex * ex,
-               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host, kernel, step))
+               acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host,
+                                                   optimizer.kernel, optimizer.step))
 
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                 dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES,
-                step: OptimizerStep | None = None) -> list[RankMemory]:
+                optimizer: OptimizerProfile = OptimizerProfile()) -> list[RankMemory]:
     """Peak bytes of each pipeline rank of candidate ``c``: model states at its ZeRO stage over
     its dp x cp replicas (:func:`model_state_bytes`, inlined: the search calls this for every
     rank of every candidate; experts' shards span the dp / ep ranks holding the same experts),
@@ -256,19 +256,17 @@ def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequen
     (``ScheduleSpec.receives_ahead`` on a transport that pairs messages by their order, NCCL:
     up to p - 1 on interleaved 1F1B's first rank; one on gloo), each the largest the rank
     receives; and the optimizer step's temporary over the parameters the rank steps, by the
-    optimizer's ``kernel`` or its counted ``step`` (:func:`optimizer_step_bytes`); the
-    optimizer's own state is
-    ``state_bytes`` per parameter (:func:`sharded_state_bytes`)."""
+    ``optimizer``'s kernel or its counted step (:func:`optimizer_step_bytes`), whose own state
+    is its ``state_bytes`` per parameter (:func:`sharded_state_bytes`)."""
     return [RankMemory(r, *fields)
             for r, fields in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                                    receives_ahead, kernel, state_bytes,
-                                                    step))]
+                                                    receives_ahead, optimizer))]
 
 
 def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],
                      dtype: str, separate_host: bool, receives_ahead: Sequence[int] = (),
-                     kernel: OptimizerKernel | None = None, state_bytes: float = MOMENT_BYTES,
-                     step: OptimizerStep | None = None) -> tuple[RankMemory, float]:
+                     optimizer: OptimizerProfile = OptimizerProfile()
+                     ) -> tuple[RankMemory, float]:
     """The rank of :func:`rank_memory` with the highest total (the first of equals) and the
     least total without the optimizer state over all ranks, without a :class:`RankMemory` per
     rank: the search's memory screen asks this of every candidate, most of which do not fit
@@ -277,7 +275,7 @@ def peak_rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: S
     best: tuple[int, tuple[float, ...]] | None = None
     least = math.inf
     for r, f in enumerate(_rank_fields(c, ranks, activations, dtype, separate_host,
-                                       receives_ahead, kernel, state_bytes, step)):
+                                       receives_ahead, optimizer)):
         total = _peak_bytes(*f)
         if total > peak:
             peak, best = total, (r, f)

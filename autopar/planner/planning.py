@@ -14,7 +14,6 @@ back. It holds the plan and its prediction (the fields of :class:`autopar.plan_t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -25,9 +24,8 @@ from autopar.cluster import Cluster
 from autopar.errors import InvalidInputError
 from autopar.models.workload import Workload
 from autopar.planner.cost_model import CostModel, Evaluation, ModelCosts, TrainingSetup
-from autopar.planner.memory import MOMENT_BYTES
 from autopar.planner.search import SearchResult, SearchSpace, few_collections, search
-from autopar.plan_types import OptimizerStep, Plan, Prediction
+from autopar.plan_types import OptimizerProfile, Plan, Prediction
 
 __all__ = ["PlanReport", "plan", "plan_workload", "capture_workload_costs", "plan_model",
            "read_document", "DOCUMENT_VERSION"]
@@ -96,12 +94,8 @@ class PlanReport:
                                         if self.cost_model.model.num_experts else {})},
             "training": {"global_batch": self.setup.global_batch, "seq": self.setup.seq,
                          "dtype": self.setup.dtype,
-                         **({"optimizer_kernel": self.setup.optimizer_kernel.value}
-                            if self.setup.optimizer_kernel is not None else {}),
-                         **({"optimizer_state_bytes": self.setup.optimizer_state_bytes}
-                            if self.setup.optimizer_state_bytes != MOMENT_BYTES else {}),
-                         **({"optimizer_step": dataclasses.asdict(self.setup.optimizer_step)}
-                            if self.setup.optimizer_step is not None else {}),
+                         **({"optimizer": self.setup.optimizer.document()}
+                            if self.setup.optimizer != OptimizerProfile() else {}),
                          **({"moe_imbalance": self.setup.moe_imbalance}
                             if self.cost_model.model.num_experts else {})},
             "cluster": self.cluster.to_json(),
@@ -181,13 +175,11 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
                   space: SearchSpace = SearchSpace(), top_k: int = 5,
                   progress: bool | None = None,
                   model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
-                  moe_imbalance: float = 1.0, optimizer_kernel: Any = None,
-                  optimizer_state_bytes: float = MOMENT_BYTES,
-                  optimizer_step: OptimizerStep | None = None) -> PlanReport:
+                  moe_imbalance: float = 1.0,
+                  optimizer: OptimizerProfile = OptimizerProfile()) -> PlanReport:
     """Search the best plan for ``work`` on ``cluster`` (all its devices); ``moe_imbalance``:
-    the routing assumption of a mixture-of-experts model, ``optimizer_kernel`` the optimizer's
-    implementation, ``optimizer_state_bytes`` its state per parameter, ``optimizer_step`` what
-    its step moves and runs (TrainingSetup)."""
+    the routing assumption of a mixture-of-experts model, ``optimizer`` what is priced of the
+    optimizer (TrainingSetup)."""
     start = time.perf_counter()
     # the inputs' own errors first: capturing a large model takes seconds
     if global_batch < 1:
@@ -209,13 +201,9 @@ def plan_workload(work: Workload, cluster: Cluster, *, global_batch: int,
                           else None) or costs.captured.example_sizes.get(SEQ, 1)
     try:
         setup = TrainingSetup(global_batch, seq, dtype or cluster.device.default_dtype,
-                              moe_imbalance=moe_imbalance, optimizer_kernel=optimizer_kernel,
-                              optimizer_state_bytes=optimizer_state_bytes,
-                              optimizer_step=optimizer_step)
+                              moe_imbalance=moe_imbalance, optimizer=optimizer)
     except ValueError as exc:
-        raise InvalidInputError(str(exc), fix="pass --moe-imbalance >= 1, --optimizer-kernel "
-                                              "fused, foreach or for-loop, and "
-                                              "--optimizer-state-bytes >= 0") from None
+        raise InvalidInputError(str(exc), fix="pass --moe-imbalance >= 1") from None
     cost_model = CostModel(costs, cluster, setup)
     result = search(cost_model, space, top_k=top_k, progress=progress)
     from autopar.ir import LayerKind
@@ -232,9 +220,8 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
                progress: bool | None = None, attention: str = "sdpa",
                model_costs: tuple[ModelCosts, dict[str, Any], float] | None = None,
                overrides: Mapping[str, Any] | None = None,
-               moe_imbalance: float = 1.0, optimizer_kernel: Any = None,
-               optimizer_state_bytes: float = MOMENT_BYTES,
-               optimizer_step: OptimizerStep | None = None) -> PlanReport:
+               moe_imbalance: float = 1.0,
+               optimizer: OptimizerProfile = OptimizerProfile()) -> PlanReport:
     """Search the best plan for what ``name`` names (a zoo preset or family, a transformers
     config file or directory, ``file.py:function``) on ``cluster``; ``overrides`` shape a
     preset, family or config (layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq =
@@ -247,17 +234,14 @@ def plan_model(name: str, cluster: Cluster, *, global_batch: int, seq: int | Non
         return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
                              space=space, top_k=top_k, progress=progress,
                              model_costs=model_costs, moe_imbalance=moe_imbalance,
-                             optimizer_kernel=optimizer_kernel,
-                             optimizer_state_bytes=optimizer_state_bytes,
-                             optimizer_step=optimizer_step)
+                             optimizer=optimizer)
 
 
 def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: Any,
          global_batch: int, example_targets: Any = (), seq: int | None = None,
          dtype: str | None = None, devices: int | None = None,
          devices_per_node: int | None = None, top_k: int = 5, progress: bool = False,
-         optimizer_kernel: Any = None, optimizer_state_bytes: float = MOMENT_BYTES,
-         optimizer_step: OptimizerStep | None = None, **pins: Any) -> PlanReport:
+         optimizer: Any = None, **pins: Any) -> PlanReport:
     """Plan ``model`` for ``cluster`` without running it: no process group, and a model on the
     meta device is welcome (shapes are all planning needs).
 
@@ -270,13 +254,12 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
         global_batch: samples per optimizer step; ``seq``: the sequence length to plan for
             (default: the example inputs').
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default: the cluster's).
-        optimizer_kernel: ``"fused"``, ``"foreach"`` or ``"for-loop"``, how the optimizer
-            will run (``AdamW(fused=True)``, ...); default: torch's default on the device.
-        optimizer_state_bytes: bytes per parameter of the optimizer's own state (default 8,
-            Adam's two fp32 moments; SGD with momentum 4, plain SGD 0).
-        optimizer_step: what its step moves and runs, an :class:`autopar.OptimizerStep`
-            (``OptimizerFactory(torch.optim.SGD, {"momentum": 0.9}).step_cost()``: 32 bytes a
-            parameter, 3 calls a tensor); default: AdamW's.
+        optimizer: the optimizer training will use, as ``parallelize`` takes it (a torch
+            optimizer class, ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``, a
+            callable taking the parameters), profiled on probes for the cluster's device (its
+            kernel, state and step: ``OptimizerFactory.profile``); or an
+            :class:`autopar.OptimizerProfile` given whole (``OptimizerProfile(kernel="fused")``);
+            default: AdamW on torch's default kernel.
         pins: dp, tp, pp, virtual_stages, micro_batch_size, schedule, recompute, zero,
             sequence_parallel: fixed; the rest is searched.
 
@@ -302,11 +285,17 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
                                 found=str(sorted(pins)), fix="see help(autopar.plan)") from None
     work = Workload(type(model).__name__, model, example_inputs, loss_fn, example_targets,
                     info={"name": type(model).__name__, "family": type(model).__name__})
+    if optimizer is None:
+        profile = OptimizerProfile()
+    elif isinstance(optimizer, OptimizerProfile):
+        profile = optimizer
+    else:
+        from autopar.runtime.optim import OptimizerFactory
+
+        profile = OptimizerFactory.of(optimizer, model.named_parameters()).profile(
+            gpu=cluster.backend == "nccl")
     return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
-                         space=space, top_k=top_k, progress=progress,
-                         optimizer_kernel=optimizer_kernel,
-                         optimizer_state_bytes=optimizer_state_bytes,
-                         optimizer_step=optimizer_step)
+                         space=space, top_k=top_k, progress=progress, optimizer=profile)
 
 
 def read_document(path: str) -> Mapping[str, Any]:
