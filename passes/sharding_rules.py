@@ -287,11 +287,22 @@ def _pname(p: Any) -> str:
 # Views
 # ---------------------------------------------------------------------------------------------
 
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two symbolic sizes are equal: a difference that is a polynomial in the sizes'
+    symbols is zero exactly when its expansion is (no ``sympy.simplify``, which is slow and
+    imports ``sympy.physics`` on its first call); anything else (a floor division) is left to
+    ``sympy.simplify``."""
+    diff = sympy.expand(sympy.sympify(a) - b)
+    if diff == 0:
+        return True
+    return not diff.is_polynomial() and sympy.simplify(diff) == 0
+
+
 @functools.lru_cache(maxsize=4096)
 def _reshape_groups(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...]
                     ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
     """Pair up runs of input and output dims with equal products (None if they never match).
-    Cached by the two symbolic shapes: ``sympy.simplify`` was most of a sharding search's rule
+    Cached by the two symbolic shapes: comparing products was most of a sharding search's rule
     time, and the planner solves one graph at several tp degrees and micro-batch sizes."""
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
@@ -309,7 +320,7 @@ def _reshape_groups(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...]
             pj = pj * out_shape[j]
             j += 1
         for _ in range(n_in + n_out + 1):
-            if sympy.simplify(pi - pj) == 0:
+            if _equal(pi, pj):
                 break
             num, den = sympy.fraction(sympy.together(pj / pi))
             grow_in = den == 1 and i < n_in
@@ -463,7 +474,7 @@ def _split(node: torch.fx.Node, ctx: RuleContext) -> list[Strategy]:
     for d in _dims(in_spec, ctx):
         if d != dim:
             strategies.append(_strategy(node, f"S({d})", tup(Shard(d)), {src: Shard(d)}, ctx))
-    equal = n_out > 1 and all(sympy.simplify(s - sizes[0]) == 0 for s in sizes)
+    equal = n_out > 1 and all(_equal(s, sizes[0]) for s in sizes)
     if equal and _shardable(in_spec.shape[dim], ctx, blocks=n_out) and name in (
             "split", "split_with_sizes", "chunk", "unsafe_split"):
         strategies.append(_strategy(node, f"S({dim})", tup(Shard(dim)),
