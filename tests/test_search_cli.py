@@ -92,6 +92,31 @@ def test_the_optimizer_state_is_a_planning_input(capsys):
     assert memory[True] == pytest.approx(memory[False] / 3, rel=1e-6)
 
 
+def test_the_optimizer_class_is_a_planning_input(capsys):
+    """--optimizer SGD (with --optimizer-options) is profiled on probes as parallelize profiles
+    it: plain SGD keeps the fp32 master weights alone (4 of Adam's 12 bytes a parameter under
+    bf16) and its step holds no temporary, where the default foreach AdamW holds a 4-byte
+    square root of every moment; the document records the profile; --optimizer-state-bytes
+    still overrides the state."""
+    out = []
+    for extra in ([], ["--optimizer", "SGD", "--optimizer-options", '{"lr": 0.1}'],
+                  ["--optimizer", "sgd", "--optimizer-state-bytes", "2"]):
+        assert main(["plan", "gpt", "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab",
+                     "1024", "--seq", "128", "--cluster", "h100-80g", "--gpus", "1",
+                     "--global-batch", "8", "--zero", "0", "--json", *extra]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        out.append((doc["prediction"]["memory"], doc["training"].get("optimizer")))
+    (adam, adam_doc), (sgd, sgd_doc), (two, two_doc) = out
+    params = adam["weights"] / 2  # bf16 weights
+    assert adam_doc is None and adam["optimizer_step"] == pytest.approx(4 * params)
+    assert sgd["optimizer"] == pytest.approx(adam["optimizer"] / 3, rel=1e-6)
+    assert sgd["optimizer_step"] == 0 and sgd_doc["state_bytes"] == 0.0
+    assert sgd_doc["step"] == {"bytes_per_param": 12.0, "ops_per_tensor": 1.0,
+                               "temporary_bytes": 0.0, "tensor_temporary_bytes": 0.0}
+    assert two_doc["state_bytes"] == 2.0
+    assert two["optimizer"] == pytest.approx(6 * params, rel=1e-6)
+
+
 def test_the_default_sequence_is_the_context_a_rotary_model_was_configured_for(capsys):
     """A rotary model learns no position table, so its length is not capped; without --seq
     it is planned at its configured context (max_position_embeddings), as a learned-position
@@ -194,6 +219,15 @@ def test_simulate_writes_a_trace_and_a_gantt(plan_file, tmp_path, capsys):
     (["plan", "gpt", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
       "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8",
       "--optimizer-state-bytes", "-1"], "InvalidInputError"),
+    (["plan", "gpt", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
+      "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8", "--optimizer", "Lion"],
+     "InvalidInputError"),
+    (["plan", "gpt", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
+      "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8", "--optimizer", "SGD",
+      "--optimizer-options", "momentum=0.9"], "InvalidInputError"),
+    (["plan", "gpt", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
+      "--cluster", "a100-80g", "--gpus", "8", "--global-batch", "8", "--optimizer", "SGD",
+      "--optimizer-options", '{"colour": 1}'], "InvalidInputError"),
 ])
 def test_bad_input_is_a_named_error(argv, error, capsys):
     assert main(argv) == 1

@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from typing import TYPE_CHECKING
+
 from autopar.commands._model_args import add_model_args, model_overrides
 from autopar.runtime.schedules import ScheduleKind
+
+if TYPE_CHECKING:
+    from autopar.plan_types import OptimizerProfile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,14 +55,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--moe-imbalance", dest="moe_imbalance", type=float, default=1.0,
                    metavar="F", help="mixture-of-experts: rows of the busiest expert rank over "
                                      "the mean (default 1: uniform routing)")
+    p.add_argument("--optimizer", default=None, metavar="CLASS",
+                   help="the torch.optim class training will use (SGD, AdamW, Adagrad, ...), "
+                        "profiled on probes as parallelize profiles it: its state, and what its "
+                        "step moves, calls and holds (default: AdamW's)")
+    p.add_argument("--optimizer-options", dest="optimizer_options", default=None,
+                   metavar="JSON", help='its keyword arguments, e.g. \'{"momentum": 0.9}\'')
     p.add_argument("--optimizer-kernel", dest="optimizer_kernel", default=None,
                    choices=["fused", "foreach", "for-loop"],
                    help="how the optimizer runs (AdamW(fused=True), foreach=True, foreach=False;"
                         " default: torch's default on the device, foreach on GPUs)")
     p.add_argument("--optimizer-state-bytes", dest="optimizer_state_bytes", type=float,
-                   default=8.0, metavar="B",
-                   help="bytes per parameter of the optimizer's own state (default 8: Adam's two "
-                        "fp32 moments; SGD with momentum 4, plain SGD 0)")
+                   default=None, metavar="B",
+                   help="bytes per parameter of the optimizer's own state (default: the "
+                        "optimizer's, 8 for Adam's two fp32 moments; SGD with momentum 4, plain "
+                        "SGD 0)")
     p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
                    help="attention kernel the model is captured with (default sdpa; eager for a "
                         "transformers class without sdpa)")
@@ -88,7 +100,6 @@ def space_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from autopar.cluster import Cluster
-    from autopar.plan_types import OptimizerProfile
     from autopar.planner.planning import plan_model
 
     cluster = Cluster.load(args.cluster).with_devices(args.gpus, args.gpus_per_node)
@@ -96,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args),
                         moe_imbalance=args.moe_imbalance,
-                        optimizer=OptimizerProfile(args.optimizer_kernel,
-                                                   args.optimizer_state_bytes))
+                        optimizer=optimizer_from_args(args, gpu=cluster.backend == "nccl"))
     doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:
@@ -107,6 +117,54 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_plan(doc)
     return 0
+
+
+def optimizer_from_args(args: argparse.Namespace, *, gpu: bool) -> "OptimizerProfile":
+    """What ``--optimizer`` and its options name, profiled on probes for the device
+    (``OptimizerFactory.profile``; AdamW's without one); ``--optimizer-kernel`` and
+    ``--optimizer-state-bytes`` given override what the profile found."""
+    import dataclasses
+
+    import torch
+
+    from autopar.errors import InvalidInputError
+    from autopar.plan_types import OptimizerKernel, OptimizerProfile
+    from autopar.runtime.optim import OptimizerFactory
+
+    profile = OptimizerProfile()
+    if args.optimizer is not None or args.optimizer_options is not None:
+        name = args.optimizer or "AdamW"
+        classes = {c.__name__.lower(): c for c in vars(torch.optim).values()
+                   if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+                   and c is not torch.optim.Optimizer}
+        cls = classes.get(name.lower())
+        if cls is None:
+            raise InvalidInputError("unknown optimizer", expected="a torch.optim class: " +
+                                    ", ".join(sorted(c.__name__ for c in classes.values())),
+                                    found=name, fix="pass --optimizer SGD, AdamW, ...")
+        try:
+            options = json.loads(args.optimizer_options or "{}")
+        except json.JSONDecodeError as exc:
+            options = exc
+        if not isinstance(options, dict):
+            raise InvalidInputError("--optimizer-options is not a JSON object",
+                                    expected='keyword arguments, e.g. \'{"momentum": 0.9}\'',
+                                    found=str(args.optimizer_options)[:80],
+                                    fix="quote a JSON object of the optimizer's keyword "
+                                        "arguments")
+        kernel = args.optimizer_kernel  # into the options torch reads it from
+        if kernel == "fused":
+            options = {**options, "fused": True}
+        elif kernel is not None:
+            options = {**options, "foreach": kernel == "foreach"}
+        factory = OptimizerFactory(cls, options)
+        factory.build([("probe", torch.zeros(2, requires_grad=True))])  # its options' errors
+        profile = factory.profile(gpu=gpu)
+    elif args.optimizer_kernel is not None:
+        profile = OptimizerProfile(OptimizerKernel(args.optimizer_kernel))
+    if args.optimizer_state_bytes is not None:
+        profile = dataclasses.replace(profile, state_bytes=args.optimizer_state_bytes)
+    return profile
 
 
 def print_plan(doc) -> None:
