@@ -449,6 +449,34 @@ def test_counted_step_temporaries_predict_the_step_peak(optimizer, options, gpu)
     assert want <= peak <= want + 64 * len(buckets), (step, peak)
 
 
+def test_a_cpu_ranks_step_temporary_is_its_largest_parameters():
+    """On a CPU the for-loop AdamW steps one parameter at a time: its temporaries are those of
+    the rank's largest parameter (12 bytes an element, counted on probes), not of every
+    parameter it steps (a 0.3M-parameter GPT whose tied 512 x 64 embedding is its largest
+    tensor). Against the same model's real AdamW step counted by storage: the prediction is a
+    bound within the 4 bytes the previous tensor's denominator adds (8 of 12 where the next
+    tensor is smaller)."""
+    from autopar.runtime.optim import OptimizerFactory
+
+    spec = dict(layers=6, hidden=64, heads=4, vocab=512, seq=32, dropout=0.0)
+    _, captured = _capture("gpt", **spec)
+    profile = OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3}).profile(gpu=False)
+    cm = CostModel(ModelCosts(captured), Cluster.load("cpu").with_devices(1),
+                   TrainingSetup(8, 32, "fp32", optimizer=profile))
+    ev = cm.evaluate(Candidate(1, 1, 1, 1, 8, ScheduleKind.ONE_F_ONE_B, RecomputeKind.NONE, 0,
+                               False))
+    model = models.build("gpt", **spec).model
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    peak = _second_step_peak(torch.optim.AdamW(params, lr=1e-3), params)
+    largest = max(p.numel() for p in params)
+    assert largest == 512 * 64 and ev.ranks[0].optimizer_step == 12 * largest
+    assert peak <= ev.ranks[0].optimizer_step <= 1.5 * peak
+    # every parameter's 12 bytes, as priced before: 10x what the step holds
+    assert 12 * sum(p.numel() for p in params) > 10 * peak
+
+
 def test_the_step_temporary_sets_the_peak_when_activations_are_small(gpt2_small):
     """A rank's peak is its states plus the larger of its activations (with ZeRO-3's buffers)
     and the optimizer step's temporary: 4 bytes per stepped parameter on a GPU, the rank's

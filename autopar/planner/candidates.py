@@ -118,6 +118,9 @@ class RankSums:
     #: stage's input, or its output's gradient; per tp rank): what each receive posted ahead of
     #: its compute holds (``ScheduleSpec.receives_ahead``).
     received_bytes: float = 0.0
+    #: The largest parameter this rank holds (per tp rank, experts over ep): the largest tensor
+    #: an optimizer steps at a time, bucket permitting (memory.optimizer_step_bytes).
+    largest_param: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -676,7 +676,7 @@ class CostModel:
         rank keeps in flight: max_r (S_r + f_r A_r) >= (S + f A) / p."""
         table = self.sums.table(c)
         layers = len(table.costs)
-        held, _, experts, _ = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c),
+        held, _, experts, _, _ = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c),
                                                     c.tp, c.ep)
         separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp

@@ -36,9 +36,10 @@ temporary of its own (:func:`optimizer_step_bytes`). torch's Adam / AdamW on CUD
 ``_multi_tensor_adam`` computes ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`` for every
 stepped tensor at once: one fp32 temporary the size of the rank's stepped (ZeRO: sharded)
 master weights. On a CPU the for-loop path (``_single_tensor_adam``) computes
-``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``, two temporaries the size of one tensor, here a
-flat gradient bucket (runtime/data_parallel.py, 25 MiB by default), while the previous tensor's
-``denom`` is still bound. Other optimizers hold other temporaries (SGD none, SGD with weight
+``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``, two temporaries the size of one tensor, while
+the previous tensor's ``denom`` is still bound: the runtime's optimizer steps each parameter's
+piece of a flat bucket (runtime/data_parallel.py, 25 MiB by default) as one tensor, so the
+rank's largest parameter, a bucket's share at most. Other optimizers hold other temporaries (SGD none, SGD with weight
 decay foreach a decayed copy of every gradient): ``parallelize`` counts the optimizer it is
 given on probes (``OptimizerFactory.step_cost``: the bytes that grow with the tensors stepped
 and those held per element of the one being stepped), on the path the device takes, and prices
@@ -236,9 +237,13 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
         ex = rs.expert_params
         dense = rs.params - ex
         stepped = dense / n + ex / ne if zero >= 1 else rs.params
+        # the largest tensor one step call holds: a parameter, a ZeRO shard's piece of it at
+        # most a bucket's share, a flat bucket at most (runtime/data_parallel.py)
+        largest = min(rs.largest_param or math.inf,
+                      BUCKET_ELEMENTS / (n if zero >= 1 else 1))
         yield (w_per * dense + w_ex * ex, g_per * dense + g_ex * ex, o_per * dense + o_ex * ex,
                acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host,
-                                                   optimizer.kernel, optimizer.step))
+                                                   optimizer.kernel, optimizer.step, largest))
 
 
 def rank_memory(c: "Candidate", ranks: Sequence["RankSums"], activations: Sequence[float],

@@ -224,7 +224,7 @@ class StageSums:
         ranks = []
         for rank in range(p):
             mine = [stages[s] for s in chunks[rank]]
-            held, largest, experts, tensors = self.rank_params(
+            held, largest, experts, tensors, largest_param = self.rank_params(
                 tuple(st.layers for st in mine), layout, c.tp, c.ep)
             working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
                           default=0.0)
@@ -237,7 +237,8 @@ class StageSums:
                 backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
                 recompute=sum(st.recompute_s for st in mine),
                 tp_comm=sum(st.tp_comm_s for st in mine), tensors=tensors,
-                received_bytes=max((received[s] for s in chunks[rank]), default=0.0)))
+                received_bytes=max((received[s] for s in chunks[rank]), default=0.0),
+                largest_param=largest_param))
         # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
         # not computing: on shared cores it takes no core (runtime/simulator.py)
         a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
@@ -271,10 +272,10 @@ class StageSums:
         return total, experts
 
     def rank_params(self, ranges: tuple[tuple[int, int], ...], layout: TPLayout | None,
-                     tp: int, ep: int = 1) -> tuple[float, float, float, int]:
-        """(parameters held, largest layer's parameters, experts held, parameter tensors held) of
-        one tp rank holding the layers of ``ranges`` (a tied table read by two of them once;
-        experts split over ep ranks)."""
+                     tp: int, ep: int = 1) -> tuple[float, float, float, int, float]:
+        """(parameters held, largest layer's parameters, experts held, parameter tensors held,
+        largest parameter) of one tp rank holding the layers of ``ranges`` (a tied table read by
+        two of them once; experts split over ep ranks)."""
         split = layout.sharded_params if layout is not None else frozenset()
         key = (ranges, split, tp, ep)  # layouts of several micro-batches often shard alike
         hit = self._params_cache.get(key)
@@ -296,6 +297,7 @@ class StageSums:
                     layer_total += share
                     seen[where] = share
                 largest = max(largest, layer_total)
-        out = (sum(seen.values()), largest, sum(experts.values()), len(seen))
+        out = (sum(seen.values()), largest, sum(experts.values()), len(seen),
+           max(seen.values(), default=0.0))
         self._params_cache[key] = out
         return out
