@@ -67,7 +67,7 @@ class StageSums:
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, Staging] = {}
         self._table_cache: dict[tuple, LayerTable] = {}
-        self._params_cache: dict[tuple, tuple[float, float, float, int]] = {}
+        self._params_cache: dict[tuple, tuple[float, float, float, int, float]] = {}
 
     def layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
                      cp_attention: str = "ring", split_backward: bool = False
