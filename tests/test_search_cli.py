@@ -115,6 +115,12 @@ def test_the_optimizer_class_is_a_planning_input(capsys):
                                "temporary_bytes": 0.0, "tensor_temporary_bytes": 0.0}
     assert two_doc["state_bytes"] == 2.0
     assert two["optimizer"] == pytest.approx(6 * params, rel=1e-6)
+    assert main(["plan", "gpt", "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab",
+                 "1024", "--seq", "128", "--cluster", "h100-80g", "--gpus", "1",
+                 "--global-batch", "8", "--optimizer", "SGD"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("optimizer priced as profiled: state 0 bytes a parameter, step 12 bytes a parameter "
+            "and 1 calls a tensor, temporaries 0 bytes") in text
 
 
 def test_the_default_sequence_is_the_context_a_rotary_model_was_configured_for(capsys):

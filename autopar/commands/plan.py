@@ -196,6 +196,17 @@ def print_plan(doc) -> None:
     if plan["zero"] == 3 and not plan.get("reshard_after_forward", True):
         out.print("ZeRO-3 keeps each layer's weights gathered from its forward to its backward "
                   "(reshard_after_forward=False)")
+    priced = train.get("optimizer")
+    if priced:  # not AdamW on torch's default kernel
+        step = priced.get("step")
+        out.print("optimizer priced as profiled: " + ", ".join(
+            ([f"{priced['kernel']} kernel"] if "kernel" in priced else [])
+            + [f"state {priced.get('state_bytes', 8.0):g} bytes a parameter"]
+            + ([f"step {step['bytes_per_param']:g} bytes a parameter and "
+                f"{step['ops_per_tensor']:g} calls a tensor, temporaries "
+                f"{step.get('temporary_bytes') or 0:g} bytes a stepped parameter + "
+                f"{step.get('tensor_temporary_bytes') or 0:g} of its largest tensor"]
+               if step else [])))
     where = {"optimizer": "host memory (the step runs on the host)",
              "disk": "files under parallelize(offload_dir=...), paged per bucket"}
     if plan.get("offload", "none") != "none":
