@@ -109,12 +109,15 @@ class OptimizerProfile:
     (``runtime.optim.OptimizerFactory.profile``) and ``autopar.plan`` takes: the ``kernel`` its
     step runs (None: torch's default on the device, foreach on a GPU, the for-loop on a CPU),
     its own ``state_bytes`` per parameter beyond the fp32 master weights (Adam's two fp32
-    moments 8, SGD with momentum 4, plain SGD 0) and what its ``step`` moves, runs and holds
-    (None: AdamW's). The default is AdamW's on torch's default kernel."""
+    moments 8, SGD with momentum 4, plain SGD 0), what its ``step`` moves, runs and holds
+    (None: AdamW's), and whether its update is ``elementwise`` (an element's update reads that
+    element alone: what ZeRO's flat shards and tensor-parallel shards need; Adafactor's row and
+    column statistics are not). The default is AdamW's on torch's default kernel."""
 
     kernel: OptimizerKernel | None = None
     state_bytes: float = 8.0
     step: OptimizerStep | None = None
+    elementwise: bool = True
 
     def __post_init__(self) -> None:
         if not self.state_bytes >= 0:
@@ -143,6 +146,8 @@ class OptimizerProfile:
             out["state_bytes"] = self.state_bytes
         if self.step is not None:
             out["step"] = dataclasses.asdict(self.step)
+        if not self.elementwise:
+            out["elementwise"] = False
         return out
 
 

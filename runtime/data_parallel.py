@@ -100,6 +100,19 @@ class DataParallel:
                 found=f"zero={int(stage)} with an optimizer that looks at whole tensors",
                 fix="use zero=0, or pass elementwise=True to OptimizerFactory if its update is "
                     "element-wise")
+        if not optimizer.is_elementwise and mesh.tp > 1 and param_specs:
+            specs = param_specs.values() if isinstance(param_specs, Mapping) else param_specs
+            split = sorted(s.name for s in specs if not s.replicated_over_tp)
+            if split:  # its statistics of a shard are not those of the whole matrix
+                raise PlanMismatchError(
+                    f"{optimizer.optimizer_class.__name__} cannot update tensor-parallel shards",
+                    expected="an element-wise optimizer (Adam, AdamW, SGD, ...) where tp > 1 "
+                             "splits parameters",
+                    found=f"tp={mesh.tp} splits {len(split)} parameters ({', '.join(split[:3])}"
+                          f"{', ...' if len(split) > 3 else ''}) and the optimizer looks at "
+                          f"whole tensors (Adafactor's row and column statistics)",
+                    fix="use tp=1 (plan='auto' does for such an optimizer), or pass "
+                        "elementwise=True to OptimizerFactory if its update is element-wise")
         if config.shard_size is not None and config.shard_size > mesh.replicas:
             raise PlanMismatchError("hybrid shard group larger than the data-parallel group",
                                     expected=f"shard_size <= dp x cp = {mesh.replicas}",

@@ -344,9 +344,10 @@ class OptimizerFactory:
 
     def profile(self, gpu: bool = False) -> OptimizerProfile:
         """What the planner prices of this optimizer: its kernel, its state per parameter
-        (:meth:`state_bytes_per_param`) and its step (:meth:`step_cost`, on the path a GPU
-        takes with ``gpu``)."""
-        return OptimizerProfile(self.kernel, self.state_bytes_per_param(), self.step_cost(gpu))
+        (:meth:`state_bytes_per_param`), its step (:meth:`step_cost`, on the path a GPU takes
+        with ``gpu``) and whether its update is element-wise."""
+        return OptimizerProfile(self.kernel, self.state_bytes_per_param(), self.step_cost(gpu),
+                                self.is_elementwise)
 
     @property
     def is_elementwise(self) -> bool:

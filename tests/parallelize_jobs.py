@@ -4,11 +4,12 @@ and the single-process references they are compared with."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -448,3 +449,37 @@ def zero_memory(blocks: int, pins: Mapping[str, Any], bucket_mb: float = 25.0,
                 units=len(pm.data_parallel.units), buckets=len(buckets),
                 stage=sum(sizes[f] for f in {f for fs in layer_params.values() for f in fs}),
                 layers={k: sum(sizes[f] for f in v) for k, v in layer_params.items()})
+
+
+def whole_tensor_optimizer(name: str, plans: Sequence[Any], steps: int = 2):
+    """Adafactor (its update reads a matrix's row and column statistics: not element-wise)
+    under each plan: the largest parameter difference from one process's Adafactor after
+    ``steps`` steps and the plan taken, or the error's class and text."""
+    torch.manual_seed(0)
+    model, loss_fn = make_model(name)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2)
+    data = batches(name, steps)
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss_fn(ref(*inputs), *targets).backward()
+        opt.step()
+    want = ref.state_dict()
+    out = []
+    for plan in plans:
+        try:
+            pm = autopar.parallelize(copy.deepcopy(model), example_inputs=data[0][0],
+                                     example_targets=data[0][1], loss_fn=loss_fn, plan=plan,
+                                     tp_cost=TINY_COST,
+                                     optimizer=functools.partial(torch.optim.Adafactor, lr=1e-2))
+        except autopar.AutoparError as exc:
+            out.append((type(exc).__name__, str(exc)))
+            continue
+        for inputs, targets in data:
+            pm.train_step(inputs, targets)
+        state = pm.state_dict()
+        diff = max(((state[k] - v).abs().max().item(), k) for k, v in want.items()
+                   if v.is_floating_point())
+        out.append((pm.plan.to_json(), diff))
+        pm.close()
+    return out

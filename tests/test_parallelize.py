@@ -658,3 +658,24 @@ def test_an_odd_vocabulary_is_padded_and_trains_like_one_process(shared_pool2, t
     assert resumed[0]["losses"] == pytest.approx(resumed_ref["losses"][ckpt.SAVED_AT:], rel=1e-5)
     for key, want in resumed_ref["state"].items():
         torch.testing.assert_close(resumed[0]["final"][key], want, rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.distributed
+def test_a_whole_tensor_optimizer_is_never_given_shards(shared_pool2):
+    """Adafactor's update of a matrix reads its row and column statistics, which a
+    tensor-parallel shard's are not (tp=2 updated the split GEMMs up to 6% of a step off one
+    process's, silently, before this was refused): pinned tp=2 is a named PlanMismatchError on
+    every rank, zero=1 the engine's named error, and plan="auto" searches neither, training
+    as one process does: fp32 Adafactor on the same batches, within 1e-3 of its lr (1e-5; the
+    step divides each gradient by its own root mean square, so the data-parallel mean's
+    rounding, ~1e-7 of a gradient, comes out at ~6e-4 of a step on a LayerNorm weight; the
+    split GEMMs' error was 6e-5)."""
+    plans = [{"tp": 2, "dp": 1, "pp": 1, "micro_batch_size": 8},
+             {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "micro_batch_size": 4}, "auto"]
+    for rank, results in enumerate(shared_pool2.run(jobs.whole_tensor_optimizer, "gpt", plans)):
+        (tp_err, tp_text), (zero_err, zero_text), (plan, diff) = results
+        assert tp_err == "PlanMismatchError" and "cannot update tensor-parallel shards" in tp_text
+        assert "fix:" in tp_text
+        assert zero_err == "InvalidInputError" and "cannot run on ZeRO shards" in zero_text
+        assert plan["tp"] == 1 and plan["zero"] == 0, plan
+        assert diff[0] < 1e-5, (rank, diff)

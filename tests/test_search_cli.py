@@ -123,6 +123,23 @@ def test_the_optimizer_class_is_a_planning_input(capsys):
             "and 1 calls a tensor, temporaries 0 bytes") in text
 
 
+def test_a_whole_tensor_optimizer_is_planned_without_shards(capsys):
+    """--optimizer Adafactor (not element-wise: its statistics are a matrix's rows and columns)
+    is planned with neither tensor-parallel nor ZeRO shards, which the runtime refuses for it,
+    and the document says so; pinned --tp 2 is a named error saying why."""
+    args = ["plan", "gpt", "--layers", "4", "--hidden", "1024", "--heads", "16", "--vocab",
+            "1024", "--seq", "1024", "--cluster", "h100-80g", "--gpus", "8", "--global-batch",
+            "64", "--optimizer", "Adafactor"]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["training"]["optimizer"]["elementwise"] is False
+    assert (doc["plan"]["tp"], doc["plan"]["zero"]) == (1, 0)
+    assert all(a["plan"]["tp"] == 1 and a["plan"]["zero"] == 0 for a in doc["alternatives"])
+    assert main([*args, "--tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "InfeasiblePlanError" in err and "updates whole tensors" in err
+
+
 def test_the_default_sequence_is_the_context_a_rotary_model_was_configured_for(capsys):
     """A rotary model learns no position table, so its length is not capped; without --seq
     it is planned at its configured context (max_position_embeddings), as a learned-position

@@ -222,6 +222,8 @@ class CostModel:
     def well_formed_but_for_layout(self, c: Candidate) -> bool:
         """:meth:`check` without the sharding search: whether ``c`` is well formed if tp
         splits the model (which layouts to solve)."""
+        if not self.setup.optimizer.elementwise and c.tp > 1:
+            return False  # check refuses it: no layout to solve
         key = (*self._check_key(c), "without layout")
         if key not in self._check_cache:
             self._check_cache[key] = self._check(c, layout=False)
@@ -235,6 +237,10 @@ class CostModel:
             problem = self.offload_problem(c.offload)
             if problem is not None:
                 return problem
+        if not self.setup.optimizer.elementwise and (c.tp > 1 or c.zero >= 1):
+            return ("the optimizer updates whole tensors (not element-wise: Adafactor's row and "
+                    "column statistics), which neither tensor-parallel nor ZeRO shards hold: "
+                    "tp=1, zero=0")
         key = self._check_key(c)
         if key not in self._check_cache:
             self._check_cache[key] = self._check(c)
