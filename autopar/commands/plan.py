@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
 from typing import TYPE_CHECKING
 
 from autopar.commands._model_args import add_model_args, model_overrides
@@ -144,8 +143,8 @@ def optimizer_from_args(args: argparse.Namespace, *, gpu: bool) -> "OptimizerPro
                                     found=name, fix="pass --optimizer SGD, AdamW, ...")
         try:
             options = json.loads(args.optimizer_options or "{}")
-        except json.JSONDecodeError as exc:
-            options = exc
+        except json.JSONDecodeError:
+            options = None
         if not isinstance(options, dict):
             raise InvalidInputError("--optimizer-options is not a JSON object",
                                     expected='keyword arguments, e.g. \'{"momentum": 0.9}\'',

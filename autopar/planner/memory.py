@@ -39,12 +39,12 @@ master weights. On a CPU the for-loop path (``_single_tensor_adam``) computes
 ``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``, two temporaries the size of one tensor, while
 the previous tensor's ``denom`` is still bound: the runtime's optimizer steps each parameter's
 piece of a flat bucket (runtime/data_parallel.py, 25 MiB by default) as one tensor, so the
-rank's largest parameter, a bucket's share at most. Other optimizers hold other temporaries (SGD none, SGD with weight
-decay foreach a decayed copy of every gradient): ``parallelize`` counts the optimizer it is
-given on probes (``OptimizerFactory.step_cost``: the bytes that grow with the tensors stepped
-and those held per element of the one being stepped), on the path the device takes, and prices
-those. An offloaded optimizer steps on the host and leaves none on the device. The rank's peak is its states plus the larger of the
-two moments: ``max(activations + buffers, step temporary)``. Measured on an H100
+rank's largest parameter, a bucket's share at most. Other optimizers hold other temporaries
+(SGD none, SGD with weight decay foreach a decayed copy of every gradient): ``parallelize``
+counts the optimizer it is given on probes (``OptimizerFactory.step_cost``: the bytes that grow
+with the tensors stepped and those held per element of the one being stepped), on the path the
+device takes, and prices those. An offloaded optimizer steps on the host and leaves none on the
+device. The rank's peak is its states plus the larger of the two moments: ``max(activations + buffers, step temporary)``. Measured on an H100
 (``benchmarks/gpu_memory.py``, 2026-11-28): LLaMA-7B shapes cut to 4 layers (1.07 B parameters,
 2 x 2048 tokens, full recompute) peak 3.99 GiB above their states, the 4.0 GiB of that
 temporary, where the activations alone would have been 1.7 GiB.
