@@ -193,7 +193,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                             else ("optimizer",),
                             # priced as it runs, its state as it keeps it, its step as it
                             # steps (what it moves, calls and holds, counted on probes)
-                            optimizer=training.optimizer.profile(gpu=cl.backend == "nccl"))
+                            optimizer=training.optimizer.profile(gpu=cl.gpu))
     if planned.plan.offload == "disk" and offload_dir is None:  # a Plan (file) given whole
         raise InvalidInputError("the plan keeps the optimizer state on disk",
                                 expected="parallelize(..., offload_dir=<a writable directory>)",

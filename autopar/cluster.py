@@ -477,6 +477,12 @@ class Cluster:
 
     # -- size ---------------------------------------------------------------------------------
     @property
+    def gpu(self) -> bool:
+        """Whether its devices are GPUs (NCCL), the path torch's optimizers, kernels and
+        collectives take there; False for a CPU cluster's processes (gloo)."""
+        return self.backend == "nccl"
+
+    @property
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
 

@@ -218,7 +218,8 @@ class ParallelModel(ModelState):
             specs.append(ParamSpec(name,
                                    replicated_over_tp=placement_str(layouts[fqn].placement) == "R",
                                    shared_with=tied, tie_id=fqn if tied else "",
-                                   expert=fqn in self.program.experts and plan.ep > 1))
+                                   expert=fqn in self.program.experts and plan.ep > 1,
+                                   fqn=fqn))
         shard_size = plan.zero_shard_size if plan.zero_shard_size != plan.replicas else None
         training = self.training
         config = DataParallelConfig(

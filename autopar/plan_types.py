@@ -103,6 +103,12 @@ class OptimizerStep:
                                    fix="count them with OptimizerFactory.step_cost()")
 
 
+#: Bytes per parameter of Adam's two fp32 moments (Kingma and Ba 2015): AdamW's optimizer state
+#: beyond the fp32 master weights, the default :class:`OptimizerProfile` prices, and what
+#: ``offload="disk"`` keeps in files.
+MOMENT_BYTES = 8.0
+
+
 @dataclass(frozen=True, slots=True)
 class OptimizerProfile:
     """What the planner prices of the optimizer, one value the runtime measures on probes
@@ -115,7 +121,7 @@ class OptimizerProfile:
     column statistics are not). The default is AdamW's on torch's default kernel."""
 
     kernel: OptimizerKernel | None = None
-    state_bytes: float = 8.0
+    state_bytes: float = MOMENT_BYTES
     step: OptimizerStep | None = None
     elementwise: bool = True
 
@@ -142,7 +148,7 @@ class OptimizerProfile:
         out: dict[str, object] = {}
         if self.kernel is not None:
             out["kernel"] = self.kernel.value
-        if self.state_bytes != 8.0:
+        if self.state_bytes != MOMENT_BYTES:
             out["state_bytes"] = self.state_bytes
         if self.step is not None:
             out["step"] = dataclasses.asdict(self.step)

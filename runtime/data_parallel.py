@@ -102,7 +102,7 @@ class DataParallel:
                     "element-wise")
         if not optimizer.is_elementwise and mesh.tp > 1 and param_specs:
             specs = param_specs.values() if isinstance(param_specs, Mapping) else param_specs
-            split = sorted(s.name for s in specs if not s.replicated_over_tp)
+            split = sorted(s.model_name for s in specs if not s.replicated_over_tp)
             if split:  # its statistics of a shard are not those of the whole matrix
                 raise PlanMismatchError(
                     f"{optimizer.optimizer_class.__name__} cannot update tensor-parallel shards",

@@ -38,6 +38,14 @@ class ParamSpec:
     #: A mixture-of-experts weight split over the expert-parallel ranks: reduced (and ZeRO
     #: sharded) over the ranks holding the same experts (``mesh.expert_replica_group``).
     expert: bool = False
+    #: The parameter's name in the user's model (``transformer.h.0.attn.c_attn.weight``), which
+    #: errors name; empty: ``name``, the engine's local one.
+    fqn: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The name a message gives: the model's where known."""
+        return self.fqn or self.name
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -676,6 +676,8 @@ def test_a_whole_tensor_optimizer_is_never_given_shards(shared_pool2):
         (tp_err, tp_text), (zero_err, zero_text), (plan, diff) = results
         assert tp_err == "PlanMismatchError" and "cannot update tensor-parallel shards" in tp_text
         assert "fix:" in tp_text
+        # it names the model's parameters, not the engine's local ones
+        assert "transformer.h.0." in tp_text and "__" not in tp_text.split("fix:")[0], tp_text
         assert zero_err == "InvalidInputError" and "cannot run on ZeRO shards" in zero_text
         assert plan["tp"] == 1 and plan["zero"] == 0, plan
         assert diff[0] < 1e-5, (rank, diff)

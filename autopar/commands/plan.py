@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                         dtype=args.dtype, space=space_from_args(args), top_k=args.top + 1,
                         attention=args.attention, overrides=model_overrides(args),
                         moe_imbalance=args.moe_imbalance,
-                        optimizer=optimizer_from_args(args, gpu=cluster.backend == "nccl"))
+                        optimizer=optimizer_from_args(args, gpu=cluster.gpu))
     doc = report.document()  # with the model's fingerprint: parallelize refuses another model
     if args.out:
         with open(args.out, "w") as fh:

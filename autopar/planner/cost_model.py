@@ -662,7 +662,7 @@ class CostModel:
         posted one compute ahead, so one is held."""
         if c.pp == 1:
             return ()
-        if self.cluster.backend != "nccl":
+        if not self.cluster.gpu:
             return (1,) * c.pp
         key = (c.schedule, c.pp, c.virtual_stages, m)  # the search asks per candidate
         ahead = self._ahead_cache.get(key)

@@ -288,7 +288,7 @@ def optimizer_time(cluster: Cluster, params: float, tensors: float = 0.0,
     torch's default's, which foreach on a CPU runs as a loop too), AdamW's, scaled by the
     calls per tensor over AdamW's."""
     d = cluster.device
-    kernel = kernel or OptimizerKernel.default_on(cluster.backend == "nccl")
+    kernel = kernel or OptimizerKernel.default_on(cluster.gpu)
     if kernel is OptimizerKernel.FUSED:
         per_param, per_tensor = d.fused_optimizer_s_per_param, d.fused_optimizer_s_per_tensor
     else:

@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from autopar.plan_types import OptimizerKernel, OptimizerProfile, OptimizerStep
+from autopar.plan_types import MOMENT_BYTES, OptimizerKernel, OptimizerProfile, OptimizerStep
 
 if TYPE_CHECKING:
     from autopar.planner.candidates import Candidate, RankSums
@@ -74,11 +74,10 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {
 }
 
 
-#: Bytes per parameter of Adam's two fp32 moments: the optimizer state of ``STATE_BYTES``, and
-#: what ``offload="disk"`` keeps in files. Another optimizer's own state replaces it
-#: (``TrainingSetup.optimizer_state_bytes``, measured by the runtime from the optimizer it is
-#: given: SGD with momentum 4, plain SGD 0, AdamW with ``amsgrad`` 12).
-MOMENT_BYTES = 8
+# MOMENT_BYTES (plan_types): Adam's two fp32 moments, the optimizer state of ``STATE_BYTES``, and
+# what ``offload="disk"`` keeps in files. Another optimizer's own state replaces it
+# (``OptimizerProfile.state_bytes``, measured by the runtime from the optimizer it is given:
+# SGD with momentum 4, plain SGD 0, AdamW with ``amsgrad`` 12).
 
 
 def offloaded_state_bytes(optimizer_bytes: float, offload: str, separate_host: bool,

@@ -293,7 +293,7 @@ def plan(model: Any, cluster: Cluster | str, *, example_inputs: Any, loss_fn: An
         from autopar.runtime.optim import OptimizerFactory
 
         profile = OptimizerFactory.of(optimizer, model.named_parameters()).profile(
-            gpu=cluster.backend == "nccl")
+            gpu=cluster.gpu)
     return plan_workload(work, cluster, global_batch=global_batch, seq=seq, dtype=dtype,
                          space=space, top_k=top_k, progress=progress, optimizer=profile)
 
