@@ -46,7 +46,7 @@ from autopar.errors import (
 from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
-from autopar.runtime.comm import collective, set_default_timeout
+from autopar.runtime.comm import blocking, collective, set_default_timeout
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.optim import OptimizerFactory
 
@@ -300,7 +300,8 @@ def _broadcast_model(model: nn.Module) -> None:
 def _rank0_rng_state() -> torch.Tensor:
     """Rank 0's CPU random state (every rank initializes a meta model from it)."""
     state = [torch.get_rng_state() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(state, src=0)
+    with blocking("the broadcast of rank 0's random state"):
+        dist.broadcast_object_list(state, src=0)
     return state[0]
 
 

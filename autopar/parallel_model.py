@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.errors import InvalidInputError, InvalidPlanError, PlanMismatchError
+from autopar.errors import (AutoparError, CommunicationTimeoutError, InvalidInputError,
+                            InvalidPlanError, PlanMismatchError)
 from autopar.model_state import ModelState
 from autopar.ir import LayerKind
 from autopar.plan_types import Plan, RecomputeKind
-from autopar.runtime.comm import activity, collective, set_activity
+from autopar.runtime.comm import activity, announce_failure, collective, set_activity
 from autopar.runtime.optim import OptimizerFactory
 from autopar.runtime.pipeline import ExecutorHooks
 
@@ -262,9 +263,17 @@ class ParallelModel(ModelState):
         dp.set_requires_gradient_sync(self.plan.zero >= 2)
         loss = self.executor.step(inputs, targets)
         with activity(f"the optimizer step {self.steps}"):
-            dp.finish_gradient_sync()
-            dp.step()  # clips first when the plan's max_grad_norm is set
-            dp.zero_grad()
+            try:
+                dp.finish_gradient_sync()
+                dp.step()  # clips first when the plan's max_grad_norm is set
+                dp.zero_grad()
+            except BaseException as exc:
+                # out of memory, a lost peer: the job is broken and its peers are told; a named
+                # refusal of the step's input leaves it usable
+                if isinstance(exc, CommunicationTimeoutError) or \
+                        not isinstance(exc, AutoparError):
+                    announce_failure(exc)
+                raise
         self.steps += 1
         return self._global_loss(loss)
 

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from autopar.errors import InvalidInputError, PlanMismatchError
+from autopar.runtime.comm import blocking
 from autopar.runtime.checkpoint_blocks import (Block, BlockLoadPlanner, BlockSavePlanner,
                                                TensorLayout, flat_range_boxes,
                                                local_box_to_global, range_blocks)
@@ -206,7 +207,8 @@ def _agree(problem: Exception | None, what: str, payload: Any = None) -> list[An
     waiting in DCP's collectives); returns every rank's ``payload``."""
     gathered: list[Any] = [None] * dist.get_world_size()
     note = None if problem is None else f"{type(problem).__name__}: {problem}"
-    dist.all_gather_object(gathered, (note, payload))
+    with blocking(f"the agreement on {what}"):
+        dist.all_gather_object(gathered, (note, payload))
     if problem is not None:
         raise problem
     failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]

@@ -28,12 +28,26 @@ kernels. A stuck NCCL collective is caught by the process group's own timeout, s
 value (runtime/mesh.py), whose watchdog aborts the process; with ``TORCH_NCCL_BLOCKING_WAIT=1``
 torch's ``wait`` blocks the host and raises at that timeout instead, which :func:`wait_work` turns
 into the named error (the price: the host-blocking waits above).
+
+A rank that fails on its own while its process lives on (an op raising inside its stage, out of
+memory, a loss function that throws) says so before it raises (:func:`announce_failure`): it
+writes its error under a key of the job's store (the default process group's, every rank's
+``init_process_group`` store). A host wait that lasts longer than :data:`FAILURE_POLL_S` looks
+for that key between slices of its deadline, so its peers stop with the failing rank's error
+named within about a second, not at their timeout (gloo keeps a live peer's connections open,
+so nothing else tells them). The key is scoped to the job's current set of process groups
+(:func:`new_failure_scope`, called by ``runtime/groups.py`` whenever the ranks agree on them,
+collectively), so a failure is never read by the next model. The stream waits of NCCL do not
+block the host and look for nothing: there the watchdog's timeout stands. Calls with no
+asynchronous form (the object collectives, ``new_group``) wait inside torch with the group's
+timeout (the same value); :func:`blocking` names their failure as :func:`wait_work` does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -41,13 +55,18 @@ from autopar.errors import CommunicationTimeoutError
 
 __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default_timeout",
            "default_timeout", "set_stream_waits", "stream_waits", "DEFAULT_TIMEOUT_S",
-           "note_failure", "failure_count"]
+           "note_failure", "failure_count", "announce_failure", "announced_failure",
+           "new_failure_scope", "blocking", "FAILURE_POLL_S"]
 
 #: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 300.0
 
+#: Seconds a host wait waits between looks for a peer's announced failure
+#: (:func:`announced_failure`): how late a peer learns of it; one store lookup per slice.
+FAILURE_POLL_S = 1.0
+
 _state: dict[str, Any] = {"rank": "", "activity": "", "timeout": None, "failures": 0,
-                          "stream_waits": False}
+                          "stream_waits": False, "scope": 0}
 
 
 def note_failure() -> None:
@@ -123,34 +142,142 @@ def _who() -> str:
         return "this process"
 
 
+def _store() -> Any:
+    """The job's store (the default group's), or None outside a job."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: nothing to announce to or read
+        return None
+
+
+def _failure_key() -> str:
+    return f"autopar/failure/{_state['scope']}"
+
+
+def new_failure_scope() -> None:
+    """Start a new scope for announced failures: called on every rank alike, where the ranks
+    agree on the process groups they use (runtime/groups.py), so a failure announced under the
+    groups of one model is never read by the next."""
+    _state["scope"] += 1
+
+
+def announce_failure(exc: BaseException) -> None:
+    """Tell the job's other ranks that this one failed with ``exc`` (see the module docstring):
+    the first rank to announce in a scope is the one named; best effort, never raises."""
+    store = _store()
+    if store is None:
+        return
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    found = [line for line in lines[1:] if line.startswith("found:")]
+    during = f" during {_state['activity']}" if _state["activity"] else ""
+    line = f"{_who()} failed{during}: {type(exc).__name__}: {lines[0] if lines else ''}" + \
+        (f" ({found[0]})" if found else "")
+    try:
+        key = _failure_key()
+        if store.add(f"{key}/count", 1) == 1:  # atomic: the first failure is the cause
+            store.set(key, line[:500])
+    except Exception:  # noqa: BLE001 - the original error is what must surface
+        pass
+
+
+def announced_failure() -> str | None:
+    """The failure a rank of this job announced in the current scope, or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        key = _failure_key()
+        if store.check([key]):
+            return bytes(store.get(key)).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - a store that cannot answer tells nothing
+        return None
+    return None
+
+
+def _named(exc: BaseException, what: str, limit: timedelta) -> CommunicationTimeoutError:
+    """``exc``, a failed wait on ``what``, as the named error (counted by :func:`note_failure`)."""
+    note_failure()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+    during = f" during {_state['activity']}" if _state["activity"] else ""
+    seconds = f"{limit.total_seconds():g} s"
+    if timed_out:
+        peer = announced_failure()
+        if peer is not None:
+            return _peer_failed(what, during, peer, seconds)
+        summary = f"{_who()} timed out on {what}{during} after {seconds}"
+        fix = ("a peer rank is stuck or far slower than this one: look at its log first; if "
+               "the work is just slow, raise parallelize(timeout_s=...) / AUTOPAR_TIMEOUT_S")
+    else:
+        summary = f"{_who()} lost a peer on {what}{during}"
+        fix = ("a peer rank crashed or was killed: its log has the cause; restart the job "
+               "(from the last checkpoint)")
+    return CommunicationTimeoutError(
+        summary, expected=f"every rank of the group to join within {seconds}",
+        found=first[:300], fix=fix)
+
+
+def _peer_failed(what: str, during: str, peer: str, seconds: str) -> CommunicationTimeoutError:
+    return CommunicationTimeoutError(
+        f"{_who()} stopped waiting on {what}{during}: a peer failed",
+        expected=f"every rank of the group to join within {seconds}", found=peer[:500],
+        fix="the failing rank's error (found) is the cause: fix it there and restart the job "
+            "(from the last checkpoint)")
+
+
+def _is_wait_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``Work.wait``'s own timeout (the slice ran out, the work goes on), not
+    the backend's failure of the operation."""
+    return str(exc).strip().startswith("Operation timed out")
+
+
 def wait_work(work: Any, what: str, timeout: timedelta | float | None = None) -> None:
-    """Wait on an async collective or p2p ``work``; a timeout or a lost peer becomes a
-    CommunicationTimeoutError naming this rank, its activity and ``what``."""
+    """Wait on an async collective or p2p ``work``; a timeout, a lost peer or a peer's announced
+    failure becomes a CommunicationTimeoutError naming this rank, its activity and ``what``.
+    A host wait goes in slices of :data:`FAILURE_POLL_S`, looking for an announced failure
+    between them (the module docstring)."""
     if work is None:
         return
     limit = _as_timedelta(timeout) if timeout is not None else default_timeout()
     try:
         if _state["stream_waits"]:
             work.wait()  # the group's own timeout (the same value) is its watchdog's
-        else:
-            work.wait(limit)
+            return
+        deadline = time.monotonic() + limit.total_seconds()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= FAILURE_POLL_S:
+                work.wait(timedelta(seconds=max(left, 1e-3)))
+                return
+            try:
+                work.wait(timedelta(seconds=FAILURE_POLL_S))
+                return
+            except RuntimeError as exc:
+                if not _is_wait_timeout(exc):
+                    raise
+            peer = announced_failure()
+            if peer is not None:
+                note_failure()
+                during = f" during {_state['activity']}" if _state["activity"] else ""
+                raise _peer_failed(what, during, peer, f"{limit.total_seconds():g} s")
     except RuntimeError as exc:  # DistBackendError is a RuntimeError
-        note_failure()
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        timed_out = "timed out" in first.lower() or "timeout" in first.lower()
-        during = f" during {_state['activity']}" if _state["activity"] else ""
-        seconds = f"{limit.total_seconds():g} s"
-        if timed_out:
-            summary = f"{_who()} timed out on {what}{during} after {seconds}"
-            fix = ("a peer rank is stuck or far slower than this one: look at its log first; if "
-                   "the work is just slow, raise parallelize(timeout_s=...) / AUTOPAR_TIMEOUT_S")
-        else:
-            summary = f"{_who()} lost a peer on {what}{during}"
-            fix = ("a peer rank crashed or was killed: its log has the cause; restart the job "
-                   "(from the last checkpoint)")
-        raise CommunicationTimeoutError(
-            summary, expected=f"every rank of the group to join within {seconds}",
-            found=first[:300], fix=fix) from exc
+        raise _named(exc, what, limit) from exc
+
+
+@contextlib.contextmanager
+def blocking(what: str, timeout: timedelta | float | None = None) -> Iterator[None]:
+    """Around a ``torch.distributed`` call that has no asynchronous form and waits inside torch
+    with its group's timeout (``all_gather_object``, ``broadcast_object_list``, ``new_group``):
+    its failure named as :func:`wait_work` names one."""
+    limit = _as_timedelta(timeout) if timeout is not None else default_timeout()
+    try:
+        yield
+    except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's errors
+        raise _named(exc, what, limit) from exc
 
 
 def collective(fn: Callable[..., Any], *args: Any, what: str,

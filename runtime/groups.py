@@ -38,7 +38,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.comm import collective, failure_count
+from autopar.runtime.comm import blocking, collective, failure_count, new_failure_scope
 
 __all__ = ["shared", "shared_new_groups", "shared_keys", "forget", "forgotten"]
 
@@ -98,6 +98,7 @@ def _agree(timeout: timedelta) -> None:
         reg.entries = {}
     reg.world = dist.group.WORLD
     reg.failures = failure_count()
+    new_failure_scope()  # every rank alike: a failure announced before is not this model's
 
 
 def shared(key: Hashable, make: Callable[[], T], timeout: timedelta) -> T:
@@ -119,9 +120,13 @@ def shared_new_groups(kind: str, rank_lists: Sequence[Sequence[int]], timeout: t
     list order, through :func:`shared`: created once per process for these lists and this
     timeout. The result is in the order of ``rank_lists``."""
     lists = tuple(tuple(int(r) for r in ranks) for ranks in rank_lists)
-    return shared((kind, lists, timeout.total_seconds()),
-                  lambda: [dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1
-                           else None for ranks in lists], timeout)
+
+    def make() -> list[Any]:
+        with blocking(f"the creation of the {kind} process groups", timeout):
+            return [dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+                    for ranks in lists]
+
+    return shared((kind, lists, timeout.total_seconds()), make, timeout)
 
 
 def forget(group: Any) -> None:

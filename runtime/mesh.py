@@ -36,13 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanMismatchError
-from autopar.runtime.comm import (DEFAULT_TIMEOUT_S, default_timeout, set_rank_label,
-                                  set_stream_waits)
+from autopar.runtime.comm import (DEFAULT_TIMEOUT_S, blocking, default_timeout,
+                                  set_rank_label, set_stream_waits)
 from autopar.runtime.groups import shared, shared_new_groups
 
 __all__ = ["ParallelMesh", "DEFAULT_TIMEOUT_S", "default_timeout", "coordinates", "coordinates4",
@@ -121,8 +122,12 @@ class ParallelMesh:
         # one DeviceMesh per layout in a process, reused by every model of it (runtime/groups.py)
         layout = (self.device_type, dp, cp, pp, tp, self.cp_innermost,
                   self.timeout.total_seconds())
-        self._device_mesh = shared(("mesh", *layout), lambda: _device_mesh(
-            self.device_type, dp, cp, pp, tp, self.cp_innermost, self.timeout), self.timeout)
+        def make() -> Any:
+            with blocking("the creation of the device mesh's process groups", self.timeout):
+                return _device_mesh(self.device_type, dp, cp, pp, tp, self.cp_innermost,
+                                    self.timeout)
+
+        self._device_mesh = shared(("mesh", *layout), make, self.timeout)
         d, c, p, t = self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank
         r = self.replica_rank
         axes = [("dp", "dp", grid[:, c, p, t]), ("pp", "pp", grid[d, c, :, t]),

@@ -76,7 +76,7 @@ from autopar.errors import (
 )
 from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
-from autopar.runtime.comm import note_failure, wait_work
+from autopar.runtime.comm import announce_failure, note_failure, wait_work
 from autopar.runtime.groups import forget, forgotten, shared_new_groups
 from autopar.runtime.schedules import (
     Action,
@@ -336,7 +336,9 @@ class PipelineExecutor:
     def _shut_down(self, exc: BaseException) -> None:
         """After a failure: drop the point-to-point groups (on gloo the last reference going
         closes its connections, so the neighbours' pending receives fail now rather than at the
-        timeout) and refuse further steps."""
+        timeout) and refuse further steps. Its data-parallel and tensor-parallel peers, whose
+        groups stay open, learn of it from the failure it announces (runtime/comm.py)."""
+        announce_failure(exc)
         text = str(exc)
         self._broken = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
         # Every transfer still in flight holds its group's connections open (a gloo receive's

@@ -12,6 +12,7 @@ from autopar.errors import InvalidInputError
 from autopar.runtime.dp_spec import ParamSpec
 from autopar.runtime.groups import shared_new_groups
 from autopar.runtime.mesh import ParallelMesh
+from autopar.runtime.comm import blocking
 from autopar.runtime.zero import wait_work
 
 __all__ = ["TiedGroups"]
@@ -39,7 +40,8 @@ class TiedGroups:
                                         fix="list every rank holding a copy, this one included")
             mine.append((spec.tie_key, name, tuple(shapes[name])))
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        with blocking("the exchange of the tied parameters' layout", mesh.timeout):
+            dist.all_gather_object(gathered, mine)
         declared: dict[tuple, list[tuple[int, str, tuple]]] = {}
         for r, items in enumerate(gathered):
             for key, name, shape in items:

@@ -146,6 +146,28 @@ def stop_answering(pins: dict, culprit: int, timeout_s: float, sleep_s: float,
     return ("finished", time.monotonic() - start, "")
 
 
+def _throw(*_: object) -> None:
+    raise RuntimeError("injected: this stage cannot run")
+
+
+def fail_alone(pins: dict, culprit: int, timeout_s: float):
+    """Rank ``culprit``'s stage raises inside its second step's forward (injected: a hook that
+    throws, as an op failing on one rank or an out-of-memory would) while its process lives on;
+    every rank returns (kind, seconds, message) of what its step raised."""
+    data = batches(2)
+    pm = _parallelize("gpt", pins, data, timeout_s=timeout_s)
+    pm.train_step(*data[0])
+    if dist.get_rank() == culprit:
+        for module in pm.executor.stage_modules.values():
+            module.register_forward_pre_hook(_throw)
+    start = time.monotonic()
+    try:
+        pm.train_step(*data[1])
+    except autopar.AutoparError as exc:
+        return (type(exc).__name__, time.monotonic() - start, str(exc))
+    return ("finished", time.monotonic() - start, "")
+
+
 def die(pins: dict, culprit: int, timeout_s: float):
     """Rank ``culprit`` exits abruptly before its second step; the others raise."""
     data = batches(2)

@@ -92,6 +92,26 @@ def test_a_rank_that_stops_answering_times_out_the_others_under_stream_waits(poo
     assert "rank 0 (dp 0, pp 0, tp 0) timed out on tensor-parallel" in message, message
 
 
+@pytest.mark.parametrize("pins", [{"dp": 2, "tp": 1, "pp": 1, "num_micro_batches": 1},
+                                  {"dp": 1, "tp": 2, "pp": 1, "num_micro_batches": 1}],
+                         ids=["dp2", "tp2"])
+def test_a_rank_that_fails_alone_stops_its_peers_at_once(pool2, pins):
+    """Rank 1's stage raises (injected) while its process lives on, so gloo keeps its
+    connections open and nothing closes under rank 0, which waits on the gradient reduction
+    (dp=2) or on a tensor-parallel all-reduce (tp=2). Rank 1 announces its failure through the
+    job's store; rank 0, looking between one-second slices of its wait, stops in seconds with
+    rank 1's error named, where it used to wait the whole timeout (12 s here)."""
+    out = pool2.run(jobs.fail_alone, pins, 1, 12.0)
+    (kind0, seconds0, message0), (kind1, _, message1) = out
+    assert kind1 == "StageExecutionError" and "injected" in message1, out
+    assert kind0 == "CommunicationTimeoutError", out
+    assert message0.startswith("rank 0 (dp 0, pp 0, tp 0) stopped waiting on"), message0
+    assert "a peer failed" in message0 and "fix:" in message0, message0
+    assert "rank 1 (dp " in message0 and "StageExecutionError" in message0, message0
+    assert "(found: RuntimeError: injected" in message0, message0
+    assert seconds0 < 6, out
+
+
 class _RecordedWork:
     """A collective's work object that records how it was waited."""
 
@@ -113,7 +133,8 @@ def test_waits_block_the_host_with_a_deadline_unless_waited_on_the_stream():
         comm.set_stream_waits(False)
         work = _RecordedWork()
         comm.wait_work(work, "an all-reduce", 7.0)
-        assert work.waits == [(timedelta(seconds=7),)]
+        # in slices: between them it looks for a peer's announced failure
+        assert work.waits == [(timedelta(seconds=comm.FAILURE_POLL_S),)]
         comm.set_stream_waits(True)
         work = _RecordedWork()
         comm.wait_work(work, "an all-reduce", 7.0)
@@ -130,3 +151,40 @@ def test_a_rank_that_dies_makes_the_others_exit_with_a_named_error(pool2):
     text = str(err.value)
     assert "rank(s) [1] died" in text
     assert "CommunicationTimeoutError: rank 0 (dp 0, pp 0, tp 0) lost a peer on" in text
+
+
+@pytest.mark.timeout(10)
+def test_a_failure_is_announced_once_per_scope(monkeypatch):
+    """The first failure a scope announces is the one named (later ones, its echoes, are not
+    written over it); a new scope (the ranks agreeing on their groups for the next model) reads
+    none of the old ones."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    monkeypatch.setattr(comm, "_store", lambda: store)
+    comm.new_failure_scope()
+    assert comm.announced_failure() is None
+    with comm.activity("pipeline stage 0 forward of micro-batch 0"):
+        comm.announce_failure(RuntimeError("out of memory\n  found: 2 GiB asked"))
+    comm.announce_failure(RuntimeError("its echo"))
+    text = comm.announced_failure()
+    assert text is not None and text.endswith(
+        "failed during pipeline stage 0 forward of micro-batch 0: RuntimeError: out of memory "
+        "(found: 2 GiB asked)"), text
+    comm.new_failure_scope()
+    assert comm.announced_failure() is None
+
+
+@pytest.mark.timeout(10)
+def test_a_call_without_an_async_form_fails_by_name():
+    """torch's object collectives and new_group wait inside torch with the group's timeout: a
+    failure there is the same named error as a waited collective's, never torch's own."""
+    from autopar.errors import CommunicationTimeoutError
+
+    with pytest.raises(CommunicationTimeoutError, match="lost a peer on the exchange of") as err:
+        with comm.blocking("the exchange of the tied parameters' layout", 5.0):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert "fix:" in str(err.value)
+    with pytest.raises(CommunicationTimeoutError, match="timed out on the creation of"):
+        with comm.blocking("the creation of the p2p process groups", 5.0):
+            raise RuntimeError("Timed out waiting 5000ms for send operation to complete")
