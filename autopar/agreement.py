@@ -25,7 +25,7 @@ from autopar.errors import (
 )
 from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, OptimizerProfile, Plan,
                                  Prediction, RecomputeKind, ScheduleKind)
-from autopar.runtime.comm import collective
+from autopar.runtime.comm import all_gather_bytes, broadcast_bytes
 from autopar.runtime.schedules import schedule_spec
 
 __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check_plan",
@@ -195,7 +195,7 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
         data = json.dumps(payload).encode()
     else:
         data = b""
-    data = _broadcast_bytes(data)
+    data = broadcast_bytes(data, 0, "the broadcast of rank 0's plan")
     payload = json.loads(data.decode())
     if "error" in payload:
         if error is not None:
@@ -218,7 +218,7 @@ def agree_on_success(error: BaseException | None, what: str) -> None:
     that rank), at once rather than at the timeout of a collective the failed rank never
     joins."""
     mine = b"" if error is None else json.dumps(_error_parts(error)).encode()
-    gathered = _all_gather_bytes(mine, f"the all-gather of every rank's outcome of {what}")
+    gathered = all_gather_bytes(mine, f"the all-gather of every rank's outcome of {what}")
     failed = [(rank, data) for rank, data in enumerate(gathered) if data]
     if not failed:
         return
@@ -231,23 +231,6 @@ def agree_on_success(error: BaseException | None, what: str) -> None:
     raise error_from_parts(**parts)
 
 
-def _all_gather_bytes(data: bytes, what: str) -> list[bytes]:
-    device = rank_device()
-    world = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    collective(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64,
-                                                    device=device), what=what)
-    longest = max(int(s.item()) for s in sizes)
-    if longest == 0:
-        return [b""] * world
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if data:
-        buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    collective(dist.all_gather, bufs, buf, what=what)
-    return [bytes(b[:int(s.item())].cpu().tolist()) for b, s in zip(bufs, sizes)]
-
-
 def _error_parts(exc: BaseException) -> dict[str, Any]:
     """What it takes to raise ``exc`` again on another rank."""
     from autopar.errors import AutoparError
@@ -256,18 +239,6 @@ def _error_parts(exc: BaseException) -> dict[str, Any]:
         return {"class_name": type(exc).__name__, "summary": exc.summary,
                 "expected": exc.expected, "found": exc.found, "fix": exc.fix}
     return {"class_name": type(exc).__name__, "summary": str(exc)}
-
-
-def _broadcast_bytes(data: bytes) -> bytes:
-    device = rank_device()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    what = "the broadcast of rank 0's plan"
-    collective(dist.broadcast, size, src=0, what=what)
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    collective(dist.broadcast, buf, src=0, what=what)
-    return bytes(buf.cpu().tolist())
 
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,

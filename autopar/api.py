@@ -46,7 +46,8 @@ from autopar.errors import (
 from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
-from autopar.runtime.comm import blocking, collective, set_default_timeout
+from autopar.runtime.comm import (announce_failure, broadcast_object, collective,
+                                  set_default_timeout)
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.optim import OptimizerFactory
 
@@ -232,16 +233,20 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     except Exception as exc:  # noqa: BLE001 - every rank must learn that this one failed
         failure = exc
     agree_on_success(failure, "building its program and shards")
-    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp, ep=chosen.ep,
-                        cp_innermost=chosen.cp_innermost,
-                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-                        device_type=device.type)
-    pm = program.instantiate(mesh, training, shards=shards)
-    if resume is not None:  # each rank reads only the blocks its layout needs
-        pm.load(resume)
-    _check_agreement(pm)
-    if verify:
-        pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
+    try:  # collective from here: a rank that fails tells the others it did (runtime/comm.py)
+        mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp, ep=chosen.ep,
+                            cp_innermost=chosen.cp_innermost,
+                            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                            device_type=device.type)
+        pm = program.instantiate(mesh, training, shards=shards)
+        if resume is not None:  # each rank reads only the blocks its layout needs
+            pm.load(resume)
+        _check_agreement(pm)
+        if verify:
+            pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
+    except BaseException as exc:
+        announce_failure(exc)
+        raise
     return pm
 
 
@@ -299,10 +304,8 @@ def _broadcast_model(model: nn.Module) -> None:
 
 def _rank0_rng_state() -> torch.Tensor:
     """Rank 0's CPU random state (every rank initializes a meta model from it)."""
-    state = [torch.get_rng_state() if dist.get_rank() == 0 else None]
-    with blocking("the broadcast of rank 0's random state"):
-        dist.broadcast_object_list(state, src=0)
-    return state[0]
+    return broadcast_object(torch.get_rng_state() if dist.get_rank() == 0 else None, 0,
+                            "the broadcast of rank 0's random state")
 
 
 def _autopar_checkpoint(path: str | os.PathLike | None) -> str | None:

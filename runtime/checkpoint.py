@@ -71,7 +71,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from autopar.errors import InvalidInputError, PlanMismatchError
-from autopar.runtime.comm import blocking
+from autopar.runtime.comm import all_gather_object
 from autopar.runtime.checkpoint_blocks import (Block, BlockLoadPlanner, BlockSavePlanner,
                                                TensorLayout, flat_range_boxes,
                                                local_box_to_global, range_blocks)
@@ -205,10 +205,8 @@ def _local_state_names(engine: Any) -> tuple[list[str], list[str]]:
 def _agree(problem: Exception | None, what: str, payload: Any = None) -> list[Any]:
     """Collective: every rank learns whether any rank failed, and all raise (none is left
     waiting in DCP's collectives); returns every rank's ``payload``."""
-    gathered: list[Any] = [None] * dist.get_world_size()
     note = None if problem is None else f"{type(problem).__name__}: {problem}"
-    with blocking(f"the agreement on {what}"):
-        dist.all_gather_object(gathered, (note, payload))
+    gathered: list[Any] = all_gather_object((note, payload), f"the agreement on {what}")
     if problem is not None:
         raise problem
     failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]

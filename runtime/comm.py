@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -56,7 +57,8 @@ from autopar.errors import CommunicationTimeoutError
 __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default_timeout",
            "default_timeout", "set_stream_waits", "stream_waits", "DEFAULT_TIMEOUT_S",
            "note_failure", "failure_count", "announce_failure", "announced_failure",
-           "new_failure_scope", "blocking", "FAILURE_POLL_S"]
+           "new_failure_scope", "blocking", "FAILURE_POLL_S", "all_gather_bytes",
+           "all_gather_object", "broadcast_bytes", "broadcast_object"]
 
 #: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 300.0
@@ -287,3 +289,73 @@ def collective(fn: Callable[..., Any], *args: Any, what: str,
     work = fn(*args, async_op=True, **kwargs)
     wait_work(work, what, timeout)
     return work
+
+
+# -- small objects, waited as every collective is ----------------------------------------------
+# torch's object collectives (all_gather_object, broadcast_object_list) have no asynchronous
+# form: they wait inside torch, with the group's timeout and torch's error. These carry the
+# same bytes over two tensor collectives each (the lengths, then the padded bytes), waited here.
+
+def _object_device() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(data: bytes, what: str, timeout: timedelta | float | None = None
+                     ) -> list[bytes]:
+    """Every rank's ``data``, in rank order (collective over the world)."""
+    import torch
+    import torch.distributed as dist
+
+    device = _object_device()
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    collective(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64,
+                                                    device=device), what=what, timeout=timeout)
+    longest = max(int(s.item()) for s in sizes)
+    if longest == 0:
+        return [b""] * world
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    collective(dist.all_gather, bufs, buf, what=what, timeout=timeout)
+    return [bytes(b[:int(n.item())].cpu().numpy().tobytes()) for b, n in zip(bufs, sizes)]
+
+
+def all_gather_object(obj: Any, what: str, timeout: timedelta | float | None = None
+                      ) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (collective over the world)."""
+    return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), what, timeout)]
+
+
+def broadcast_bytes(data: bytes, src: int, what: str,
+                    timeout: timedelta | float | None = None) -> bytes:
+    """Rank ``src``'s ``data`` on every rank (collective over the world; the others' ``data``
+    is ignored)."""
+    import torch
+    import torch.distributed as dist
+
+    device = _object_device()
+    mine = dist.get_rank() == src
+    size = torch.tensor([len(data) if mine else 0], dtype=torch.int64, device=device)
+    collective(dist.broadcast, size, src=src, what=what, timeout=timeout)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if mine and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    collective(dist.broadcast, buf, src=src, what=what, timeout=timeout)
+    return bytes(buf.cpu().numpy().tobytes())
+
+
+def broadcast_object(obj: Any, src: int, what: str,
+                     timeout: timedelta | float | None = None) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (collective over the world; the others'
+    ``obj`` is ignored)."""
+    import torch.distributed as dist
+
+    data = pickle.dumps(obj) if dist.get_rank() == src else b""
+    return pickle.loads(broadcast_bytes(data, src, what, timeout))

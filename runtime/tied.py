@@ -12,7 +12,7 @@ from autopar.errors import InvalidInputError
 from autopar.runtime.dp_spec import ParamSpec
 from autopar.runtime.groups import shared_new_groups
 from autopar.runtime.mesh import ParallelMesh
-from autopar.runtime.comm import blocking
+from autopar.runtime.comm import all_gather_object
 from autopar.runtime.zero import wait_work
 
 __all__ = ["TiedGroups"]
@@ -39,9 +39,8 @@ class TiedGroups:
                                         found=str(spec.shared_with),
                                         fix="list every rank holding a copy, this one included")
             mine.append((spec.tie_key, name, tuple(shapes[name])))
-        gathered: list[Any] = [None] * dist.get_world_size()
-        with blocking("the exchange of the tied parameters' layout", mesh.timeout):
-            dist.all_gather_object(gathered, mine)
+        gathered: list[Any] = all_gather_object(mine, "the exchange of the tied parameters' "
+                                                      "layout", mesh.timeout)
         declared: dict[tuple, list[tuple[int, str, tuple]]] = {}
         for r, items in enumerate(gathered):
             for key, name, shape in items:

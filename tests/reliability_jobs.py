@@ -168,6 +168,31 @@ def fail_alone(pins: dict, culprit: int, timeout_s: float):
     return ("finished", time.monotonic() - start, "")
 
 
+def engine_error(pins: dict, culprit: int, timeout_s: float):
+    """Rank ``culprit`` fails creating its data-parallel engine (injected, as an out-of-memory
+    for its buckets would), after the mesh; the others must raise in seconds, not at the
+    timeout of a collective it never joins. Returns (class, seconds, message)."""
+    from autopar.runtime import data_parallel
+
+    data = batches(1)
+    build = data_parallel.DataParallel._build_buckets
+
+    def failing(self, *args, **kwargs):
+        if dist.get_rank() == culprit:
+            raise torch.OutOfMemoryError("injected: no memory for the gradient buckets")
+        return build(self, *args, **kwargs)
+
+    data_parallel.DataParallel._build_buckets = failing
+    start = time.monotonic()
+    try:
+        _parallelize("gpt", pins, data, timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the class is what is checked
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    finally:
+        data_parallel.DataParallel._build_buckets = build
+    return "no error", time.monotonic() - start, ""
+
+
 def die(pins: dict, culprit: int, timeout_s: float):
     """Rank ``culprit`` exits abruptly before its second step; the others raise."""
     data = batches(2)

@@ -112,6 +112,18 @@ def test_a_rank_that_fails_alone_stops_its_peers_at_once(pool2, pins):
     assert seconds0 < 6, out
 
 
+def test_a_rank_that_fails_creating_its_engine_stops_its_peers_at_once(pool2):
+    """dp=2: rank 1 runs out of memory (injected) creating its data-parallel engine, after the
+    mesh is made; rank 0, in the collective that follows, stops in seconds with rank 1's
+    error named, where it used to wait the whole timeout (20 s here)."""
+    out = pool2.run(jobs.engine_error, {"dp": 2, "tp": 1, "pp": 1}, 1, 20.0)
+    (kind0, seconds0, message0), (kind1, seconds1, message1) = out
+    assert kind1 == "OutOfMemoryError" and "injected" in message1, out
+    assert kind0 == "CommunicationTimeoutError" and "a peer failed" in message0, out
+    assert "rank 1 (dp 1, pp 0, tp 0) failed" in message0 and "OutOfMemoryError" in message0, out
+    assert seconds0 - seconds1 < 5, out  # a second after rank 1 raised (6.6 and 5.6 s)
+
+
 class _RecordedWork:
     """A collective's work object that records how it was waited."""
 
