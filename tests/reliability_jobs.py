@@ -168,6 +168,16 @@ def fail_alone(pins: dict, culprit: int, timeout_s: float):
     return ("finished", time.monotonic() - start, "")
 
 
+def _timed_parallelize(pins: dict, data, timeout_s: float) -> tuple[str, float, str]:
+    """(class, seconds, message) of what parallelize raised ("no error" if nothing)."""
+    start = time.monotonic()
+    try:
+        _parallelize("gpt", pins, data, timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the class is what is checked
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "no error", time.monotonic() - start, ""
+
+
 def engine_error(pins: dict, culprit: int, timeout_s: float):
     """Rank ``culprit`` fails creating its data-parallel engine (injected, as an out-of-memory
     for its buckets would), after the mesh; the others must raise in seconds, not at the
@@ -183,14 +193,10 @@ def engine_error(pins: dict, culprit: int, timeout_s: float):
         return build(self, *args, **kwargs)
 
     data_parallel.DataParallel._build_buckets = failing
-    start = time.monotonic()
     try:
-        _parallelize("gpt", pins, data, timeout_s=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - the class is what is checked
-        return type(exc).__name__, time.monotonic() - start, str(exc)
+        return _timed_parallelize(pins, data, timeout_s)
     finally:
         data_parallel.DataParallel._build_buckets = build
-    return "no error", time.monotonic() - start, ""
 
 
 def die(pins: dict, culprit: int, timeout_s: float):
@@ -223,14 +229,10 @@ def construction_error(pins: dict, culprit: int, timeout_s: float):
         return program
 
     api.compile_program = failing
-    start = time.monotonic()
     try:
-        _parallelize("gpt", pins, data, timeout_s=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - the class is what is checked
-        return type(exc).__name__, time.monotonic() - start, str(exc)
+        return _timed_parallelize(pins, data, timeout_s)
     finally:
         api.compile_program = compile_program
-    return "no error", time.monotonic() - start, ""
 
 
 def offload_dir_fails_on_one_rank(pins: dict, culprit: int, timeout_s: float, root: str):
