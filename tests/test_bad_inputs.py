@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import warnings
 
 import pytest
@@ -268,7 +269,15 @@ def test_model_too_large_for_the_cluster():
                             loss_fn=zm.loss_fn, optimizer=SGD)
     for word in ("leanest", "weights", "activations", "usable"):
         assert word in err.value.found
-    assert "more devices" in err.value.fix
+    assert "0.0 GiB" not in err.value.found  # small memories in their own unit
+    # the fewest devices whose memory holds the model's weights and gradients once (fp32:
+    # 4 + 4 bytes a parameter; plain SGD keeps no state, and it could be offloaded), counted
+    # from the model's own parameters
+    params = sum(p.numel() for p in zm.model.parameters())
+    fewest = math.ceil(params * 8 / small.device.usable_memory_bytes)
+    assert fewest > 1
+    assert f"use at least {fewest} devices of this kind" in err.value.fix, err.value.fix
+    assert f"{params:,} parameters x 8 B at fp32" in err.value.fix, err.value.fix
 
 
 def test_global_batch_not_divisible_through_parallelize():

@@ -270,11 +270,14 @@ def test_recompute_and_schedule_set_the_peak(gpt2_small):
 
 def test_shallow_capture_extended_equals_full_capture(gpt2_small):
     """Capturing 2 blocks and repeating the last is the same as capturing all 12."""
-    _, _, full = gpt2_small
+    zm, _, full = gpt2_small
     _, shallow_captured = _capture("gpt2-small", layers=2, vocab=50304)
     shallow = ModelCosts(shallow_captured, depth=12)
     assert shallow.num_layers == full.num_layers == 14
     assert shallow.layer_names == full.layer_names
+    # the parameters of the whole model, the tied table once: torch's own count
+    assert shallow.total_params == full.total_params == \
+        sum(p.numel() for p in zm.model.parameters())
     cluster = A100.with_devices(16)
     a = CostModel(full, cluster, TrainingSetup(64, 1024))
     b = CostModel(shallow, cluster, TrainingSetup(64, 1024))

@@ -72,6 +72,7 @@ from autopar.planner.schedule_model import (PipelineTime, PipelineWork, backward
                                             closed_form_pipeline_time, in_flight_micro_batches,
                                             simulate_pipeline, simulated_pipeline_time)
 from autopar.planner.tp_layout import TPLayout, tp_cost_spec
+from autopar.units import fmt_bytes
 
 __all__ = ["Candidate", "ModelCosts", "LayerCosts", "CostModel", "Evaluation", "StageCost",
            "TrainingSetup", "price_layer", "lower_bound_step", "COMPONENTS",
@@ -728,10 +729,10 @@ class CostModel:
         peak = max(ranks, key=lambda x: x.total)
         if peak.total <= usable:
             return None
-        return (f"needs {peak.total / 2**30:.1f} GiB on pp rank {peak.pp_rank} (weights "
-                f"{peak.weights / 2**30:.1f}, grads {peak.gradients / 2**30:.1f}, optimizer "
-                f"{peak.optimizer / 2**30:.1f}, activations {peak.activations / 2**30:.1f}); "
-                f"{usable / 2**30:.1f} GiB usable")
+        return (f"needs {fmt_bytes(peak.total)} on pp rank {peak.pp_rank} (weights "
+                f"{fmt_bytes(peak.weights)}, grads {fmt_bytes(peak.gradients)}, optimizer "
+                f"{fmt_bytes(peak.optimizer)}, activations {fmt_bytes(peak.activations)}); "
+                f"{fmt_bytes(usable)} usable")
 
     def with_sharding(self, ev: Evaluation) -> Evaluation:
         """``ev`` with its plan's per-GEMM tensor-parallel choices (the sharding search's, by

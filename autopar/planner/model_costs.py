@@ -475,6 +475,18 @@ class ModelCosts:
         return self.templates[layer]
 
     @property
+    def total_params(self) -> int:
+        """The real model's parameters: the capture's, each once (a tied table once), and the
+        last block's own for each block a shallower capture left out."""
+        total = sum(int(p.spec.numel) for p in self.captured.params.values())
+        if self.extended:
+            extra = self.num_layers - len(self.captured.layers)
+            block = max(i for i, k in enumerate(self.kinds[:len(self.captured.layers)])
+                        if k is LayerKind.BLOCK)
+            total += extra * sum(self.templates[block].params.values())
+        return total
+
+    @property
     def layer_kinds(self) -> list[LayerKind]:
         return list(self.kinds)
 

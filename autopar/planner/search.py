@@ -52,9 +52,11 @@ import torch
 
 from autopar.errors import InfeasiblePlanError, InvalidInputError
 from autopar.ir import graphs_read_only
-from autopar.plan_types import RecomputeKind, ScheduleKind
+from autopar.plan_types import MOMENT_BYTES, RecomputeKind, ScheduleKind
 from autopar.runtime.schedules import SCHEDULES
 from autopar.planner.candidates import OFFLOAD_ORDER
+from autopar.planner.memory import STATE_BYTES
+from autopar.units import fmt_bytes
 from autopar.planner.cost_model import (COMPONENTS, Candidate, CostModel, Evaluation,
                                         lower_bound_step)
 
@@ -681,9 +683,32 @@ def _nothing_fits(cm: CostModel, candidates: Sequence[Candidate], pruned: Mappin
             f"none of the {len(candidates)} candidate plans is well formed",
             expected="a mesh and micro-batch the model and cluster allow",
             found=reasons, fix="change the pinned flags, the device count or the batch")
+    usable = float(leanest.extra["memory_limit_bytes"])
     return InfeasiblePlanError(
         f"no plan fits in memory ({pruned['memory']} candidates priced, none fits)",
-        expected=f"a plan within {leanest.extra['memory_limit_bytes'] / 2**30:.1f} GiB per device",
+        expected=f"a plan within {fmt_bytes(usable)} per device",
         found=f"the leanest, {leanest.candidate.label()}, {leanest.infeasible}",
-        fix="use more devices, a smaller micro-batch or sequence, full recompute and ZeRO-3, "
-            "or devices with more memory")
+        fix=_fewest_devices(cm, candidates, usable))
+
+
+def _fewest_devices(cm: CostModel, candidates: Sequence[Candidate], usable: float) -> str:
+    """What to do when nothing fits: how many devices the model's states alone need, sharded
+    over every device without a copy (ZeRO-3), whatever the plan (a lower bound), when more
+    than these; else what shrinks the rest."""
+    dtype = cm.setup.dtype
+    w, g, o = STATE_BYTES[dtype]
+    offloads = any(c.offload != "none" for c in candidates)
+    # the optimizer's state beyond Adam's moments: as profiled; offloaded, it leaves the device
+    o = 0.0 if offloads else o - MOMENT_BYTES + cm.setup.optimizer.state_bytes
+    states = cm.model.total_params * (w + g + o)
+    fewest = math.ceil(states / max(usable, 1.0))
+    held = "weights and gradients" if offloads else "weights, gradients and optimizer state"
+    if fewest > cm.cluster.num_devices:
+        return (f"use at least {fewest} devices of this kind: the model's {held} alone come "
+                f"to {fmt_bytes(states)} ({cm.model.total_params:,} parameters x "
+                f"{w + g + o:g} B at {dtype}), sharded over every device with ZeRO-3 "
+                f"(activations need more); or devices with more memory")
+    return (f"its {held} fit {cm.cluster.num_devices} devices when sharded with ZeRO-3 "
+            f"({fmt_bytes(states / cm.cluster.num_devices)} each): shrink the rest with a "
+            f"smaller micro-batch or sequence and full recompute, or use more devices or "
+            f"devices with more memory")
