@@ -15,6 +15,7 @@ from autopar.plan_types import OptimizerProfile, OptimizerStep, Plan, Prediction
 from autopar.planner.planning import PlanReport, plan
 from autopar.errors import (
     AutoparError,
+    CheckpointError,
     ClusterSpecError,
     CommunicationTimeoutError,
     InfeasiblePlanError,
@@ -46,6 +47,7 @@ __all__ = [
     "plan_fingerprint",
     "Cluster",
     "AutoparError",
+    "CheckpointError",
     "ClusterSpecError",
     "CommunicationTimeoutError",
     "InfeasiblePlanError",

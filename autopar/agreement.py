@@ -22,6 +22,7 @@ from autopar.errors import (
     InvalidPlanError,
     PlanMismatchError,
     error_from_parts,
+    error_parts,
 )
 from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, OptimizerProfile, Plan,
                                  Prediction, RecomputeKind, ScheduleKind)
@@ -191,7 +192,7 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
                        "seed": int(seed if seed is not None else torch.initial_seed())}
         except Exception as exc:  # noqa: BLE001 - every rank must learn that rank 0 failed
             error = exc
-            payload = {"error": _error_parts(exc)}
+            payload = {"error": error_parts(exc)}
         data = json.dumps(payload).encode()
     else:
         data = b""
@@ -217,7 +218,7 @@ def agree_on_success(error: BaseException | None, what: str) -> None:
     error; every other rank raises the first failed rank's (same class, same message, naming
     that rank), at once rather than at the timeout of a collective the failed rank never
     joins."""
-    mine = b"" if error is None else json.dumps(_error_parts(error)).encode()
+    mine = b"" if error is None else json.dumps(error_parts(error)).encode()
     gathered = all_gather_bytes(mine, f"the all-gather of every rank's outcome of {what}")
     failed = [(rank, data) for rank, data in enumerate(gathered) if data]
     if not failed:
@@ -230,15 +231,6 @@ def agree_on_success(error: BaseException | None, what: str) -> None:
     parts["summary"] = f"rank {rank}{others} failed {what}: {parts['summary']}"
     raise error_from_parts(**parts)
 
-
-def _error_parts(exc: BaseException) -> dict[str, Any]:
-    """What it takes to raise ``exc`` again on another rank."""
-    from autopar.errors import AutoparError
-
-    if isinstance(exc, AutoparError):
-        return {"class_name": type(exc).__name__, "summary": exc.summary,
-                "expected": exc.expected, "found": exc.found, "fix": exc.fix}
-    return {"class_name": type(exc).__name__, "summary": str(exc)}
 
 
 def _decide(plan: Any, captured: Any, cluster: Any, world: int, global_batch: int, seq: int,

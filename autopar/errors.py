@@ -24,7 +24,9 @@ __all__ = [
     "CommunicationTimeoutError",
     "VerificationError",
     "OffloadError",
+    "CheckpointError",
     "StageExecutionError",
+    "error_parts",
     "error_from_parts",
 ]
 
@@ -117,12 +119,39 @@ class OffloadError(AutoparError):
     is missing, not writable, or full (``Plan.offload = "disk"``)."""
 
 
+class CheckpointError(AutoparError):
+    """A checkpoint cannot be written where it is asked for (``ParallelModel.save``,
+    ``save_pretrained``): the path is a file, under a directory that cannot be created or
+    written, or the disk filled up while writing. Nothing half-written is left as a checkpoint
+    (a save marks itself complete last; ``save_pretrained`` renames its directory into place
+    at the end)."""
+
+    @classmethod
+    def unwritable(cls, path: object, exc: BaseException, what: str = "a checkpoint"
+                   ) -> "CheckpointError":
+        """The named error for ``exc`` (an ``OSError``) met writing ``what`` at ``path``."""
+        reason = getattr(exc, "strerror", None) or str(exc)
+        return cls(f"cannot write {what} at {path}",
+                   expected="a directory this process can create and write, with room for it",
+                   found=f"{type(exc).__name__}: {reason}",
+                   fix="give a writable directory (not an existing file, not under a read-only "
+                       "mount) on a disk with room for the checkpoint")
+
+
 class StageExecutionError(AutoparError):
     """A rank's generated program failed inside a stage (a forward, backward or weight-gradient
     action): an op of the captured graph that does not run under the plan's placements, which is
     a fault of autopar's transform rather than of the model. The message names the action, the
     line of the generated program where it failed (``ParallelModel.generated_code``) and torch's
     error; ``__cause__`` holds that error."""
+
+
+def error_parts(exc: BaseException) -> dict[str, str | None]:
+    """What it takes to raise ``exc`` again on another rank (:func:`error_from_parts`)."""
+    if isinstance(exc, AutoparError):
+        return {"class_name": type(exc).__name__, "summary": exc.summary,
+                "expected": exc.expected, "found": exc.found, "fix": exc.fix}
+    return {"class_name": type(exc).__name__, "summary": str(exc)}
 
 
 def error_from_parts(class_name: str, summary: str, expected: str | None = None,

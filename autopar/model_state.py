@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import InvalidInputError, PlanMismatchError
-from autopar.runtime.comm import collective
+from autopar.errors import CheckpointError, InvalidInputError, PlanMismatchError
+from autopar.runtime.comm import announce_failure, collective
 from autopar.sharding import unshard_tensors
 
 if TYPE_CHECKING:
@@ -154,6 +154,7 @@ class ModelState:
         models, so ``from_pretrained(path)`` loads it. Each tensor is gathered and written on
         its own; the files go to a hidden directory renamed onto ``path`` at the end, so a
         crash leaves nothing at ``path``. ``path`` must not exist or be empty."""
+        from autopar.agreement import agree_on_success
         from autopar.hf_names import saved_layout, saved_name, saved_tensors
         from autopar.runtime.hf_checkpoint import SafetensorsWriter, parse_size
 
@@ -168,9 +169,18 @@ class ModelState:
         layout = saved_layout(model, [(named[fqn], tuple(int(d) for d in spec.shape), spec.dtype)
                                       for fqn, spec in params + buffers])
         order = [entry for _, saved in layout for entry in saved]
-        writer = None
+        writer, problem = None, None
+        what = "a safetensors checkpoint"
         if dist.get_rank() == 0:
-            writer = SafetensorsWriter(path, order, parse_size(max_shard_size))
+            try:
+                writer = SafetensorsWriter(path, order, parse_size(max_shard_size))
+            except OSError as exc:
+                problem = CheckpointError.unwritable(path, exc, what)
+                problem.__cause__ = exc
+            except InvalidInputError as exc:  # a non-empty directory
+                problem = exc
+        # every rank raises rank 0's refusal, none waits in the gathers below for it
+        agree_on_success(problem, "opening the checkpoint directory")
         try:
             for fqn, full in itertools.chain(self._full_parameters(), self._full_buffers()):
                 if writer is not None:
@@ -180,9 +190,12 @@ class ModelState:
                 config = getattr(self.captured.model, "config", None)
                 writer.commit(config.save_pretrained if hasattr(config, "save_pretrained")
                               else None)
-        except BaseException:
+        except BaseException as exc:
             if writer is not None:
                 writer.abort()
+            announce_failure(exc)  # the disk filled up on rank 0: the others wait in a gather
+            if isinstance(exc, OSError):
+                raise CheckpointError.unwritable(path, exc, what) from exc
             raise
         collective(dist.barrier, what="the end of save_pretrained")
 

@@ -70,7 +70,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from autopar.errors import InvalidInputError, PlanMismatchError
+from autopar.errors import (CheckpointError, InvalidInputError, PlanMismatchError, error_from_parts,
+                            error_parts)
 from autopar.runtime.comm import all_gather_object
 from autopar.runtime.checkpoint_blocks import (Block, BlockLoadPlanner, BlockSavePlanner,
                                                TensorLayout, flat_range_boxes,
@@ -205,15 +206,17 @@ def _local_state_names(engine: Any) -> tuple[list[str], list[str]]:
 def _agree(problem: Exception | None, what: str, payload: Any = None) -> list[Any]:
     """Collective: every rank learns whether any rank failed, and all raise (none is left
     waiting in DCP's collectives); returns every rank's ``payload``."""
-    note = None if problem is None else f"{type(problem).__name__}: {problem}"
+    note = None if problem is None else error_parts(problem)
     gathered: list[Any] = all_gather_object((note, payload), f"the agreement on {what}")
     if problem is not None:
         raise problem
     failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]
-    if failed:
-        rank, note = failed[0]
-        raise InvalidInputError(f"{what} failed on rank {rank}", found=note.splitlines()[0],
-                                fix=f"see rank {rank}'s error")
+    if failed:  # the same class and parts as the failed rank's, naming it
+        rank, parts = failed[0]
+        parts = {**parts, "summary": f"{what} failed on rank {rank}: {parts['summary']}"}
+        if not parts.get("fix"):
+            parts["fix"] = f"see rank {rank}'s error"
+        raise error_from_parts(**parts)
     return [p for _, p in gathered]
 
 
@@ -271,7 +274,10 @@ def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
                     os.remove(os.path.join(path, name))
         os.makedirs(path, exist_ok=True)
         names = _local_state_names(engine)
-    except (OSError, InvalidInputError) as exc:
+    except OSError as exc:
+        problem = CheckpointError.unwritable(path, exc)
+        problem.__cause__ = exc
+    except InvalidInputError as exc:
         problem = exc
     gathered = _agree(problem, "checkpoint save", names)  # (after rank 0's clean-up)
     elementwise = sorted(set().union(*(set(e) for e, _ in gathered)))
@@ -282,14 +288,22 @@ def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
     except (InvalidInputError, PlanMismatchError) as exc:
         problem = exc
     _agree(problem, "checkpoint save")
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(path), planner=BlockSavePlanner(blocks))
+    try:  # DCP gathers every rank's write errors and raises them on all
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(path), planner=BlockSavePlanner(blocks))
+    except Exception as exc:  # noqa: BLE001 - torch's CheckpointException wraps the OSErrors
+        raise CheckpointError.unwritable(path, exc) from exc
+    problem = None
     if dist.get_rank() == 0:
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION,
                    "optimizer_state": {"elementwise": elementwise, "scalar": scalar},
                    "saved_at": time.time(), **sidecar}
-        _write_atomically(os.path.join(path, SIDECAR), json.dumps(payload, indent=1))
-        _write_atomically(os.path.join(path, COMPLETE), f"{FORMAT} {FORMAT_VERSION}\n")
-    _barrier("checkpoint save")
+        try:
+            _write_atomically(os.path.join(path, SIDECAR), json.dumps(payload, indent=1))
+            _write_atomically(os.path.join(path, COMPLETE), f"{FORMAT} {FORMAT_VERSION}\n")
+        except OSError as exc:  # no marker: the directory is never loaded as a checkpoint
+            problem = CheckpointError.unwritable(path, exc)
+            problem.__cause__ = exc
+    _agree(problem, "checkpoint save")
 
 
 def _load_blocks(engine: Any, layouts: Mapping[str, TensorLayout], metadata: Mapping[str, Any],

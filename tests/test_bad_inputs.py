@@ -456,3 +456,39 @@ def test_verify_report_world1(world1):
     console.print(report.table())
     text = console.export_text()
     assert "transformer.h.1" in text and "relative: ok" in text
+
+
+def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(world1, tmp_path,
+                                                                         monkeypatch):
+    """`save` and `save_pretrained` to a path under a file, or onto a file: a CheckpointError
+    saying what the OS said, never the raw OSError. A disk that fills up mid-write: the same,
+    and nothing at the path loads as a checkpoint (`save` writes its completion marker last;
+    `save_pretrained` renames its directory into place at the end)."""
+    import errno
+
+    from autopar.runtime import checkpoint, hf_checkpoint
+
+    pm = world1[0]
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with pytest.raises(autopar.InvalidInputError, match="exists and is not an empty directory"):
+        pm.save_pretrained(str(afile))  # refused before any write
+    for path, save in ((afile, pm.save), (afile / "under", pm.save),
+                       (afile / "under", pm.save_pretrained)):
+        with pytest.raises(autopar.CheckpointError, match="cannot write") as err:
+            save(str(path))
+        assert "Error" in err.value.found and "writable directory" in err.value.fix
+    assert afile.read_text() == "not a directory"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_atomically", full)
+    with pytest.raises(autopar.CheckpointError, match="No space left"):
+        pm.save(str(tmp_path / "dcp"))
+    with pytest.raises(autopar.InvalidInputError, match="is incomplete"):
+        pm.load(str(tmp_path / "dcp"))  # no marker: never loaded as a checkpoint
+    monkeypatch.setattr(hf_checkpoint.SafetensorsWriter, "write", full)
+    with pytest.raises(autopar.CheckpointError, match="No space left"):
+        pm.save_pretrained(str(tmp_path / "hf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dcp"]  # no hidden partial
