@@ -379,6 +379,7 @@ class ParallelModel(ModelState):
                 out.append(t)
                 continue
             self._check_input(names[i], i, t, local)
+            self._check_indices(names[i], i, t)
             if not local:
                 t = self.local_batch(t)
             for dim in self._sequence_dims[i]:  # this rank's tokens (head-tail layout)
@@ -394,6 +395,40 @@ class ParallelModel(ModelState):
         rows = next((t.shape[0] for t in out if isinstance(t, torch.Tensor) and t.dim()), 0)
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
+
+    def _check_indices(self, name: str, index: int, t: torch.Tensor) -> None:
+        """Token ids and targets within the table they index (passes/pad_vocab.index_bounds):
+        one process's lookup refuses one outside; a vocabulary-parallel or padded lookup would
+        read zeros for it silently. On a CPU the refusal is this named error, before the step;
+        on a GPU ``_assert_async`` checks on the device without the host waiting (a failed
+        check is CUDA's device-side assert, which ends the process)."""
+        bounds = getattr(self, "_index_bounds", None)
+        if bounds is None:
+            from autopar.passes.pad_vocab import index_bounds
+
+            bounds = self._index_bounds = index_bounds(self.captured)
+        bound = bounds.get(name)
+        if bound is None or t.dtype.is_floating_point or t.dtype == torch.bool:
+            return
+        valid = (t >= 0) & (t < bound.rows)
+        if bound.ignore is not None:
+            valid |= t == bound.ignore
+        what = "input" if index < len(self.captured.input_names) else "target"
+        if t.device.type != "cpu":
+            torch._assert_async(valid.all(), f"autopar: {what} {name} indexes outside "
+                                             f"{bound.table} of {bound.rows} rows")
+        elif not bool(valid.all()):
+            bad = t[~valid]
+            allowed = f"[0, {bound.rows})" + (f" or {bound.ignore}" if bound.ignore is not None
+                                              else "")
+            raise InvalidInputError(
+                f"{what} {index if what == 'input' else index - len(self.captured.input_names)} "
+                f"indexes outside {bound.table} ({bound.rows} rows)",
+                expected=f"values in {allowed}, as one process's lookup requires",
+                found=f"{int(bad.numel())} value(s) outside, from {int(bad.min())} to "
+                      f"{int(bad.max())}",
+                fix="check the batch: token ids below the vocabulary size, targets below the "
+                    "number of classes")
 
     def _check_input(self, name: str, index: int, t: torch.Tensor, local: bool = False) -> None:
         """dtype, number of dims and fixed sizes as captured (b and s may vary). A batch

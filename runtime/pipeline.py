@@ -741,7 +741,7 @@ class PipelineExecutor:
         wait_work(work, what, self.timeout)  # CommunicationTimeoutError naming rank and action
 
 
-def stage_failure(action: Action, rank: int, exc: Exception) -> StageExecutionError:
+def stage_failure(action: Action, rank: int, exc: Exception) -> AutoparError:
     """The named error for ``exc``, raised by the generated program while running ``action``:
     the line of that program it came from (the innermost frame of fx's generated code; none when
     it came from inside autograd's engine) and torch's message."""
@@ -755,6 +755,14 @@ def stage_failure(action: Action, rank: int, exc: Exception) -> StageExecutionEr
     text = str(exc).strip()
     found = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:400]
     where = f" at `{line[:200]}`" if line else ""
+    if line and _indexes_beyond_a_table(line, exc):  # the inputs' fault, as in one process
+        return InvalidInputError(
+            f"rank {rank}'s step indexes beyond a table of the model in {action}{where}",
+            expected="token ids in [0, rows of the embedding), targets in [0, classes) (or the "
+                     "loss's ignore_index), sequences no longer than the model's positions",
+            found=found,
+            fix="check the batch (one process raises the same error on it); this model must "
+                "be parallelized again, a failed step leaves its pipeline state behind")
     return StageExecutionError(
         f"rank {rank}'s generated program failed in {action}{where}",
         expected="each stage to run as the captured graph runs in one process",
@@ -762,6 +770,18 @@ def stage_failure(action: Action, rank: int, exc: Exception) -> StageExecutionEr
         fix="an op that does not run under this plan's placements: an autopar fault (report it "
             "with pm.generated_code(rank) and the plan); to go on, pin another plan (tp=1 "
             "replicates every op)")
+
+
+def _indexes_beyond_a_table(line: str, exc: Exception) -> bool:
+    """Whether ``exc``, raised at the generated program's ``line``, is torch's refusal of an
+    index outside a table: an embedding's token id or position (``IndexError: index out of
+    range in self``, also the vocabulary-parallel lookups' own check, runtime/tp.py) or a
+    loss's target (``Target 9 is out of bounds``)."""
+    lookup = any(op in line for op in ("embedding", ".index_select."))  # vocab-parallel too
+    loss = any(op in line for op in ("cross_entropy", "nll_loss"))
+    text = str(exc)
+    return ((lookup or loss) and "index out of range" in text) or \
+        (loss and "out of bounds" in text)
 
 
 def reap_completed(pending: list[tuple[Any, str, torch.Tensor]],

@@ -381,6 +381,7 @@ class TPGroup:
         """Lookup in this rank's rows of a vocabulary-sharded table; a Partial result (rows
         owned by other ranks contribute zero here)."""
         rows = weight.shape[0]
+        _check_indices(indices, rows * self.size, "an embedding")
         start = self.rank * rows
         outside = (indices < start) | (indices >= start + rows)
         local = torch.where(outside, torch.zeros_like(indices), indices - start)
@@ -395,6 +396,7 @@ class TPGroup:
         if logits.dim() != 2:
             raise ShardingError("vocab-parallel cross-entropy takes [tokens, classes] logits",
                                 found=f"logits of shape {tuple(logits.shape)}")
+        _check_indices(target, logits.shape[1] * self.size, "a loss's classes", ignore_index)
         start = self.rank * logits.shape[1]
         return _VocabParallelCrossEntropy.apply(logits, target, start, int(reduction),
                                                 int(ignore_index),
@@ -494,6 +496,20 @@ def shard(tp: TPGroup, x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tens
 
 def all_to_all(tp: TPGroup, x: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
     return tp.all_to_all(x, src_dim, dst_dim)
+
+
+def _check_indices(indices: torch.Tensor, bound: int, table: str,
+                   ignore: int | None = None) -> None:
+    """Refuse an index outside ``[0, bound)`` (``ignore`` aside) as one process's lookup does
+    (``index out of range in self``): the sharded lookups mask every row they do not hold, so
+    an id beyond the whole table would silently read zeros. ``_assert_async`` raises at once on
+    a CPU and checks on the device on a GPU, without the host waiting for it (and it traces
+    under ``torch.compile`` without a graph break)."""
+    valid = (indices >= 0) & (indices < bound)
+    if ignore is not None:
+        valid = valid | (indices == ignore)
+    torch._assert_async(valid.all(), f"index out of range in self: an index outside {table} "
+                                     f"of {bound} rows")
 
 
 def vocab_parallel_embedding(tp: TPGroup, weight: torch.Tensor, indices: torch.Tensor,

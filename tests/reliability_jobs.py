@@ -299,3 +299,33 @@ def property_case(case: dict):
                if torch.is_floating_point(v) and k not in state and "bias" not in k.split(".")[-1]
                and "masked_bias" not in k]
     return dict(loss=loss, ref_loss=ref_loss.item(), max_diff=worst, worst=key, missing=missing)
+
+
+def indexes_out_of_range(pins: dict):
+    """Token ids and targets beyond the vocabulary (128) under ``pins``: what one process
+    raises on each batch, what autopar's step raises on every rank (class and message), and
+    the loss of a good step after both (the refusal comes before the step: the model stays
+    usable), against one process's on that batch."""
+    data = batches(1)
+    (tokens,), (targets,) = data[0]
+    cases = {"token": ((tokens + 128,), (targets,)), "target": ((tokens,), (targets + 128,)),
+             "negative token": ((tokens - 129,), (targets,))}
+    model, loss_fn = make_model("gpt")
+    pm = _parallelize("gpt", pins, data)
+    out = {}
+    for name, (inputs, wanted) in cases.items():
+        try:
+            loss_fn(model(*inputs), *wanted)
+            reference = "no error"
+        except (IndexError, RuntimeError) as exc:
+            reference = type(exc).__name__
+        try:
+            pm.train_step(inputs, wanted)
+            out[name] = (reference, "no error", "")
+        except autopar.AutoparError as exc:
+            out[name] = (reference, type(exc).__name__, str(exc))
+    good = pm.train_step(*data[0])
+    with torch.no_grad():
+        want = float(loss_fn(model(*data[0][0]), *data[0][1]))
+    pm.close()
+    return out, good, want

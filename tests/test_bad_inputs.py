@@ -492,3 +492,21 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(world1,
     with pytest.raises(autopar.CheckpointError, match="No space left"):
         pm.save_pretrained(str(tmp_path / "hf"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dcp"]  # no hidden partial
+
+
+def test_a_sequence_beyond_the_models_positions_is_the_inputs_fault():
+    """A sequence longer than the model's position table: one process's embedding raises
+    IndexError; inside the generated program that is named as the batch's fault
+    (InvalidInputError naming the lookup), not as an autopar fault (StageExecutionError)."""
+    zm, inputs, targets = _tiny(batch=4)
+    positions = zm.model.config.n_positions
+    long = torch.randint(0, 128, (4, positions + 8))
+    with pytest.raises(IndexError):
+        zm.loss_fn(zm.model(long), long)
+    pm = _parallelize(zm, inputs, targets, {"dp": 1, "tp": 1, "pp": 1})
+    try:
+        with pytest.raises(autopar.InvalidInputError, match="indexes beyond a table") as err:
+            pm.train_step((long,), (long,))
+        assert "embedding" in str(err.value) and "parallelized again" in err.value.fix
+    finally:
+        pm.close()

@@ -124,6 +124,24 @@ def test_a_rank_that_fails_creating_its_engine_stops_its_peers_at_once(pool2):
     assert seconds0 - seconds1 < 5, out  # a second after rank 1 raised (6.6 and 5.6 s)
 
 
+def test_indexes_beyond_the_vocabulary_are_refused_before_the_step(pool2):
+    """Token ids (above and below the vocabulary) and targets outside it: one process raises
+    (an embedding's IndexError, the loss's out-of-bounds target); under tp=2 the
+    vocabulary-parallel lookup and loss mask every row a rank does not hold and the padded
+    vocabulary (128 -> 256 rows) has rows beyond the model's, where such ids read zeros
+    silently. Every rank refuses the batch by name before the step, and the model stays
+    usable: a good step's loss then equals one process's (fp32, the first step: 1e-5)."""
+    for rank, (out, good, want) in enumerate(pool2.run(jobs.indexes_out_of_range,
+                                                       {"dp": 1, "tp": 2, "pp": 1})):
+        assert set(out) == {"token", "target", "negative token"}
+        for case, (reference, kind, message) in out.items():
+            assert reference != "no error", (rank, case)
+            assert kind == "InvalidInputError", (rank, case, kind, message)
+            assert "indexes outside" in message and "(128 rows)" in message, message
+            assert "fix:" in message
+        assert abs(good - want) < 1e-5, (good, want)
+
+
 class _RecordedWork:
     """A collective's work object that records how it was waited."""
 
