@@ -26,7 +26,7 @@ from autopar.errors import (
 )
 from autopar.plan_types import (CP_ATTENTION_KINDS, OFFLOAD_KINDS, OptimizerProfile, Plan,
                                  Prediction, RecomputeKind, ScheduleKind)
-from autopar.runtime.comm import all_gather_bytes, broadcast_bytes
+from autopar.runtime.comm import agree_on_success, broadcast_bytes
 from autopar.runtime.schedules import schedule_spec
 
 __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check_plan",
@@ -211,25 +211,6 @@ def agree_on_plan(plan: Any, captured: Any, cluster: Any, world: int, global_bat
                                 fix=f"launch {chosen.world_size} processes, or re-plan")
     return Planned(captured, chosen, prediction, int(payload["seed"]), search)
 
-
-def agree_on_success(error: BaseException | None, what: str) -> None:
-    """Every rank tells every other whether its part ``what`` (e.g. "building its program")
-    succeeded, before the collectives that come after it. A rank that failed raises its own
-    error; every other rank raises the first failed rank's (same class, same message, naming
-    that rank), at once rather than at the timeout of a collective the failed rank never
-    joins."""
-    mine = b"" if error is None else json.dumps(error_parts(error)).encode()
-    gathered = all_gather_bytes(mine, f"the all-gather of every rank's outcome of {what}")
-    failed = [(rank, data) for rank, data in enumerate(gathered) if data]
-    if not failed:
-        return
-    if error is not None:
-        raise error
-    rank, data = failed[0]
-    parts = json.loads(data.decode())
-    others = f" (and rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-    parts["summary"] = f"rank {rank}{others} failed {what}: {parts['summary']}"
-    raise error_from_parts(**parts)
 
 
 

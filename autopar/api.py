@@ -47,7 +47,7 @@ from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import (announce_failure, broadcast_object, collective,
-                                  set_default_timeout)
+                                  new_failure_scope, set_activity, set_default_timeout)
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.optim import OptimizerFactory
 
@@ -134,6 +134,10 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
                                 found=repr(timeout_s))
     _init_distributed(timeout_s)
     set_default_timeout(timeout_s)  # None: AUTOPAR_TIMEOUT_S or 300 s
+    # every rank calls parallelize alike: a failure announced before (by the last model's
+    # ranks) is not this one's, and nothing this rank did before is what it does now
+    new_failure_scope()
+    set_activity("")
     world = dist.get_world_size()
     plan = plan_argument(plan, world)  # bad pins fail here, on every rank, before any work
     device = rank_device()

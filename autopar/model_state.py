@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import CheckpointError, InvalidInputError, PlanMismatchError
-from autopar.runtime.comm import announce_failure, collective
+from autopar.runtime.comm import agree_on_success, announce_failure, collective
 from autopar.sharding import unshard_tensors
 
 if TYPE_CHECKING:
@@ -154,7 +154,6 @@ class ModelState:
         models, so ``from_pretrained(path)`` loads it. Each tensor is gathered and written on
         its own; the files go to a hidden directory renamed onto ``path`` at the end, so a
         crash leaves nothing at ``path``. ``path`` must not exist or be empty."""
-        from autopar.agreement import agree_on_success
         from autopar.hf_names import saved_layout, saved_name, saved_tensors
         from autopar.runtime.hf_checkpoint import SafetensorsWriter, parse_size
 

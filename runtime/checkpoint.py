@@ -70,9 +70,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from autopar.errors import (CheckpointError, InvalidInputError, PlanMismatchError, error_from_parts,
-                            error_parts)
-from autopar.runtime.comm import all_gather_object
+from autopar.errors import CheckpointError, InvalidInputError, PlanMismatchError
+from autopar.runtime.comm import agree_on_success
 from autopar.runtime.checkpoint_blocks import (Block, BlockLoadPlanner, BlockSavePlanner,
                                                TensorLayout, flat_range_boxes,
                                                local_box_to_global, range_blocks)
@@ -206,18 +205,7 @@ def _local_state_names(engine: Any) -> tuple[list[str], list[str]]:
 def _agree(problem: Exception | None, what: str, payload: Any = None) -> list[Any]:
     """Collective: every rank learns whether any rank failed, and all raise (none is left
     waiting in DCP's collectives); returns every rank's ``payload``."""
-    note = None if problem is None else error_parts(problem)
-    gathered: list[Any] = all_gather_object((note, payload), f"the agreement on {what}")
-    if problem is not None:
-        raise problem
-    failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]
-    if failed:  # the same class and parts as the failed rank's, naming it
-        rank, parts = failed[0]
-        parts = {**parts, "summary": f"{what} failed on rank {rank}: {parts['summary']}"}
-        if not parts.get("fix"):
-            parts["fix"] = f"see rank {rank}'s error"
-        raise error_from_parts(**parts)
-    return [p for _, p in gathered]
+    return agree_on_success(problem, what, payload)
 
 
 def _optim_key(state: str, key: str) -> str:

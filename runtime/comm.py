@@ -36,8 +36,8 @@ writes its error under a key of the job's store (the default process group's, ev
 for that key between slices of its deadline, so its peers stop with the failing rank's error
 named within about a second, not at their timeout (gloo keeps a live peer's connections open,
 so nothing else tells them). The key is scoped to the job's current set of process groups
-(:func:`new_failure_scope`, called by ``runtime/groups.py`` whenever the ranks agree on them,
-collectively), so a failure is never read by the next model. The stream waits of NCCL do not
+(:func:`new_failure_scope`, called on every rank alike by each ``parallelize`` and where
+``runtime/groups.py`` agrees on the groups), so a failure is never read by the next model. The stream waits of NCCL do not
 block the host and look for nothing: there the watchdog's timeout stands. Calls with no
 asynchronous form (the object collectives, ``new_group``) wait inside torch with the group's
 timeout (the same value); :func:`blocking` names their failure as :func:`wait_work` does.
@@ -52,13 +52,13 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-from autopar.errors import CommunicationTimeoutError
+from autopar.errors import CommunicationTimeoutError, error_from_parts, error_parts
 
 __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default_timeout",
            "default_timeout", "set_stream_waits", "stream_waits", "DEFAULT_TIMEOUT_S",
            "note_failure", "failure_count", "announce_failure", "announced_failure",
            "new_failure_scope", "blocking", "FAILURE_POLL_S", "all_gather_bytes",
-           "all_gather_object", "broadcast_bytes", "broadcast_object"]
+           "all_gather_object", "broadcast_bytes", "broadcast_object", "agree_on_success"]
 
 #: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 300.0
@@ -161,9 +161,10 @@ def _failure_key() -> str:
 
 
 def new_failure_scope() -> None:
-    """Start a new scope for announced failures: called on every rank alike, where the ranks
-    agree on the process groups they use (runtime/groups.py), so a failure announced under the
-    groups of one model is never read by the next."""
+    """Start a new scope for announced failures: called on every rank alike (at the start of
+    every ``parallelize``, which every rank calls in the same order, and where the ranks agree
+    on the process groups they use, runtime/groups.py), so a failure announced under one model
+    is never read by the next."""
     _state["scope"] += 1
 
 
@@ -237,17 +238,25 @@ def _is_wait_timeout(exc: BaseException) -> bool:
     return str(exc).strip().startswith("Operation timed out")
 
 
-def wait_work(work: Any, what: str, timeout: timedelta | float | None = None) -> None:
+def wait_work(work: Any, what: str, timeout: timedelta | float | None = None, *,
+              sliced: bool = True) -> None:
     """Wait on an async collective or p2p ``work``; a timeout, a lost peer or a peer's announced
     failure becomes a CommunicationTimeoutError naming this rank, its activity and ``what``.
-    A host wait goes in slices of :data:`FAILURE_POLL_S`, looking for an announced failure
-    between them (the module docstring)."""
+    A host wait on a collective goes in slices of :data:`FAILURE_POLL_S`, looking for an
+    announced failure between them (the module docstring). ``sliced=False`` for point-to-point
+    transfers: gloo's send and receive take the wait's timeout as the transfer's own and fail
+    it when the slice runs out (``Timed out waiting 1000ms for recv operation to complete``),
+    where a collective's ``Work.wait`` only stops waiting; a failing pipeline rank closes its
+    point-to-point groups instead, which ends its neighbours' transfers at once."""
     if work is None:
         return
     limit = _as_timedelta(timeout) if timeout is not None else default_timeout()
     try:
         if _state["stream_waits"]:
             work.wait()  # the group's own timeout (the same value) is its watchdog's
+            return
+        if not sliced:
+            work.wait(limit)
             return
         deadline = time.monotonic() + limit.total_seconds()
         while True:
@@ -359,3 +368,22 @@ def broadcast_object(obj: Any, src: int, what: str,
 
     data = pickle.dumps(obj) if dist.get_rank() == src else b""
     return pickle.loads(broadcast_bytes(data, src, what, timeout))
+
+
+def agree_on_success(error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+    """Every rank tells every other whether its part ``what`` (e.g. "building its program")
+    succeeded, before the collectives that come after it, and hands on a picklable
+    ``payload``. A rank that failed raises its own error; every other rank raises the first
+    failed rank's (same class, same message, naming that rank), at once rather than at the
+    timeout of a collective the failed rank never joins. Returns every rank's ``payload``."""
+    mine = (None if error is None else error_parts(error), payload)
+    gathered = all_gather_object(mine, f"the all-gather of every rank's outcome of {what}")
+    failed = [(rank, parts) for rank, (parts, _) in enumerate(gathered) if parts is not None]
+    if failed:
+        if error is not None:
+            raise error
+        rank, parts = failed[0]
+        others = f" (and rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        parts = {**parts, "summary": f"rank {rank}{others} failed {what}: {parts['summary']}"}
+        raise error_from_parts(**parts)
+    return [p for _, p in gathered]

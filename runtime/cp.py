@@ -219,7 +219,7 @@ class _Ring:
     def finish(self, pending) -> torch.Tensor:
         recv, works, _send = pending
         for w in works:
-            wait_work(w, _what(self.what, recv), self.cp.timeout)
+            wait_work(w, _what(self.what, recv), self.cp.timeout, sliced=False)  # transfers
         return recv
 
 

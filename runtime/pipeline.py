@@ -76,7 +76,7 @@ from autopar.errors import (
 )
 from autopar.runtime.layer_recompute import recompute_region
 from autopar.runtime.tp import saved_gathers
-from autopar.runtime.comm import announce_failure, note_failure, wait_work
+from autopar.runtime.comm import announce_failure, blocking, note_failure, wait_work
 from autopar.runtime.groups import forget, forgotten, shared_new_groups
 from autopar.runtime.schedules import (
     Action,
@@ -694,13 +694,18 @@ class PipelineExecutor:
                     ops.append((dist.irecv, buf, peer, self._tag(sender, direction, mb, i)))
                     kinds.append((False, f"{a} from rank {peer}"))
                 landing.append((a, buffers))
-        if self.match == "order":  # one operation at a time, on the stream of its pair of ranks
-            works = [fn(t, peer, group=self._groups[peer], tag=tag) for fn, t, peer, tag in ops]
-        else:
-            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self._groups[peer], tag=tag)
-                                            for fn, t, peer, tag in ops]) if ops else []
-            if works and len(works) != len(ops):  # a coalescing backend (NCCL): one for all
-                works = [works[0]] * len(ops)
+        # posting fails at once where a peer already closed the group (it failed): named too
+        with blocking(", ".join(what for _, what in kinds) or "a pipeline transfer",
+                      self.timeout):
+            if self.match == "order":  # one operation at a time, on its pair of ranks' stream
+                works = [fn(t, peer, group=self._groups[peer], tag=tag)
+                         for fn, t, peer, tag in ops]
+            else:
+                works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self._groups[peer],
+                                                           tag=tag)
+                                                for fn, t, peer, tag in ops]) if ops else []
+                if works and len(works) != len(ops):  # a coalescing backend (NCCL): one for all
+                    works = [works[0]] * len(ops)
         # Receives posted ahead of their compute (gloo's early receives, or the lists lowered in
         # send order) are waited by that compute (:meth:`_land`), the rest here.
         later = self._early_receives or self.match == "order"
@@ -738,7 +743,8 @@ class PipelineExecutor:
                 next(it) if c.requires_grad else None for c in self.local[a.stage].outputs]
 
     def _wait(self, work: Any, what: str) -> None:
-        wait_work(work, what, self.timeout)  # CommunicationTimeoutError naming rank and action
+        # CommunicationTimeoutError naming rank and action; a transfer, not sliced (comm.py)
+        wait_work(work, what, self.timeout, sliced=False)
 
 
 def stage_failure(action: Action, rank: int, exc: Exception) -> AutoparError:
