@@ -58,7 +58,7 @@ __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default
            "default_timeout", "set_stream_waits", "stream_waits", "DEFAULT_TIMEOUT_S",
            "note_failure", "failure_count", "announce_failure", "announced_failure",
            "new_failure_scope", "blocking", "FAILURE_POLL_S", "all_gather_bytes",
-           "all_gather_object", "broadcast_bytes", "broadcast_object", "agree_on_success"]
+           "all_gather_object", "broadcast_bytes", "broadcast_object", "agree_on_success", "rank_device"]
 
 #: Default timeout of every collective and p2p transfer (seconds); AUTOPAR_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 300.0
@@ -305,7 +305,8 @@ def collective(fn: Callable[..., Any], *args: Any, what: str,
 # form: they wait inside torch, with the group's timeout and torch's error. These carry the
 # same bytes over two tensor collectives each (the lengths, then the padded bytes), waited here.
 
-def _object_device() -> Any:
+def rank_device() -> Any:
+    """This rank's device: its GPU under NCCL, else the CPU (what its collectives carry)."""
     import torch
     import torch.distributed as dist
 
@@ -320,7 +321,7 @@ def all_gather_bytes(data: bytes, what: str, timeout: timedelta | float | None =
     import torch
     import torch.distributed as dist
 
-    device = _object_device()
+    device = rank_device()
     world = dist.get_world_size()
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     collective(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64,
@@ -349,7 +350,7 @@ def broadcast_bytes(data: bytes, src: int, what: str,
     import torch
     import torch.distributed as dist
 
-    device = _object_device()
+    device = rank_device()
     mine = dist.get_rank() == src
     size = torch.tensor([len(data) if mine else 0], dtype=torch.int64, device=device)
     collective(dist.broadcast, size, src=src, what=what, timeout=timeout)

@@ -38,7 +38,8 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.comm import blocking, collective, failure_count, new_failure_scope
+from autopar.runtime.comm import (blocking, collective, failure_count, new_failure_scope,
+                                  rank_device)
 
 __all__ = ["shared", "shared_new_groups", "shared_keys", "forget", "forgotten"]
 
@@ -77,11 +78,7 @@ def shared_keys() -> list[Hashable]:
     return list(_REGISTRY.entries)
 
 
-def _device() -> torch.device:
-    backend = str(dist.get_backend())
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+_device = rank_device
 
 
 def _agree(timeout: timedelta) -> None:
