@@ -30,20 +30,13 @@ from autopar.runtime.comm import agree_on_success, broadcast_bytes
 from autopar.runtime.schedules import schedule_spec
 
 __all__ = ["PINNABLE", "plan_argument", "validate_pins", "agree_on_plan", "check_plan",
-           "check_ep", "rank_device", "agree_on_success"]
+           "check_ep", "agree_on_success"]
 
 #: Plan fields that ``plan={...}`` may pin.
 PINNABLE = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch_size", "num_micro_batches",
             "schedule", "recompute", "zero", "sequence_parallel", "zero_shard_size",
             "cp_attention", "cp_innermost", "ep", "reshard_after_forward", "vocab_multiple",
             "offload")
-
-
-def rank_device() -> torch.device:
-    """This rank's device: its GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def plan_argument(plan: Any, world: int) -> Plan | dict[str, Any] | str:

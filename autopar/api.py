@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.agreement import (PINNABLE, agree_on_plan, agree_on_success, plan_argument,
-                               rank_device)
+from autopar.agreement import PINNABLE, agree_on_plan, agree_on_success, plan_argument
 from autopar.compiler import Planned, compile_program
 from autopar.errors import (
     InvalidInputError,
@@ -47,7 +46,8 @@ from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
 from autopar.runtime.comm import (announce_failure, broadcast_object, collective,
-                                  new_failure_scope, set_activity, set_default_timeout)
+                                  new_failure_scope, rank_device, set_activity,
+                                  set_default_timeout)
 from autopar.runtime.mesh import ParallelMesh
 from autopar.runtime.optim import OptimizerFactory
 

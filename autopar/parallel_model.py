@@ -374,6 +374,7 @@ class ParallelModel(ModelState):
         m = self.plan.num_micro_batches
         out = []
         names = list(self.captured.input_names) + list(self.captured.target_names)
+        self._check_sizes(names, inputs + targets)
         for i, t in enumerate(inputs + targets):
             if not isinstance(t, torch.Tensor):
                 out.append(t)
@@ -396,15 +397,53 @@ class ParallelModel(ModelState):
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
 
+    def _check_sizes(self, names: list[str], batch: tuple) -> None:
+        """The indexes the model computes from the batch's sizes within the tables they read
+        (passes/index_checks.size_bounds: GPT-2's positions, ``arange(s)``, in its position
+        table). A sequence longer than the table fails one process's lookup; here it is refused
+        before the step, the model left usable (inside a stage it would end the step, and the
+        executor with it). The sizes are the batch's as passed: a sequence split over cp ranks
+        is the whole sequence."""
+        from autopar.ir import BATCH, SEQ, info
+        from autopar.passes.index_checks import size_bounds
+
+        bounds = getattr(self, "_size_bounds", None)
+        if bounds is None:
+            bounds = self._size_bounds = size_bounds(self.captured)
+        if not bounds:
+            return
+        sizes: dict[str, int] = {}
+        for name, t in zip(names, batch):
+            spec = info(self.captured.node(name)).spec if isinstance(t, torch.Tensor) else None
+            if spec is None or spec.ndim != t.dim():
+                continue  # _check_input names a tensor of another form
+            for want, got in zip(spec.shape, t.shape):
+                if getattr(want, "is_Symbol", False):
+                    sizes.setdefault(want.name, int(got))
+        sizes.pop(BATCH.name, None)  # passed global or local: no computed index reads it here
+        for bound in bounds:
+            outside = bound.outside(sizes)
+            if outside is None:
+                continue
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+            longest = bound.longest(SEQ.name)
+            raise InvalidInputError(
+                f"the batch's sizes ({shown}) index beyond {bound.table} ({bound.rows} rows)",
+                expected=f"indexes in [0, {bound.rows})"
+                         + (f": a sequence of at most {longest} tokens" if longest else ""),
+                found=f"indexes {outside[0]} to {outside[1]} ({bound.low} to {bound.high})",
+                fix="shorten the sequence to what the model was built for, or build it with a "
+                    "larger table (GPT-2: config.n_positions)")
+
     def _check_indices(self, name: str, index: int, t: torch.Tensor) -> None:
-        """Token ids and targets within the table they index (passes/pad_vocab.index_bounds):
+        """Token ids and targets within the table they index (passes/index_checks.index_bounds):
         one process's lookup refuses one outside; a vocabulary-parallel or padded lookup would
         read zeros for it silently. On a CPU the refusal is this named error, before the step;
         on a GPU ``_assert_async`` checks on the device without the host waiting (a failed
         check is CUDA's device-side assert, which ends the process)."""
         bounds = getattr(self, "_index_bounds", None)
         if bounds is None:
-            from autopar.passes.pad_vocab import index_bounds
+            from autopar.passes.index_checks import index_bounds
 
             bounds = self._index_bounds = index_bounds(self.captured)
         bound = bounds.get(name)

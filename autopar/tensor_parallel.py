@@ -39,7 +39,7 @@ __all__ = ["tensor_parallelize", "TPProgram", "CollectiveCall", "LayerComm", "Di
            "TPCostSpec"]
 
 from autopar.passes.shard import TPCostSpec  # noqa: E402  (re-exported vocabulary)
-from autopar.passes.pad_vocab import reads_model_input  # noqa: E402
+from autopar.passes.index_checks import reads_model_input  # noqa: E402
 
 if TYPE_CHECKING:
     from autopar.passes.pad_vocab import VocabPadding

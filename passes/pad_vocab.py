@@ -8,7 +8,7 @@ at full speed only when its output dimension is a multiple of the GPU's tile (GP
 50304). Numerics are unchanged:
 
 - the padded embedding rows are never read (token ids are below ``V``: the step refuses a batch
-  with one outside, :func:`index_bounds`);
+  with one outside, :func:`autopar.passes.index_checks.index_bounds`);
 - the padded LM-head rows (and bias entries) start at zero; right before every operation that
   reduces over the classes (``cross_entropy_loss``, ``log_softmax``) the padded logits are set to
   ``-inf`` (``masked_fill`` with a constant mask), so they add exactly ``0`` to the softmax's sum
@@ -41,9 +41,9 @@ import torch.fx
 
 from autopar.captured import CapturedGraph
 from autopar.ir import META_KEY, NodeInfo, NodeKind, TensorSpec, copy_graph_module, info, op_name
+from autopar.passes.index_checks import reads_model_input
 
-__all__ = ["VocabPadding", "pad_vocabulary", "padded_size", "reads_model_input", "MASK_CONSTANT",
-           "IndexBound", "index_bounds"]
+__all__ = ["VocabPadding", "pad_vocabulary", "padded_size", "MASK_CONSTANT"]
 
 aten = torch.ops.aten
 
@@ -54,8 +54,6 @@ MASK_CONSTANT = "autopar_vocab_padding_mask"
 _RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
 _KEEPS = frozenset({"contiguous", "clone", "alias", "detach", "to", "_to_copy", "type_as"})
 _SCALAR_MAPS = frozenset({"mul", "div", "add", "sub", "tanh", "neg"})
-_INDEX_VIEWS = frozenset({"view", "reshape", "flatten", "slice", "clone", "contiguous", "to",
-                          "_to_copy", "alias", "detach", "_unsafe_view"})
 
 
 def padded_size(vocab: int, multiple: int, tp: int) -> int:
@@ -83,82 +81,6 @@ class VocabPadding:
     @property
     def active(self) -> bool:
         return bool(self.logical_shapes)
-
-
-def reads_model_input(node: Any) -> bool:
-    """Whether a tensor is a model input seen through views only (token ids)."""
-    for _ in range(32):
-        if not isinstance(node, torch.fx.Node):
-            return False
-        if node.op == "placeholder":
-            return info(node).kind is NodeKind.INPUT
-        if node.op != "call_function" or op_name(node) not in _INDEX_VIEWS:
-            return False
-        node = node.args[0]
-    return False
-
-
-def _input_root(node: Any) -> torch.fx.Node | None:
-    """The model input or target ``node`` is, seen through views only; else None."""
-    for _ in range(32):
-        if not isinstance(node, torch.fx.Node):
-            return None
-        if node.op == "placeholder":
-            return node if info(node).kind in (NodeKind.INPUT, NodeKind.TARGET) else None
-        if node.op != "call_function" or op_name(node) not in _INDEX_VIEWS:
-            return None
-        node = node.args[0]
-    return None
-
-
-@dataclass(frozen=True)
-class IndexBound:
-    """An input of the step whose values index a table: every value must lie in ``[0,
-    rows)`` or equal ``ignore`` (a loss's ignore_index). ``table`` names the lookup."""
-
-    rows: int
-    table: str
-    ignore: int | None = None
-
-
-def index_bounds(captured: CapturedGraph) -> dict[str, IndexBound]:
-    """The step's inputs and targets (placeholder name) that index a table of the model, read
-    through views only: token ids into an embedding (its rows), targets into a loss's classes
-    (``cross_entropy_loss``, ``nll_loss``; its ignore_index aside). One process's lookup refuses
-    an index outside; a sharded one masks the rows a rank does not hold and a padded
-    vocabulary has rows beyond the model's, where such an index would read zeros silently, so
-    the step checks them (``ParallelModel``). Tables of a size the graph leaves symbolic are
-    not listed."""
-    out: dict[str, IndexBound] = {}
-
-    def note(root: torch.fx.Node | None, rows: Any, table: str, ignore: int | None) -> None:
-        if root is None or not isinstance(rows, int) or rows <= 0:
-            return
-        old = out.get(root.name)
-        if old is None or rows < old.rows:  # the tightest table the input reads
-            out[root.name] = IndexBound(rows, table, ignore)
-
-    for node in captured.gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = op_name(node)
-        if name == "embedding" and len(node.args) >= 2:
-            weight = info(node.args[0]).spec
-            rows = weight.shape[0] if weight is not None and weight.ndim else None
-            note(_input_root(node.args[1]), int(rows) if rows is not None and rows.is_Integer
-                 else None, f"the embedding {getattr(info(node.args[0]), 'fqn', None) or node.args[0].name}",
-                 None)
-        elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d") \
-                and len(node.args) >= 2:
-            logits = info(node.args[0]).spec
-            if logits is None or not logits.ndim:
-                continue
-            classes = logits.shape[1] if logits.ndim > 1 else logits.shape[0]
-            ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index",
-                                                                             -100)
-            note(_input_root(node.args[1]), int(classes) if classes.is_Integer else None,
-                 f"the classes of {name}", int(ignore))
-    return out
 
 
 def _rows(node: torch.fx.Node) -> int | None:

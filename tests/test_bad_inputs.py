@@ -494,17 +494,74 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(world1,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dcp"]  # no hidden partial
 
 
-def test_a_sequence_beyond_the_models_positions_is_the_inputs_fault():
-    """A sequence longer than the model's position table: one process's embedding raises
-    IndexError; inside the generated program that is named as the batch's fault
-    (InvalidInputError naming the lookup), not as an autopar fault (StageExecutionError)."""
+def test_a_sequence_beyond_the_models_positions_is_refused_before_the_step():
+    """GPT-2's positions are computed (``arange(s)`` into its position table): a sequence
+    longer than the table fails one process's lookup with IndexError. autopar refuses it before
+    the step by name, with the longest sequence that fits (passes/index_checks.size_bounds),
+    and the model stays usable: the next good step's loss is one process's."""
+    from autopar.passes.index_checks import size_bounds
+
     zm, inputs, targets = _tiny(batch=4)
     positions = zm.model.config.n_positions
     long = torch.randint(0, 128, (4, positions + 8))
     with pytest.raises(IndexError):
         zm.loss_fn(zm.model(long), long)
+    with torch.no_grad():
+        expected = float(zm.loss_fn(zm.model(*inputs), *targets))
+    edge = torch.randint(0, 128, (4, positions))  # exactly the table: fits
+    zm.loss_fn(zm.model(edge), edge)
     pm = _parallelize(zm, inputs, targets, {"dp": 1, "tp": 1, "pp": 1})
     try:
+        (bound,) = size_bounds(pm.captured)
+        assert bound.rows == positions and bound.longest("s") == positions
+        assert bound.outside({"s": positions}) is None
+        assert bound.outside({"s": positions + 8}) == (0, positions + 7)
+        with pytest.raises(autopar.InvalidInputError, match="transformer.wpe") as err:
+            pm.train_step((long,), (long,))
+        _explains(err.value)
+        assert f"at most {positions} tokens" in err.value.expected
+        assert f"s={positions + 8}" in str(err.value)
+        loss = pm.train_step(inputs, targets)  # the model was left as it was
+        assert abs(float(loss) - expected) < 1e-5, (float(loss), expected)
+    finally:
+        pm.close()
+
+
+class _CumsumPositions(nn.Module):
+    """Positions computed by a cumsum, which size_bounds does not follow."""
+
+    def __init__(self, vocab=128, positions=8, hidden=16):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.positions = nn.Embedding(positions, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        where = torch.cumsum(torch.ones_like(ids), dim=1) - 1
+        return self.head(self.tokens(ids) + self.positions(where))
+
+
+def _token_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_an_index_beyond_a_table_inside_a_stage_is_the_inputs_fault():
+    """An index the pre-step check cannot follow (positions from a cumsum) fails inside the
+    stage: named as the batch's fault (InvalidInputError naming the lookup), not as an autopar
+    fault (StageExecutionError)."""
+    from autopar.passes.index_checks import size_bounds
+
+    torch.manual_seed(0)
+    model = _CumsumPositions()
+    ids = torch.randint(0, 128, (4, 8))
+    long = torch.randint(0, 128, (4, 12))
+    with pytest.raises(IndexError):
+        _token_loss(model(long), long)
+    pm = autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids,),
+                             loss_fn=_token_loss, optimizer=SGD,
+                             plan={"dp": 1, "tp": 1, "pp": 1})
+    try:
+        assert size_bounds(pm.captured) == []
         with pytest.raises(autopar.InvalidInputError, match="indexes beyond a table") as err:
             pm.train_step((long,), (long,))
         assert "embedding" in str(err.value) and "parallelized again" in err.value.fix

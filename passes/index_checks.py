@@ -1,0 +1,258 @@
+"""What the step checks in a batch before it runs: the indexes that read a table of the model.
+
+One process's embedding (and loss) raises ``IndexError`` for an index outside its table. The
+generated program may not: a vocabulary-parallel lookup masks the rows a rank does not hold, and a
+padded vocabulary (``passes/pad_vocab.py``) has rows beyond the model's, so such an index would
+read zeros silently; and an index that fails inside a stage fails it mid-step, where the executor
+cannot go on. So ``ParallelModel`` checks, before the step and on every rank:
+
+- :func:`index_bounds`: the inputs and targets that index a table through views only (token ids
+  into an embedding, targets into a loss's classes): their values;
+- :func:`size_bounds`: the indexes the model computes from the batch's sizes (GPT-2's positions
+  ``arange(s)`` into its position table): their range, as expressions in the capture's size
+  symbols (``s``), evaluated at the batch's sizes; a sequence longer than the table is refused
+  by name, the model left usable.
+
+The range of a computed index is followed through the ops whose result's range is known exactly
+from their operands' ranges: ``arange``, adding or subtracting one value (a constant or a size), a
+multiplication by a non-negative constant, ``clamp``, and the views that keep every value (an
+``unsqueeze``, a ``view``, an ``expand``, a cast). The range's ends are values the index takes,
+so a batch is refused exactly when one process's lookup would fail. Anything else (the sum of two
+computed tensors, whose extremes need not meet; a ``cumsum`` of a mask; a slice of a buffer)
+leaves the index unchecked before the step; the lookup's own failure inside the stage is then
+the batch's ``InvalidInputError`` (``runtime/pipeline.stage_failure``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from autopar.captured import CapturedGraph
+from autopar.ir import NodeKind, info, op_name
+
+__all__ = ["reads_model_input", "IndexBound", "index_bounds", "SizeBound", "size_bounds"]
+
+_INDEX_VIEWS = frozenset({"view", "reshape", "flatten", "slice", "clone", "contiguous", "to",
+                          "_to_copy", "alias", "detach", "_unsafe_view"})
+
+
+def reads_model_input(node: Any) -> bool:
+    """Whether a tensor is a model input seen through views only (token ids)."""
+    for _ in range(32):
+        if not isinstance(node, torch.fx.Node):
+            return False
+        if node.op == "placeholder":
+            return info(node).kind is NodeKind.INPUT
+        if node.op != "call_function" or op_name(node) not in _INDEX_VIEWS:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _input_root(node: Any) -> torch.fx.Node | None:
+    """The model input or target ``node`` is, seen through views only; else None."""
+    for _ in range(32):
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if node.op == "placeholder":
+            return node if info(node).kind in (NodeKind.INPUT, NodeKind.TARGET) else None
+        if node.op != "call_function" or op_name(node) not in _INDEX_VIEWS:
+            return None
+        node = node.args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class IndexBound:
+    """An input of the step whose values index a table: every value must lie in ``[0,
+    rows)`` or equal ``ignore`` (a loss's ignore_index). ``table`` names the lookup."""
+
+    rows: int
+    table: str
+    ignore: int | None = None
+
+
+def index_bounds(captured: CapturedGraph) -> dict[str, IndexBound]:
+    """The step's inputs and targets (placeholder name) that index a table of the model, read
+    through views only: token ids into an embedding (its rows), targets into a loss's classes
+    (``cross_entropy_loss``, ``nll_loss``; its ignore_index aside). One process's lookup refuses
+    an index outside; a sharded one masks the rows a rank does not hold and a padded
+    vocabulary has rows beyond the model's, where such an index would read zeros silently, so
+    the step checks them (``ParallelModel``). Tables of a size the graph leaves symbolic are
+    not listed."""
+    out: dict[str, IndexBound] = {}
+
+    def note(root: torch.fx.Node | None, rows: Any, table: str, ignore: int | None) -> None:
+        if root is None or not isinstance(rows, int) or rows <= 0:
+            return
+        old = out.get(root.name)
+        if old is None or rows < old.rows:  # the tightest table the input reads
+            out[root.name] = IndexBound(rows, table, ignore)
+
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name == "embedding" and len(node.args) >= 2:
+            weight = info(node.args[0]).spec
+            rows = weight.shape[0] if weight is not None and weight.ndim else None
+            table = getattr(info(node.args[0]), "fqn", None) or node.args[0].name
+            note(_input_root(node.args[1]), int(rows) if rows is not None and rows.is_Integer
+                 else None, f"the embedding {table}", None)
+        elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d") \
+                and len(node.args) >= 2:
+            logits = info(node.args[0]).spec
+            if logits is None or not logits.ndim:
+                continue
+            classes = logits.shape[1] if logits.ndim > 1 else logits.shape[0]
+            ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index",
+                                                                             -100)
+            note(_input_root(node.args[1]), int(classes) if classes.is_Integer else None,
+                 f"the classes of {name}", int(ignore))
+    return out
+
+
+
+@dataclass(frozen=True)
+class SizeBound:
+    """An index the model computes from the batch's sizes: its values lie in ``[low, high]``
+    (expressions in the capture's size symbols) and read ``table``, of ``rows`` rows."""
+
+    low: sympy.Expr
+    high: sympy.Expr
+    rows: int
+    table: str
+
+    def outside(self, sizes: dict[str, int]) -> tuple[int, int] | None:
+        """``(low, high)`` at ``sizes`` when the range leaves ``[0, rows)``; else None (also when
+        a symbol of the range has no size given)."""
+        if any(sym.name not in sizes for sym in (self.low.free_symbols | self.high.free_symbols)):
+            return None
+        subs = {sym: sympy.Integer(sizes[sym.name])
+                for sym in self.low.free_symbols | self.high.free_symbols}
+        low, high = int(self.low.xreplace(subs)), int(self.high.xreplace(subs))
+        return (low, high) if low < 0 or high >= self.rows else None
+
+    def longest(self, symbol: str) -> int | None:
+        """The largest size of ``symbol`` whose range stays in the table, when the range grows
+        linearly in it alone (GPT-2: ``s - 1 < rows``, so ``s <= rows``); else None."""
+        if {sym.name for sym in self.high.free_symbols} != {symbol}:
+            return None
+        (sym,) = self.high.free_symbols
+        if not self.high.is_polynomial(sym):  # a clamp's Min: it may never leave the table
+            return None
+        poly = sympy.Poly(self.high, sym)
+        if poly.degree() != 1 or poly.LC() <= 0:
+            return None
+        return int(sympy.floor((self.rows - 1 - poly.eval(0)) / poly.LC()))
+
+
+#: Ops whose result holds exactly its first operand's values (rearranged, repeated, cast).
+_SAME_VALUES = frozenset({"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "expand",
+                          "flatten", "clone", "contiguous", "alias", "detach", "to", "_to_copy",
+                          "permute", "transpose", "t", "repeat", "lift_fresh_copy"})
+
+
+def size_bounds(captured: CapturedGraph) -> list[SizeBound]:
+    """Every embedding lookup whose indexes the model computes and whose range depends on the
+    batch's sizes (see the module's docstring), with that range."""
+    out: list[SizeBound] = []
+    memo: dict[torch.fx.Node, tuple[sympy.Expr, sympy.Expr] | None] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) != "embedding" or len(node.args) < 2:
+            continue
+        if _input_root(node.args[1]) is not None:  # a model input: index_bounds checks it
+            continue
+        weight = info(node.args[0]).spec
+        rows = weight.shape[0] if weight is not None and weight.ndim else None
+        if rows is None or not rows.is_Integer:
+            continue
+        span = _range(node.args[1], memo)
+        if span is None or not (span[0].free_symbols or span[1].free_symbols):
+            continue
+        table = getattr(info(node.args[0]), "fqn", None) or node.args[0].name
+        out.append(SizeBound(span[0], span[1], int(rows), f"the embedding {table}"))
+    return out
+
+
+def _scalar(value: Any) -> sympy.Expr | None:
+    """An int, or a size the graph computes (``sym_size``), as an expression; else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if isinstance(value, torch.fx.Node):
+        expr = info(value).value
+        if isinstance(expr, sympy.Expr) and (expr.is_Integer or expr.free_symbols):
+            return expr
+    return None
+
+
+def _range(value: Any, memo: dict) -> tuple[sympy.Expr, sympy.Expr] | None:
+    """``[low, high]`` of an integer tensor's (or scalar's) values, when the ops that make it
+    determine it; else None."""
+    scalar = _scalar(value)
+    if scalar is not None:
+        return scalar, scalar
+    if not isinstance(value, torch.fx.Node) or value.op != "call_function":
+        return None
+    if value in memo:
+        return memo[value]
+    memo[value] = None  # a cycle cannot occur in a graph; this bounds the recursion's cost
+    spec = info(value).spec
+    if spec is None or getattr(spec, "dtype", None) is None or spec.dtype.is_floating_point \
+            or spec.dtype == torch.bool:
+        return None
+    memo[value] = span = _op_range(value, memo)
+    return span
+
+
+def _single(span: tuple[sympy.Expr, sympy.Expr]) -> bool:
+    """Whether a range is one value (a scalar, or a size)."""
+    return sympy.simplify(span[0] - span[1]) == 0
+
+
+def _op_range(node: torch.fx.Node, memo: dict) -> tuple[sympy.Expr, sympy.Expr] | None:
+    name, args = op_name(node), node.args
+    if name == "arange":
+        if node.kwargs.get("step", 1) != 1 or len(args) > 2 and args[2] != 1:
+            return None
+        bounds = [_scalar(a) for a in args[:2]]
+        if any(b is None for b in bounds):
+            return None
+        start, end = (sympy.Integer(0), bounds[0]) if len(bounds) == 1 else bounds
+        return start, end - 1
+    if name in _SAME_VALUES:
+        return _range(args[0], memo)
+    if name in ("add", "sub", "rsub") and len(args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        a, b = _range(args[0], memo), _range(args[1], memo)
+        if a is None or b is None or not (_single(a) or _single(b)):
+            return None  # two tensors: the extremes of each need not meet (arange - arange)
+        if name == "add":
+            return a[0] + b[0], a[1] + b[1]
+        if name == "sub":
+            return a[0] - b[1], a[1] - b[0]
+        return b[0] - a[1], b[1] - a[0]  # rsub: args[1] - args[0]
+    if name == "mul" and len(args) == 2:
+        a, b = _range(args[0], memo), _range(args[1], memo)
+        if a is None or b is None or not (_single(b) and b[0].is_Integer and b[0] >= 0):
+            return None
+        return a[0] * b[0], a[1] * b[0]
+    if name == "clamp":
+        a = _range(args[0], memo)
+        if a is None:
+            return None
+        low, high = a
+        given = [args[i] if len(args) > i else node.kwargs.get(key)
+                 for i, key in ((1, "min"), (2, "max"))]
+        lo, hi = (None if g is None else _scalar(g) for g in given)
+        if any(g is not None and b is None for g, b in zip(given, (lo, hi))):
+            return None  # a bound that is a tensor: its values are not followed
+        return (sympy.Max(low, lo) if lo is not None else low,
+                sympy.Min(high, hi) if hi is not None else high)
+    return None
