@@ -131,10 +131,10 @@ class SizeBound:
     def outside(self, sizes: dict[str, int]) -> tuple[int, int] | None:
         """``(low, high)`` at ``sizes`` when the range leaves ``[0, rows)``; else None (also when
         a symbol of the range has no size given)."""
-        if any(sym.name not in sizes for sym in (self.low.free_symbols | self.high.free_symbols)):
+        symbols = self.low.free_symbols | self.high.free_symbols
+        if any(sym.name not in sizes for sym in symbols):
             return None
-        subs = {sym: sympy.Integer(sizes[sym.name])
-                for sym in self.low.free_symbols | self.high.free_symbols}
+        subs = {sym: sympy.Integer(sizes[sym.name]) for sym in symbols}
         low, high = int(self.low.xreplace(subs)), int(self.high.xreplace(subs))
         return (low, high) if low < 0 or high >= self.rows else None
 
@@ -201,15 +201,12 @@ def _range(value: Any, memo: dict) -> tuple[sympy.Expr, sympy.Expr] | None:
         return scalar, scalar
     if not isinstance(value, torch.fx.Node) or value.op != "call_function":
         return None
-    if value in memo:
-        return memo[value]
-    memo[value] = None  # a cycle cannot occur in a graph; this bounds the recursion's cost
-    spec = info(value).spec
-    if spec is None or getattr(spec, "dtype", None) is None or spec.dtype.is_floating_point \
-            or spec.dtype == torch.bool:
-        return None
-    memo[value] = span = _op_range(value, memo)
-    return span
+    if value not in memo:  # each node once: a position tensor may feed several lookups
+        spec = info(value).spec
+        integral = spec is not None and getattr(spec, "dtype", None) is not None \
+            and not spec.dtype.is_floating_point and spec.dtype != torch.bool
+        memo[value] = _op_range(value, memo) if integral else None
+    return memo[value]
 
 
 def _single(span: tuple[sympy.Expr, sympy.Expr]) -> bool:
