@@ -154,6 +154,7 @@ def test_full_recompute_pays_the_checkpoints_host_time_per_block(costs):
             assert tb[0] == ta[0] and tb[2] == ta[2]
 
 
+@pytest.mark.serial  # a ratio of two timings on this host: measured on a quiet one
 def test_the_checkpoint_probe_prices_a_real_blocks_checkpoint():
     """The per-call and per-saved-tensor costs, measured on chains of ``sin``, price torch's
     checkpoint of a different function, a GPT-2 block (``runtime/layer_recompute``'s settings):
