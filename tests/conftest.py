@@ -89,6 +89,34 @@ def full_size():
     return out
 
 
+#: Fixtures that start processes: a test using one is a distributed test, marked or not.
+POOL_FIXTURES = {"shared_pool2", "shared_pool4", "quick_calibration"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(autouse=True)
+def _no_processes_beside_other_tests(request, monkeypatch):
+    """Under ``./dev test``'s parallel run (an xdist worker) a test that starts a LocalPool
+    lacks the ``distributed`` marker: its processes would share the cores with the other
+    workers' tests (and its timeouts with their load). Say so instead of running it there."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or \
+            request.node.get_closest_marker("distributed") is not None:
+        return
+    from autopar.runtime.local_pool import LocalPool
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts a LocalPool: mark it "
+                           "@pytest.mark.distributed (./dev test runs those alone)")
+
+    monkeypatch.setattr(LocalPool, "__init__", refuse)
+
+
 @pytest.fixture(scope="session")
 def shared_pool4():
     """One LocalPool(4) for every test that trains on 4 ranks and neither measures its
