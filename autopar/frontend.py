@@ -126,6 +126,7 @@ def capture(
     device = "meta" if _model_on_meta(model) else None
     args = tuple(a.to(device).contiguous() if device and isinstance(a, torch.Tensor)
                  else a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+    args = _distinct(args)
 
     step = TracedStep(model, loss_fn, len(inputs), kwarg_names)
     dims = _default_dims(args, batch_dims, seq_dims)
@@ -230,6 +231,26 @@ def capture(
 # ---------------------------------------------------------------------------------------------
 # Export
 # ---------------------------------------------------------------------------------------------
+
+def _distinct(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Every example tensor its own memory. torch.export traces one placeholder for tensors that
+    share memory and feeds every use from it: the same ``ids`` passed as the input and the
+    target (a language model's labels) gave a graph that embedded the targets, so a step
+    whose labels differ from its ids computed another loss, silently. A tensor that shares
+    memory with an earlier one is traced from a copy."""
+    seen: set[int] = set()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key = id(a) if a.device.type == "meta" else a.untyped_storage().data_ptr()
+            if key in seen:
+                a = a.clone()
+                key = id(a) if a.device.type == "meta" else a.untyped_storage().data_ptr()
+            if key:  # an empty tensor has no memory to share
+                seen.add(key)
+        out.append(a)
+    return tuple(out)
+
 
 def _as_tuple(value: Any, what: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     if value is None:

@@ -183,6 +183,39 @@ def test_a_meta_capture_keeps_the_values_of_tensors_made_from_data():
         assert not value.is_meta and torch.equal(value, real.constants[name]), name
 
 
+class _NextToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.head(self.tokens(ids))
+
+
+def test_one_tensor_passed_as_input_and_target_captures_both():
+    """A language model's example ``(ids,)`` passed as the inputs and the targets: torch.export
+    traces one placeholder for tensors that share memory, and the graph would read the targets
+    where the model reads its ids, so a step whose labels differ computed another loss,
+    silently. Against eager PyTorch with labels != ids, and the same captured on meta."""
+    torch.manual_seed(0)
+    model = _NextToken()
+    loss = lambda logits, labels: nn.functional.cross_entropy(  # noqa: E731
+        logits.flatten(0, 1), labels.flatten())
+    ids = torch.randint(0, 11, (2, 6))
+    captured = capture(model, (ids,), loss, example_targets=(ids,))
+    assert len({n.name for n in captured.gm.graph.nodes if n.op == "placeholder"
+                and info(n).kind in (NodeKind.INPUT, NodeKind.TARGET)}) == 2
+    step_ids, labels = torch.randint(0, 11, (2, 6)), torch.randint(0, 11, (2, 6))
+    torch.testing.assert_close(captured.run(step_ids, labels), loss(model(step_ids), labels))
+    with torch.device("meta"):
+        on_meta = _NextToken()
+    meta_ids = ids.to("meta")
+    captured = capture(on_meta, (meta_ids,), loss, example_targets=(meta_ids,))
+    kinds = [info(n).kind for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    assert kinds.count(NodeKind.INPUT) == kinds.count(NodeKind.TARGET) == 1
+
+
 def test_model_without_loss():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     captured = capture(model, (torch.randn(4, 8),))
