@@ -374,13 +374,14 @@ class ParallelModel(ModelState):
         m = self.plan.num_micro_batches
         out = []
         names = list(self.captured.input_names) + list(self.captured.target_names)
-        self._check_sizes(names, inputs + targets)
+        sizes = self._batch_sizes(names, inputs + targets)
+        self._check_sizes(sizes)
         for i, t in enumerate(inputs + targets):
             if not isinstance(t, torch.Tensor):
                 out.append(t)
                 continue
             self._check_input(names[i], i, t, local)
-            self._check_indices(names[i], i, t)
+            self._check_indices(names[i], i, t, sizes)
             if not local:
                 t = self.local_batch(t)
             for dim in self._sequence_dims[i]:  # this rank's tokens (head-tail layout)
@@ -397,21 +398,12 @@ class ParallelModel(ModelState):
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
 
-    def _check_sizes(self, names: list[str], batch: tuple) -> None:
-        """The indexes the model computes from the batch's sizes within the tables they read
-        (passes/index_checks.size_bounds: GPT-2's positions, ``arange(s)``, in its position
-        table). A sequence longer than the table fails one process's lookup; here it is refused
-        before the step, the model left usable (inside a stage it would end the step, and the
-        executor with it). The sizes are the batch's as passed: a sequence split over cp ranks
-        is the whole sequence."""
-        from autopar.ir import BATCH, SEQ, info
-        from autopar.passes.index_checks import size_bounds
+    def _batch_sizes(self, names: list[str], batch: tuple) -> dict[str, int]:
+        """The capture's size symbols (``s``, an encoder-decoder's other lengths) at this batch,
+        read from the tensors passed (a sequence split over cp ranks: the whole sequence). The
+        batch symbol is left out: the batch passed holds every micro-batch (and replica)."""
+        from autopar.ir import BATCH, info
 
-        bounds = getattr(self, "_size_bounds", None)
-        if bounds is None:
-            bounds = self._size_bounds = size_bounds(self.captured)
-        if not bounds:
-            return
         sizes: dict[str, int] = {}
         for name, t in zip(names, batch):
             spec = info(self.captured.node(name)).spec if isinstance(t, torch.Tensor) else None
@@ -421,6 +413,22 @@ class ParallelModel(ModelState):
                 if getattr(want, "is_Symbol", False):
                     sizes.setdefault(want.name, int(got))
         sizes.pop(BATCH.name, None)  # passed global or local: no computed index reads it here
+        return sizes
+
+    def _check_sizes(self, sizes: dict[str, int]) -> None:
+        """The indexes the model computes from the batch's sizes within the tables they read
+        (passes/index_checks.size_bounds: GPT-2's positions, ``arange(s)``, in its position
+        table). A sequence longer than the table fails one process's lookup; here it is refused
+        before the step, the model left usable (inside a stage it would end the step, and the
+        executor with it)."""
+        from autopar.ir import SEQ
+        from autopar.passes.index_checks import size_bounds
+
+        bounds = getattr(self, "_size_bounds", None)
+        if bounds is None:
+            bounds = self._size_bounds = size_bounds(self.captured)
+        if not bounds:
+            return
         for bound in bounds:
             outside = bound.outside(sizes)
             if outside is None:
@@ -435,39 +443,43 @@ class ParallelModel(ModelState):
                 fix="shorten the sequence to what the model was built for, or build it with a "
                     "larger table (GPT-2: config.n_positions)")
 
-    def _check_indices(self, name: str, index: int, t: torch.Tensor) -> None:
+    def _check_indices(self, name: str, index: int, t: torch.Tensor,
+                       sizes: dict[str, int]) -> None:
         """Token ids and targets within the table they index (passes/index_checks.index_bounds):
         one process's lookup refuses one outside; a vocabulary-parallel or padded lookup would
-        read zeros for it silently. On a CPU the refusal is this named error, before the step;
-        on a GPU ``_assert_async`` checks on the device without the host waiting (a failed
-        check is CUDA's device-side assert, which ends the process)."""
+        read zeros for it silently. Each lookup's part of the input is checked (the model's
+        ``ids[:, :-1]``: not the last column, which one process never reads). On a CPU the
+        refusal is this named error, before the step; on a GPU ``_assert_async`` checks on the
+        device without the host waiting (a failed check is CUDA's device-side assert, which
+        ends the process)."""
         bounds = getattr(self, "_index_bounds", None)
         if bounds is None:
             from autopar.passes.index_checks import index_bounds
 
             bounds = self._index_bounds = index_bounds(self.captured)
-        bound = bounds.get(name)
-        if bound is None or t.dtype.is_floating_point or t.dtype == torch.bool:
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
             return
-        valid = (t >= 0) & (t < bound.rows)
-        if bound.ignore is not None:
-            valid |= t == bound.ignore
         what = "input" if index < len(self.captured.input_names) else "target"
-        if t.device.type != "cpu":
-            torch._assert_async(valid.all(), f"autopar: {what} {name} indexes outside "
-                                             f"{bound.table} of {bound.rows} rows")
-        elif not bool(valid.all()):
-            bad = t[~valid]
-            allowed = f"[0, {bound.rows})" + (f" or {bound.ignore}" if bound.ignore is not None
-                                              else "")
-            raise InvalidInputError(
-                f"{what} {index if what == 'input' else index - len(self.captured.input_names)} "
-                f"indexes outside {bound.table} ({bound.rows} rows)",
-                expected=f"values in {allowed}, as one process's lookup requires",
-                found=f"{int(bad.numel())} value(s) outside, from {int(bad.min())} to "
-                      f"{int(bad.max())}",
-                fix="check the batch: token ids below the vocabulary size, targets below the "
-                    "number of classes")
+        for bound in bounds.get(name, ()):
+            part = bound.indexed(t, sizes)
+            valid = (part >= 0) & (part < bound.rows)
+            if bound.ignore is not None:
+                valid |= part == bound.ignore
+            if t.device.type != "cpu":
+                torch._assert_async(valid.all(), f"autopar: {what} {name} indexes outside "
+                                                 f"{bound.table} of {bound.rows} rows")
+            elif not bool(valid.all()):
+                bad = part[~valid]
+                allowed = f"[0, {bound.rows})" + (f" or {bound.ignore}"
+                                                  if bound.ignore is not None else "")
+                number = index if what == "input" else index - len(self.captured.input_names)
+                raise InvalidInputError(
+                    f"{what} {number} indexes outside {bound.table} ({bound.rows} rows)",
+                    expected=f"values in {allowed}, as one process's lookup requires",
+                    found=f"{int(bad.numel())} value(s) outside, from {int(bad.min())} to "
+                          f"{int(bad.max())}",
+                    fix="check the batch: token ids below the vocabulary size, targets below "
+                        "the number of classes")
 
     def _check_input(self, name: str, index: int, t: torch.Tensor, local: bool = False) -> None:
         """dtype, number of dims and fixed sizes as captured (b and s may vary). A batch

@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from autopar.captured import CapturedGraph
-from autopar.ir import NodeKind, info, op_name
+from autopar.ir import BATCH, NodeKind, info, op_name
 
 __all__ = ["reads_model_input", "IndexBound", "index_bounds", "SizeBound", "size_bounds"]
 
@@ -56,43 +56,123 @@ def reads_model_input(node: Any) -> bool:
 
 def _input_root(node: Any) -> torch.fx.Node | None:
     """The model input or target ``node`` is, seen through views only; else None."""
+    path = _input_path(node)
+    return None if path is None else path[0]
+
+
+def _input_path(node: Any) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """The model input or target ``node`` is seen through views only, and those views from the
+    input outwards; else None."""
+    views: list[torch.fx.Node] = []
     for _ in range(32):
         if not isinstance(node, torch.fx.Node):
             return None
         if node.op == "placeholder":
-            return node if info(node).kind in (NodeKind.INPUT, NodeKind.TARGET) else None
+            if info(node).kind in (NodeKind.INPUT, NodeKind.TARGET):
+                return node, views[::-1]
+            return None
         if node.op != "call_function" or op_name(node) not in _INDEX_VIEWS:
             return None
+        views.append(node)
         node = node.args[0]
     return None
 
 
+#: Views that keep a tensor's shape and values: they do not move the part a slice selects.
+_KEEP_SHAPE = frozenset({"clone", "contiguous", "to", "_to_copy", "alias", "detach"})
+#: aten.slice's end for "to the end" (``x[:, 1:]``).
+_TO_THE_END = 2**63 - 1
+
+
+def _region(views: list[torch.fx.Node]) -> tuple[tuple[int, Any, Any, int], ...] | None:
+    """The part of the input that ``views`` (from the input outwards) select, as slices
+    ``(dim, start, end, step)`` applied in order, with ``start``/``end`` expressions in the
+    capture's size symbols; ``()``: all of it. None where the part cannot be named that way (a
+    slice after a reshape, across the batch dim, or with bounds the graph computes otherwise):
+    every value is checked then, which may refuse an id that only a sliced-away part holds
+    but never lets one through."""
+    region: list[tuple[int, Any, Any, int]] = []
+    reshaped = False
+    for v in views:
+        name = op_name(v)
+        if name in _KEEP_SHAPE:
+            continue
+        if name != "slice":
+            reshaped = True  # view, reshape, flatten: the values kept, the dims renumbered
+            continue
+        given = list(v.args[1:])
+        dim, start, end, step = (given + [0, None, None, 1][len(given):])[:4]
+        dim, start, end, step = (v.kwargs.get(k, x) for k, x in
+                                 zip(("dim", "start", "end", "step"), (dim, start, end, step)))
+        start, end = (0 if start is None else start), (_TO_THE_END if end is None else end)
+        whole = start == 0 and isinstance(end, int) and end >= _TO_THE_END and step == 1
+        if whole:
+            continue  # x[:, ...]: export's slice of every row
+        bounds = [_scalar(x) for x in (start, end)]
+        spec = info(v.args[0]).spec
+        ndim = spec.ndim if spec is not None else None
+        if reshaped or ndim is None or not isinstance(dim, int) or not isinstance(step, int) \
+                or step < 1 or any(b is None for b in bounds):
+            return None
+        dim = dim % ndim
+        if dim == 0 or any(sym == BATCH for b in bounds for sym in b.free_symbols):
+            return None  # the batch passed holds every micro-batch: a slice of one is not one of it
+        region.append((dim, bounds[0], bounds[1], step))
+    return tuple(region)
+
+
 @dataclass(frozen=True)
 class IndexBound:
-    """An input of the step whose values index a table: every value must lie in ``[0,
-    rows)`` or equal ``ignore`` (a loss's ignore_index). ``table`` names the lookup."""
+    """An input of the step whose values index a table: every value of ``region`` must lie in
+    ``[0, rows)`` or equal ``ignore`` (a loss's ignore_index). ``table`` names the lookup.
+    ``region``: the slices ``(dim, start, end, step)`` the model takes of the input before the
+    lookup (``ids[:, :-1]``), start and end in the capture's size symbols; empty: all of it."""
 
     rows: int
     table: str
     ignore: int | None = None
+    region: tuple[tuple[int, Any, Any, int], ...] = ()
+
+    def indexed(self, t: torch.Tensor, sizes: dict[str, int]) -> torch.Tensor:
+        """The values of the step's input ``t`` that the lookup reads (``sizes``: the batch's
+        size symbols; a bound whose symbol has no size is read as "to the end")."""
+        for dim, start, end, step in self.region:
+            if dim >= t.dim():
+                return t  # _check_input refuses a tensor of another form
+            ends = []
+            for bound in (start, end):
+                symbols = bound.free_symbols
+                if any(sym.name not in sizes for sym in symbols):
+                    return t
+                ends.append(int(bound.xreplace({sym: sympy.Integer(sizes[sym.name])
+                                                for sym in symbols})))
+            index = [slice(None)] * t.dim()
+            index[dim] = slice(ends[0], ends[1], step)
+            t = t[tuple(index)]
+        return t
 
 
-def index_bounds(captured: CapturedGraph) -> dict[str, IndexBound]:
+def index_bounds(captured: CapturedGraph) -> dict[str, tuple[IndexBound, ...]]:
     """The step's inputs and targets (placeholder name) that index a table of the model, read
     through views only: token ids into an embedding (its rows), targets into a loss's classes
     (``cross_entropy_loss``, ``nll_loss``; its ignore_index aside). One process's lookup refuses
     an index outside; a sharded one masks the rows a rank does not hold and a padded
     vocabulary has rows beyond the model's, where such an index would read zeros silently, so
-    the step checks them (``ParallelModel``). Tables of a size the graph leaves symbolic are
-    not listed."""
-    out: dict[str, IndexBound] = {}
+    the step checks them (``ParallelModel``). Each lookup checks the part of the input it reads
+    (a slice the model takes first: ``ids[:, :-1]``, a loss's ``labels[:, 1:]``): one process
+    reads nothing else, so a value elsewhere is no error. Tables of a size the graph leaves
+    symbolic are not listed."""
+    out: dict[str, list[IndexBound]] = {}
 
-    def note(root: torch.fx.Node | None, rows: Any, table: str, ignore: int | None) -> None:
-        if root is None or not isinstance(rows, int) or rows <= 0:
+    def note(index: Any, rows: Any, table: str, ignore: int | None) -> None:
+        path = _input_path(index)
+        if path is None or not isinstance(rows, int) or rows <= 0:
             return
-        old = out.get(root.name)
-        if old is None or rows < old.rows:  # the tightest table the input reads
-            out[root.name] = IndexBound(rows, table, ignore)
+        root, views = path
+        region = _region(views)
+        bound = IndexBound(rows, table, ignore, () if region is None else region)
+        if bound not in out.setdefault(root.name, []):
+            out[root.name].append(bound)
 
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
@@ -102,7 +182,7 @@ def index_bounds(captured: CapturedGraph) -> dict[str, IndexBound]:
             weight = info(node.args[0]).spec
             rows = weight.shape[0] if weight is not None and weight.ndim else None
             table = getattr(info(node.args[0]), "fqn", None) or node.args[0].name
-            note(_input_root(node.args[1]), int(rows) if rows is not None and rows.is_Integer
+            note(node.args[1], int(rows) if rows is not None and rows.is_Integer
                  else None, f"the embedding {table}", None)
         elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d") \
                 and len(node.args) >= 2:
@@ -112,9 +192,9 @@ def index_bounds(captured: CapturedGraph) -> dict[str, IndexBound]:
             classes = logits.shape[1] if logits.ndim > 1 else logits.shape[0]
             ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index",
                                                                              -100)
-            note(_input_root(node.args[1]), int(classes) if classes.is_Integer else None,
+            note(node.args[1], int(classes) if classes.is_Integer else None,
                  f"the classes of {name}", int(ignore))
-    return out
+    return {name: tuple(bounds) for name, bounds in out.items()}
 
 
 

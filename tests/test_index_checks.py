@@ -1,7 +1,9 @@
 """The ranges of indexes a model computes from the batch's sizes (passes/index_checks.py),
 against the indexes themselves: each module below computes its positions one way, is captured
 with a symbolic sequence, and the range the pass derives is compared, at every sequence length
-from 1 to 24, with the min and max of the positions eager PyTorch computes."""
+from 1 to 24, with the min and max of the positions eager PyTorch computes. Then the part of an
+input a lookup reads (a slice the model takes first), against eager slicing, and a step that
+one process runs with values outside the table where it never reads them."""
 
 from __future__ import annotations
 
@@ -79,3 +81,113 @@ def test_the_longest_sequence_is_the_last_that_fits():
     last = max(s for s in range(1, 2 * TABLE) if bound.outside({"s": s}) is None)
     assert bound.longest("s") == last == TABLE - 2
     assert bound.outside({"b": 2}) is None  # no size for s: nothing to say
+
+
+# -- the part of an input a lookup reads (index_bounds' regions) ------------------------------
+
+VOCAB = 100  # padded to 128 rows: an id in [100, 128) would read a padded row silently
+
+
+class _Shifted(nn.Module):
+    """A language model that shifts inside, as some training code does: it embeds every token
+    but the last (``ids[:, :-1]``), and the loss drops the first label (``labels[:, 1:]``), so
+    one process never reads the ids' last column or the labels' first."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, hidden)
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.tokens(ids[:, :-1]))
+
+
+def _shifted_loss(logits, labels):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+
+
+def _reads(forward, ids_shape=(2, 9)):
+    """index_bounds of a model whose forward is ``forward(ids)`` into a 50-row table."""
+    from autopar.passes.index_checks import index_bounds
+
+    class _M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(50, 4)
+
+        def forward(self, ids):
+            return self.table(forward(ids))
+
+    ids = torch.zeros(ids_shape, dtype=torch.long)
+    captured = capture(_M(), (ids,), lambda out: out.float().pow(2).mean())
+    (bounds,) = index_bounds(captured).values()
+    return bounds
+
+
+@pytest.mark.parametrize("view, reads", [
+    (lambda ids: ids, "all"),
+    (lambda ids: ids[:, :-1], "part"),
+    (lambda ids: ids[:, 2:], "part"),
+    (lambda ids: ids[:, 1:-1:2], "part"),
+    (lambda ids: ids[:, 1:].reshape(-1), "part"),     # sliced, then the values rearranged
+    (lambda ids: ids.reshape(-1)[3:], "checked"),      # a slice of the flattened batch
+    (lambda ids: ids[1:], "checked"),                  # a slice of the micro-batch's rows
+])
+def test_a_lookup_checks_the_part_of_the_input_it_reads(view, reads):
+    """``IndexBound.indexed`` against eager slicing at every sequence length 3 to 12: the
+    values the lookup reads, exactly ("all", "part"); where the part cannot be named by slices
+    of the batch passed (a slice after a reshape, or across the batch's rows, which hold every
+    micro-batch), every value is checked ("checked"): never fewer than one process reads."""
+    (bound,) = _reads(view)
+    assert bound.rows == 50
+    assert bool(bound.region) == (reads == "part")
+    for s in range(3, 13):
+        ids = torch.arange(2 * s).view(2, s)
+        got = bound.indexed(ids, {"s": s})
+        if reads == "checked":
+            assert torch.equal(got, ids), s
+        else:
+            assert sorted(got.flatten().tolist()) == sorted(view(ids).flatten().tolist()), s
+
+
+def test_values_one_process_never_reads_are_not_refused():
+    """Each batch against one process (tp 1 on 1 rank; the vocabulary padded to 128): values
+    outside the tables in the ids' last column and the labels' first column are never read,
+    and the step runs to one process's loss; an id in [100, 128) where it is read, which a
+    padded row would take silently, and a label of 100, are refused by name before the step,
+    as one process's lookup and loss refuse them."""
+    import autopar
+    from autopar.passes.index_checks import index_bounds
+
+    torch.manual_seed(0)
+    model = _Shifted()
+    reference = _Shifted()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (4, 9), generator=gen)
+    pm = autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids,),
+                             loss_fn=_shifted_loss, optimizer=torch.optim.SGD,
+                             plan={"dp": 1, "tp": 1, "pp": 1})
+    try:
+        (bound,) = index_bounds(pm.captured)[pm.captured.input_names[0]]
+        assert bound.rows == VOCAB and bound.region
+        outside_read = ids.clone()
+        outside_read[:, -1] = 10**6  # the ids' last column: never embedded
+        labels = ids.clone()
+        labels[:, 0] = -5  # the labels' first column: dropped by the loss
+        with torch.no_grad():
+            want = float(_shifted_loss(reference(outside_read), labels))
+        got = float(pm.train_step((outside_read,), (labels,)))
+        assert abs(got - want) < 1e-5, (got, want)  # fp32, one step on one rank
+        padded = ids.clone()
+        padded[1, 3] = VOCAB + 5  # a padded row's id, where it is read
+        bad_label = ids.clone()
+        bad_label[2, 4] = VOCAB
+        for batch, refused in (((padded,), (ids,)), ((ids,), (bad_label,))):
+            with pytest.raises((IndexError, RuntimeError)):
+                _shifted_loss(reference(*batch), *refused)
+            with pytest.raises(autopar.InvalidInputError, match="indexes outside") as err:
+                pm.train_step(batch, refused)
+            assert f"({VOCAB} rows)" in str(err.value) and err.value.fix
+    finally:
+        pm.close()
