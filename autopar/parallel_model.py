@@ -394,6 +394,7 @@ class ParallelModel(ModelState):
                     found=f"per-replica batch {t.shape[0]}",
                     fix="change the batch size, or re-plan with another micro-batch count")
             out.append(t.to(self.device))
+        self._check_computed(names, inputs + targets, local)
         rows = next((t.shape[0] for t in out if isinstance(t, torch.Tensor) and t.dim()), 0)
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
@@ -480,6 +481,64 @@ class ParallelModel(ModelState):
                           f"{int(bad.max())}",
                     fix="check the batch: token ids below the vocabulary size, targets below "
                         "the number of classes")
+
+    def _check_computed(self, names: list[str], batch: tuple, local: bool) -> None:
+        """The indexes the model computes from the batch's values within their tables
+        (passes/index_checks.computed_bounds: OPT's positions, a cumsum of the attention mask):
+        the part of the graph that computes each, run on every micro-batch of every replica
+        before the step (at once where no op mixes the batch's rows), as the stages would; an
+        index outside is refused by name, the model left usable (inside a stage it would end
+        the step, and the executor with it). A program that does not run on the batch as passed
+        leaves the check to the stage."""
+        from autopar.ir import BATCH, info
+        from autopar.passes.index_checks import computed_bounds
+
+        bounds = getattr(self, "_computed_bounds", None)
+        if bounds is None:
+            bounds = self._computed_bounds = computed_bounds(self.captured)
+        if not bounds:
+            return
+        parts = self.plan.num_micro_batches * (1 if local else self.plan.dp)
+        static_batch = BATCH not in self.captured.example_sizes
+        chunks: dict[str, Any] = {}
+        for name, t in zip(names, batch):
+            spec = info(self.captured.node(name)).spec if isinstance(t, torch.Tensor) else None
+            batched = spec is not None and spec.ndim and t.dim() and \
+                (static_batch or spec.shape[0] == BATCH) and t.shape[0] % parts == 0
+            chunks[name] = t.tensor_split(parts) if batched else [t] * parts
+        whole = dict(zip(names, batch))
+        for bound in bounds:
+            if bound.row_wise:  # the whole batch at once is every micro-batch
+                try:
+                    if bound.outside({n: whole[n] for n in bound.reads}) is None:
+                        continue
+                except Exception:  # noqa: BLE001 - a size the capture fixed: each apart
+                    pass
+            try:  # each micro-batch apart (after a refusal: which one)
+                found = next(((k, outside) for k in range(parts) if (outside := bound.outside(
+                    {name: chunks[name][k] for name in bound.reads})) is not None), None)
+            except Exception:  # noqa: BLE001 - the stage's own lookup still checks it
+                continue
+            if found is not None:
+                k, (count, low, high) = found
+                allowed = f"[0, {bound.rows})" + (f" or {bound.ignore}"
+                                                  if bound.ignore is not None else "")
+                sources = ", ".join(f"{'input' if n in self.captured.input_names else 'target'}"
+                                    f" {self._position(n)}" for n in bound.reads)
+                raise InvalidInputError(
+                    f"an index the model computes from {sources} ({', '.join(bound.ops)}) "
+                    f"lies outside {bound.table} ({bound.rows} rows)",
+                    expected=f"indexes in {allowed}, as one process's lookup requires",
+                    found=f"{count} index(es) outside in micro-batch {k}, from {low} to {high}",
+                    fix="check the batch (one process's lookup fails on it the same way): "
+                        "an attention mask of 0s and 1s, sequences no longer than the model's "
+                        "positions")
+
+    def _position(self, name: str) -> int:
+        """An input's or target's index among the inputs or the targets."""
+        if name in self.captured.input_names:
+            return self.captured.input_names.index(name)
+        return self.captured.target_names.index(name)
 
     def _check_input(self, name: str, index: int, t: torch.Tensor, local: bool = False) -> None:
         """dtype, number of dims and fixed sizes as captured (b and s may vary). A batch

@@ -11,21 +11,28 @@ cannot go on. So ``ParallelModel`` checks, before the step and on every rank:
 - :func:`size_bounds`: the indexes the model computes from the batch's sizes (GPT-2's positions
   ``arange(s)`` into its position table): their range, as expressions in the capture's size
   symbols (``s``), evaluated at the batch's sizes; a sequence longer than the table is refused
-  by name, the model left usable.
+  by name, the model left usable;
+- :func:`computed_bounds`: the indexes the model computes from the batch's values (OPT's and
+  RoBERTa's positions, a ``cumsum`` of the attention mask or of the non-padding tokens; targets
+  masked with ``where``): the part of the graph that computes each, copied out and run on the
+  batch, each micro-batch as its stage would see it.
 
 The range of a computed index is followed through the ops whose result's range is known exactly
 from their operands' ranges: ``arange``, adding or subtracting one value (a constant or a size), a
 multiplication by a non-negative constant, ``clamp``, and the views that keep every value (an
 ``unsqueeze``, a ``view``, an ``expand``, a cast). The range's ends are values the index takes,
-so a batch is refused exactly when one process's lookup would fail. Anything else (the sum of two
-computed tensors, whose extremes need not meet; a ``cumsum`` of a mask; a slice of a buffer)
-leaves the index unchecked before the step; the lookup's own failure inside the stage is then
-the batch's ``InvalidInputError`` (``runtime/pipeline.stage_failure``).
+so a batch is refused exactly when one process's lookup would fail. An index the ranges do not
+follow (the sum of two computed tensors, whose extremes need not meet; a ``cumsum``) is run
+instead, where it reads only the batch and constants through ops that write nothing and draw no
+random numbers. One that reads the model's state (a slice of a buffer, an offset parameter) is
+left unchecked before the step; the lookup's own failure inside the stage is then the batch's
+``InvalidInputError`` (``runtime/pipeline.stage_failure``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import sympy
@@ -35,7 +42,8 @@ import torch.fx
 from autopar.captured import CapturedGraph
 from autopar.ir import BATCH, NodeKind, info, op_name
 
-__all__ = ["reads_model_input", "IndexBound", "index_bounds", "SizeBound", "size_bounds"]
+__all__ = ["reads_model_input", "IndexBound", "index_bounds", "SizeBound", "size_bounds",
+           "ComputedBound", "computed_bounds"]
 
 _INDEX_VIEWS = frozenset({"view", "reshape", "flatten", "slice", "clone", "contiguous", "to",
                           "_to_copy", "alias", "detach", "_unsafe_view"})
@@ -152,6 +160,35 @@ class IndexBound:
         return t
 
 
+def _lookups(captured: CapturedGraph) -> Iterator[tuple[torch.fx.Node, int, str, int | None]]:
+    """Every lookup of a table of fixed size: ``(index, rows, table, ignore)`` for an embedding
+    (its token ids or positions) and a loss over classes (its targets, with its
+    ignore_index)."""
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or len(node.args) < 2 \
+                or not isinstance(node.args[1], torch.fx.Node):
+            continue
+        name = op_name(node)
+        if name == "embedding":
+            weight = info(node.args[0]).spec
+            rows = weight.shape[0] if weight is not None and weight.ndim else None
+            table = "the embedding " + (getattr(info(node.args[0]), "fqn", None)
+                                        or node.args[0].name)
+            ignore = None
+        elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d"):
+            logits = info(node.args[0]).spec
+            if logits is None or not logits.ndim:
+                continue
+            rows = logits.shape[1] if logits.ndim > 1 else logits.shape[0]
+            table = f"the classes of {name}"
+            ignore = int(node.args[4] if len(node.args) > 4
+                         else node.kwargs.get("ignore_index", -100))
+        else:
+            continue
+        if rows is not None and rows.is_Integer and int(rows) > 0:
+            yield node.args[1], int(rows), table, ignore
+
+
 def index_bounds(captured: CapturedGraph) -> dict[str, tuple[IndexBound, ...]]:
     """The step's inputs and targets (placeholder name) that index a table of the model, read
     through views only: token ids into an embedding (its rows), targets into a loss's classes
@@ -163,37 +200,15 @@ def index_bounds(captured: CapturedGraph) -> dict[str, tuple[IndexBound, ...]]:
     reads nothing else, so a value elsewhere is no error. Tables of a size the graph leaves
     symbolic are not listed."""
     out: dict[str, list[IndexBound]] = {}
-
-    def note(index: Any, rows: Any, table: str, ignore: int | None) -> None:
+    for index, rows, table, ignore in _lookups(captured):
         path = _input_path(index)
-        if path is None or not isinstance(rows, int) or rows <= 0:
-            return
+        if path is None:
+            continue
         root, views = path
         region = _region(views)
         bound = IndexBound(rows, table, ignore, () if region is None else region)
         if bound not in out.setdefault(root.name, []):
             out[root.name].append(bound)
-
-    for node in captured.gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = op_name(node)
-        if name == "embedding" and len(node.args) >= 2:
-            weight = info(node.args[0]).spec
-            rows = weight.shape[0] if weight is not None and weight.ndim else None
-            table = getattr(info(node.args[0]), "fqn", None) or node.args[0].name
-            note(node.args[1], int(rows) if rows is not None and rows.is_Integer
-                 else None, f"the embedding {table}", None)
-        elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d") \
-                and len(node.args) >= 2:
-            logits = info(node.args[0]).spec
-            if logits is None or not logits.ndim:
-                continue
-            classes = logits.shape[1] if logits.ndim > 1 else logits.shape[0]
-            ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index",
-                                                                             -100)
-            note(node.args[1], int(classes) if classes.is_Integer else None,
-                 f"the classes of {name}", int(ignore))
     return {name: tuple(bounds) for name, bounds in out.items()}
 
 
@@ -333,3 +348,186 @@ def _op_range(node: torch.fx.Node, memo: dict) -> tuple[sympy.Expr, sympy.Expr] 
         return (sympy.Max(low, lo) if lo is not None else low,
                 sympy.Min(high, hi) if hi is not None else high)
     return None
+
+
+# -- indexes computed from the batch's values -------------------------------------------------
+
+#: Nodes a computed index may take from the graph: more is a part of the model, not an index.
+_MAX_PROGRAM = 64
+
+
+@dataclass(frozen=True, eq=False)
+class ComputedBound:
+    """An index the model computes from the batch's values (OPT's positions, a ``cumsum`` of
+    the attention mask; targets masked with ``where``): ``program`` is the part of the graph
+    that computes it, a function of the step's inputs and targets named by ``reads``
+    (placeholder names); its values must lie in ``[0, rows)`` or equal ``ignore``. ``ops``:
+    the ops it runs, for a refusal's message. ``row_wise``: each row of its batch-major inputs
+    gives the index's own rows alone (no op mixes rows: an element-wise op, a ``cumsum`` over
+    the sequence), so the whole batch runs at once as every micro-batch would."""
+
+    program: torch.fx.GraphModule
+    reads: tuple[str, ...]
+    rows: int
+    table: str
+    ignore: int | None
+    ops: tuple[str, ...]
+    row_wise: bool = False
+
+    def outside(self, values: dict[str, Any]) -> tuple[int, int, int] | None:
+        """``(count, lowest, highest)`` of the index's values outside the table, computed from
+        ``values`` (the step's inputs and targets of one micro-batch, by name); None when all
+        lie inside. On a device other than the CPU: an ``_assert_async`` and None."""
+        index = self.program(*(values[name] for name in self.reads))
+        valid = (index >= 0) & (index < self.rows)
+        if self.ignore is not None:
+            valid |= index == self.ignore
+        if index.device.type != "cpu":
+            torch._assert_async(valid.all(), f"autopar: a computed index outside {self.table} "
+                                             f"of {self.rows} rows")
+            return None
+        if bool(valid.all()):
+            return None
+        bad = index[~valid]
+        return int(bad.numel()), int(bad.min()), int(bad.max())
+
+
+def computed_bounds(captured: CapturedGraph) -> list[ComputedBound]:
+    """Every lookup whose index the model computes from the values of its inputs or targets
+    alone (with the graph's constants), by ops that neither draw random numbers nor write
+    their operands: that part of the graph, copied out to run on the batch before the step, one
+    micro-batch at a time as the stages run it, so the check is one process's lookup exactly.
+    An index read through views only is :func:`index_bounds`'; one whose range the batch's
+    sizes decide, :func:`size_bounds`'; one that reads a parameter or a buffer is left to the
+    lookup inside the stage."""
+    out: list[ComputedBound] = []
+    memo: dict[torch.fx.Node, tuple[sympy.Expr, sympy.Expr] | None] = {}
+    for index, rows, table, ignore in _lookups(captured):
+        if _input_path(index) is not None:
+            continue
+        span = _range(index, memo)
+        if span is not None and (span[0].free_symbols or span[1].free_symbols):
+            continue  # size_bounds' range
+        part = _index_program(captured, index)
+        if part is not None:
+            program, reads, needed = part
+            ops = tuple(dict.fromkeys(op_name(n) for n in needed if n.op == "call_function"
+                                      and op_name(n) != "sym_size"))
+            out.append(ComputedBound(program, reads, rows, table, ignore, ops,
+                                     _row_wise(needed, index)))
+    return out
+
+
+def _index_program(captured: CapturedGraph, index: torch.fx.Node
+                   ) -> tuple[torch.fx.GraphModule, tuple[str, ...], list[torch.fx.Node]] | None:
+    """The nodes that compute ``index`` as a program of the step's inputs and targets (with
+    the placeholders it reads, and those nodes in graph order), when they read nothing else but
+    constants and run only pure ops (see :func:`computed_bounds`); else None."""
+    needed: set[torch.fx.Node] = set()
+    stack = [index]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        if len(needed) > _MAX_PROGRAM:
+            return None
+        if node.op == "placeholder":
+            if info(node).kind not in (NodeKind.INPUT, NodeKind.TARGET, NodeKind.CONSTANT):
+                return None  # a parameter or a buffer: the rank's state, not the batch
+        elif node.op != "call_function" or not _pure(node):
+            return None
+        stack.extend(node.all_input_nodes)
+    if not any(n.op == "placeholder" and info(n).kind is not NodeKind.CONSTANT for n in needed):
+        return None  # sizes and constants only: size_bounds' ranges, or fixed
+    root = torch.nn.Module()
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    reads: list[str] = []
+    for node in captured.gm.graph.nodes:  # graph order: operands before their users
+        if node not in needed:
+            continue
+        if node.op == "placeholder" and info(node).kind is NodeKind.CONSTANT:
+            root.register_buffer(f"constant_{len(env)}", captured.constants[node.name])
+            env[node] = graph.get_attr(f"constant_{len(env)}")
+        elif node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+            reads.append(node.name)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[index])
+    order = [n for n in captured.gm.graph.nodes if n in needed]
+    return torch.fx.GraphModule(root, graph), tuple(reads), order
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """Whether running ``node`` again changes nothing: an ATen op that writes none of its
+    operands and draws no random numbers (a second draw would move the generator, and the
+    step's dropout with it), or Python arithmetic on sizes."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable \
+            and torch.Tag.nondeterministic_seeded not in target.tags
+    return getattr(target, "__module__", None) in ("_operator", "operator")
+
+
+#: Ops that make a tensor from sizes and scalars alone, and views or casts that keep each value
+#: in its place: none moves a value to another row.
+_MAKES = frozenset({"ones", "zeros", "full", "arange", "ones_like", "zeros_like", "full_like",
+                    "scalar_tensor", "clone", "contiguous", "to", "_to_copy", "alias", "detach",
+                    "type_as", "lift_fresh_copy", "sym_size"})
+#: Scans and reductions over the dims they are given.
+_ALONG = frozenset({"cumsum", "cumprod", "sum", "amax", "amin", "max", "min", "mean", "any",
+                    "all", "argmax", "argmin", "prod"})
+#: Views that renumber the dims: a row-wise program may end with one (a target's flatten).
+_RENUMBER = frozenset({"view", "reshape", "_unsafe_view", "flatten"})
+
+
+def _row_wise(nodes: list[torch.fx.Node], index: torch.fx.Node) -> bool:
+    """Whether the program ``nodes`` (graph order, ending in ``index``) keeps the batch's rows
+    apart: every op element-wise, a maker or cast (``_MAKES``), a scan or reduction over dims
+    other than the first, a slice, ``unsqueeze``, ``squeeze`` or ``expand`` that leaves the
+    first dim where it is; a view that renumbers the dims only as the last op. Anything else:
+    not row-wise (the check then runs each micro-batch apart)."""
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        target, name = node.target, op_name(node)
+        if getattr(target, "__module__", None) in ("_operator", "operator") or name in _MAKES:
+            continue
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags \
+                or name == "where":  # where's scalar overloads lack the tag
+            continue
+        spec = info(node.args[0]).spec if node.args and isinstance(node.args[0],
+                                                                  torch.fx.Node) else None
+        ndim = spec.ndim if spec is not None else None
+        if name in _RENUMBER and node is index:
+            continue
+        if ndim is None:
+            return False
+        if name in _ALONG or name in ("unsqueeze", "squeeze", "slice"):
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            dims = dims if isinstance(dims, (list, tuple)) else [dims]
+            if not dims or any(not isinstance(d, int) for d in dims):
+                return False  # a reduction over every dim, or a squeeze of all
+            if name == "slice" and len(node.args) <= 2 and not node.kwargs:
+                continue  # slice(x, dim): the whole of it
+            if name == "slice" and (node.args[1] % ndim == 0) and _whole_slice(node):
+                continue
+            if any(d % (ndim + (name == "unsqueeze")) == 0 for d in dims):
+                return False
+            continue
+        if name == "expand":
+            out = info(node).spec
+            if out is not None and out.ndim == ndim:
+                continue
+        return False
+    return True
+
+
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """Whether an aten.slice takes all of its dim (``x[:, ...]``, export's spelling of it)."""
+    given = list(node.args[1:])
+    _, start, end, step = (given + [0, None, None, 1][len(given):])[:4]
+    return start in (0, None) and (end is None or isinstance(end, int) and end >= _TO_THE_END) \
+        and step == 1

@@ -527,8 +527,9 @@ def test_a_sequence_beyond_the_models_positions_is_refused_before_the_step():
         pm.close()
 
 
-class _CumsumPositions(nn.Module):
-    """Positions computed by a cumsum, which size_bounds does not follow."""
+class _MaskPositions(nn.Module):
+    """OPT's positions: a cumsum of the attention mask, which size_bounds does not follow (its
+    range depends on the mask's values)."""
 
     def __init__(self, vocab=128, positions=8, hidden=16):
         super().__init__()
@@ -536,32 +537,112 @@ class _CumsumPositions(nn.Module):
         self.positions = nn.Embedding(positions, hidden)
         self.head = nn.Linear(hidden, vocab)
 
-    def forward(self, ids):
-        where = torch.cumsum(torch.ones_like(ids), dim=1) - 1
-        return self.head(self.tokens(ids) + self.positions(where))
+    def forward(self, ids, mask):
+        where = torch.cumsum(mask, dim=1) * mask - 1
+        return self.head(self.tokens(ids) + self.positions(where.clamp(min=0)))
 
 
 def _token_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def test_an_index_beyond_a_table_inside_a_stage_is_the_inputs_fault():
-    """An index the pre-step check cannot follow (positions from a cumsum) fails inside the
-    stage: named as the batch's fault (InvalidInputError naming the lookup), not as an autopar
-    fault (StageExecutionError)."""
-    from autopar.passes.index_checks import size_bounds
+def _masked_loss(logits, targets):
+    """Padding (id 0) left out of the loss by a computed target: where, not a view."""
+    return _token_loss(logits, torch.where(targets == 0, -100, targets))
+
+
+def test_an_index_computed_from_the_batchs_values_is_refused_before_the_step():
+    """Positions from a cumsum of the mask, and targets masked by ``where``: the part of the
+    graph that computes each runs on every micro-batch before the step
+    (passes/index_checks.computed_bounds). A mask of 2s, or a sequence longer than the
+    positions, fails one process's lookup; a target of 200 fails its loss: autopar refuses each
+    by name before the step, and the model stays usable (2 micro-batches: the bad one is the
+    second; then a good step's loss and parameters equal one process's, to 1e-5 in fp32)."""
+    from autopar.passes.index_checks import computed_bounds, size_bounds
 
     torch.manual_seed(0)
-    model = _CumsumPositions()
+    model = _MaskPositions()
+    reference = _MaskPositions()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(1, 128, (4, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    pm = autopar.parallelize(model, example_inputs=(ids, mask), example_targets=(ids.clone(),),
+                             loss_fn=_masked_loss, optimizer=SGD,
+                             plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2})
+    try:
+        assert size_bounds(pm.captured) == []
+        bounds = computed_bounds(pm.captured)
+        assert sorted((b.table, b.rows, b.ignore) for b in bounds) == [
+            ("the classes of cross_entropy_loss", 128, -100),
+            ("the embedding positions.weight", 8, None)]
+        twos = mask.clone()
+        twos[3, 5] = 2  # micro-batch 1 (rows 2-3)
+        long = torch.randint(1, 128, (4, 12))
+        bad_target = ids.clone()
+        bad_target[2, 1] = 200
+        cases = (((ids, twos), ids, "positions.weight", "2 index(es) outside in micro-batch 1, from 8 to 13"),
+                 ((long, torch.ones_like(long)), long, "positions.weight", "from 8 to 11"),
+                 ((ids, mask), bad_target, "classes of cross_entropy_loss", "from 200 to 200"))
+        messages = []
+        for batch, targets, table, found in cases:
+            with pytest.raises((IndexError, RuntimeError)):  # one process's lookup or loss
+                _masked_loss(reference(*batch), targets)
+            with pytest.raises(autopar.InvalidInputError, match=table) as err:
+                pm.train_step(batch, (targets,))
+            _explains(err.value)
+            assert found in err.value.found, err.value.found
+            messages.append(str(err.value))
+        assert "computes from input 1 (cumsum, mul, sub, clamp)" in messages[0], messages[0]
+        assert "computes from target 0 (eq, where" in messages[2], messages[2]
+        optimizer = SGD(reference.parameters())  # the module's SGD, lr 0.1
+        for _ in range(2):
+            loss = float(pm.train_step((ids, mask), (ids,)))
+            optimizer.zero_grad()
+            want = _masked_loss(reference(ids, mask), ids)
+            want.backward()
+            optimizer.step()
+            assert abs(loss - want.item()) < 1e-5, (loss, want.item())
+        state = pm.state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        pm.close()
+
+
+class _OffsetPositions(nn.Module):
+    """Positions offset by a buffer (``arange(s) + self.start``): an index that reads the
+    model's state, which the checks before the step leave to the stage's lookup."""
+
+    def __init__(self, vocab=128, positions=8, hidden=16):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.positions = nn.Embedding(positions, hidden)
+        self.head = nn.Linear(hidden, vocab)
+        self.register_buffer("start", torch.tensor(0))
+
+    def forward(self, ids):
+        where = torch.arange(ids.shape[1]) + self.start
+        return self.head(self.tokens(ids) + self.positions(where))
+
+
+def test_an_index_beyond_a_table_inside_a_stage_is_the_inputs_fault():
+    """An index the pre-step checks do not follow (positions offset by a buffer) fails inside
+    the stage: named as the batch's fault (InvalidInputError naming the lookup), not as an
+    autopar fault (StageExecutionError)."""
+    from autopar.passes.index_checks import computed_bounds, size_bounds
+
+    torch.manual_seed(0)
+    model = _OffsetPositions()
     ids = torch.randint(0, 128, (4, 8))
     long = torch.randint(0, 128, (4, 12))
     with pytest.raises(IndexError):
         _token_loss(model(long), long)
-    pm = autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids,),
+    pm = autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids.clone(),),
                              loss_fn=_token_loss, optimizer=SGD,
                              plan={"dp": 1, "tp": 1, "pp": 1})
     try:
-        assert size_bounds(pm.captured) == []
+        assert size_bounds(pm.captured) == [] and computed_bounds(pm.captured) == []
         with pytest.raises(autopar.InvalidInputError, match="indexes beyond a table") as err:
             pm.train_step((long,), (long,))
         assert "embedding" in str(err.value) and "parallelized again" in err.value.fix

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from autopar import capture
-from autopar.passes.index_checks import size_bounds
+from autopar.passes.index_checks import computed_bounds, size_bounds
 
 TABLE = 40
 
@@ -124,6 +124,7 @@ def _reads(forward, ids_shape=(2, 9)):
     return bounds
 
 
+@pytest.mark.filterwarnings("ignore:_M fixes the size")  # a slice by 2: export fixes s or b
 @pytest.mark.parametrize("view, reads", [
     (lambda ids: ids, "all"),
     (lambda ids: ids[:, :-1], "part"),
@@ -191,3 +192,75 @@ def test_values_one_process_never_reads_are_not_refused():
             assert f"({VOCAB} rows)" in str(err.value) and err.value.fix
     finally:
         pm.close()
+
+
+# -- indexes computed from the batch's values (computed_bounds) -------------------------------
+
+class _Computed(nn.Module):
+    """Embeds ``where(ids, mask)``, an index computed from the batch's values."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.tokens = nn.Embedding(16, 8)
+        self.table = nn.Embedding(TABLE, 8)
+        self.register_buffer("start", torch.tensor(1))
+        self.noise = nn.Dropout(0.5)
+
+    def forward(self, ids, mask):
+        return self.tokens(ids) + self.table(self.where(self, ids, mask))
+
+
+COMPUTED = {  # name: (index from (module, ids, mask), row-wise)
+    "mask cumsum (OPT)": (lambda m, ids, mask: torch.cumsum(mask, dim=1) * mask + 1, True),
+    "padding-aware (RoBERTa)": (
+        lambda m, ids, mask: torch.cumsum(ids.ne(1).int(), dim=1).type_as(mask) * ids.ne(1) + 1,
+        True),
+    "where and clamp": (lambda m, ids, mask: torch.where(mask > 0, ids, 0).clamp(max=30), True),
+    "a scan over the batch": (lambda m, ids, mask: torch.cumsum(mask, dim=0), False),
+    "the batch's largest id": (lambda m, ids, mask: ids - ids.amax() + 20, False),
+    "the batch's flattened scan": (lambda m, ids, mask: mask.flatten().cumsum(0).view_as(ids)
+                                   % TABLE, False),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPUTED))
+def test_a_computed_index_is_the_models_own(name):
+    """The program computed_bounds copies out of the graph gives the index eager PyTorch
+    computes, on batches of 2 to 8 rows; a program it calls row-wise gives, on 8 rows at once,
+    what it gives on each 2-row micro-batch (the stages' view), and the programs it does not
+    call row-wise would not: each mixes the batch's rows."""
+    where, row_wise = COMPUTED[name]
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 16, (2, 6), generator=gen)
+    captured = capture(_Computed(where), (ids, torch.ones_like(ids)),
+                       lambda out: out.pow(2).mean())
+    (bound,) = [b for b in computed_bounds(captured) if b.table.endswith("table.weight")]
+    assert bound.rows == TABLE and bound.row_wise == row_wise
+    names = captured.input_names
+    mixed = []
+    for rows in (2, 4, 8):
+        ids = torch.randint(0, 16, (rows, 6), generator=gen)
+        mask = torch.randint(0, 2, (rows, 6), generator=gen)
+        values = {n: t for n, t in zip(names, (ids, mask)) if n in bound.reads}
+        want = where(None, ids, mask)
+        assert torch.equal(bound.program(*(values[n] for n in bound.reads)), want), rows
+        parts = torch.cat([where(None, ids[k:k + 2], mask[k:k + 2]) for k in range(0, rows, 2)])
+        mixed.append(not torch.equal(parts, want))
+    assert any(mixed) != row_wise, (name, mixed)
+
+
+@pytest.mark.parametrize("where", [
+    lambda m, ids, mask: torch.arange(ids.shape[1]) + m.start,            # reads a buffer
+    lambda m, ids, mask: (m.noise(mask.float()) > 0).long(),              # draws random numbers
+    lambda m, ids, mask: ids,                                             # a view: index_bounds
+    lambda m, ids, mask: torch.arange(ids.shape[1]) + 1,                  # sizes: size_bounds
+], ids=["buffer", "dropout", "input", "sizes"])
+def test_what_computed_bounds_leaves_to_others(where):
+    """An index that reads the model's state, or draws random numbers (running it again would
+    move the generator, and the step's dropout with it), is left to the stage's lookup; one read
+    through views is index_bounds', one the batch's sizes decide is size_bounds'."""
+    ids = torch.randint(0, 16, (2, 6))
+    captured = capture(_Computed(where), (ids, torch.ones_like(ids)),
+                       lambda out: out.pow(2).mean())
+    assert [b for b in computed_bounds(captured) if b.table.endswith("table.weight")] == []
