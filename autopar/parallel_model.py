@@ -462,23 +462,16 @@ class ParallelModel(ModelState):
             return
         what = "input" if index < len(self.captured.input_names) else "target"
         for bound in bounds.get(name, ()):
-            part = bound.indexed(t, sizes)
-            valid = (part >= 0) & (part < bound.rows)
-            if bound.ignore is not None:
-                valid |= part == bound.ignore
-            if t.device.type != "cpu":
-                torch._assert_async(valid.all(), f"autopar: {what} {name} indexes outside "
-                                                 f"{bound.table} of {bound.rows} rows")
-            elif not bool(valid.all()):
-                bad = part[~valid]
+            outside = bound.outside(t, sizes, f"{what} {name}")
+            if outside is not None:
+                count, low, high = outside
                 allowed = f"[0, {bound.rows})" + (f" or {bound.ignore}"
                                                   if bound.ignore is not None else "")
                 number = index if what == "input" else index - len(self.captured.input_names)
                 raise InvalidInputError(
                     f"{what} {number} indexes outside {bound.table} ({bound.rows} rows)",
                     expected=f"values in {allowed}, as one process's lookup requires",
-                    found=f"{int(bad.numel())} value(s) outside, from {int(bad.min())} to "
-                          f"{int(bad.max())}",
+                    found=f"{count} value(s) outside, from {low} to {high}",
                     fix="check the batch: token ids below the vocabulary size, targets below "
                         "the number of classes")
 

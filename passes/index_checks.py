@@ -141,6 +141,14 @@ class IndexBound:
     ignore: int | None = None
     region: tuple[tuple[int, Any, Any, int], ...] = ()
 
+    def outside(self, t: torch.Tensor, sizes: dict[str, int], what: str
+                ) -> tuple[int, int, int] | None:
+        """``(count, lowest, highest)`` of the values the lookup reads of ``t`` that lie
+        outside the table; None when all lie inside (see :func:`_outside`; ``what`` names the
+        input on a device's assert)."""
+        return _outside(self.indexed(t, sizes), self.rows, self.ignore,
+                        f"{what} indexes outside {self.table}")
+
     def indexed(self, t: torch.Tensor, sizes: dict[str, int]) -> torch.Tensor:
         """The values of the step's input ``t`` that the lookup reads (``sizes``: the batch's
         size symbols; a bound whose symbol has no size is read as "to the end")."""
@@ -187,6 +195,24 @@ def _lookups(captured: CapturedGraph) -> Iterator[tuple[torch.fx.Node, int, str,
             continue
         if rows is not None and rows.is_Integer and int(rows) > 0:
             yield node.args[1], int(rows), table, ignore
+
+
+def _outside(index: torch.Tensor, rows: int, ignore: int | None, what: str
+             ) -> tuple[int, int, int] | None:
+    """``(count, lowest, highest)`` of the values of ``index`` outside ``[0, rows)`` (and not
+    ``ignore``); None when all lie inside. On a device other than the CPU the check is an
+    ``_assert_async`` (the host does not wait; a failure is CUDA's device-side assert, which
+    ends the process), and None."""
+    valid = (index >= 0) & (index < rows)
+    if ignore is not None:
+        valid |= index == ignore
+    if index.device.type != "cpu":
+        torch._assert_async(valid.all(), f"autopar: {what} of {rows} rows")
+        return None
+    if bool(valid.all()):
+        return None
+    bad = index[~valid]
+    return int(bad.numel()), int(bad.min()), int(bad.max())
 
 
 def index_bounds(captured: CapturedGraph) -> dict[str, tuple[IndexBound, ...]]:
@@ -379,17 +405,7 @@ class ComputedBound:
         ``values`` (the step's inputs and targets of one micro-batch, by name); None when all
         lie inside. On a device other than the CPU: an ``_assert_async`` and None."""
         index = self.program(*(values[name] for name in self.reads))
-        valid = (index >= 0) & (index < self.rows)
-        if self.ignore is not None:
-            valid |= index == self.ignore
-        if index.device.type != "cpu":
-            torch._assert_async(valid.all(), f"autopar: a computed index outside {self.table} "
-                                             f"of {self.rows} rows")
-            return None
-        if bool(valid.all()):
-            return None
-        bad = index[~valid]
-        return int(bad.numel()), int(bad.min()), int(bad.max())
+        return _outside(index, self.rows, self.ignore, f"a computed index outside {self.table}")
 
 
 def computed_bounds(captured: CapturedGraph) -> list[ComputedBound]:
