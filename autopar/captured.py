@@ -82,6 +82,10 @@ class CapturedGraph:
     #: The names of the inputs given by keyword (the example inputs were a dict), in order:
     #: the last ``len(input_kwargs)`` of ``input_names``.
     input_kwargs: tuple[str, ...] = ()
+    #: Size symbols the graph holds for only in a range, ``(least, most or None)``: a model
+    #: that slices ``ids[:, 2:]`` is traced for ``s >= 4`` (export specializes a size of 0 or
+    #: 1); a bound the model states (positions <= 512). Others: any size.
+    size_ranges: dict[sympy.Symbol, tuple[int, int | None]] = field(default_factory=dict)
 
     @property
     def profile(self) -> Any:

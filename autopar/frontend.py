@@ -397,7 +397,10 @@ def _dynamic_attempts(args: tuple, dims: dict[int, dict[int, str]]
 def _export_dynamic(step: nn.Module, args: tuple, dims: dict[int, dict[int, str]]
                     ) -> tuple[ExportedProgram, dict[str, int]]:
     """Export with the batch and seq dims symbolic. A model that bounds a dim (positions <= 512)
-    makes export suggest ``seq = Dim('seq', max=512)``: take the bounds and export again."""
+    makes export suggest ``seq = Dim('seq', max=512)``: take the bounds and export again. A
+    model that slices a dim (``ids[:, 2:]``) makes export guard the slice's size away from 0
+    and 1, which it specializes, and suggest nothing: the least size that keeps every guard
+    (:func:`_guarded_sizes`) becomes the dim's minimum."""
     bounds: dict[str, dict[str, int]] = {"batch": {}, "seq": {}}
     sizes = {kind: args[i].shape[d] for i, ds in dims.items() for d, kind in ds.items()}
     for _ in range(3):
@@ -410,7 +413,9 @@ def _export_dynamic(step: nn.Module, args: tuple, dims: dict[int, dict[int, str]
             ep = torch.export.export(step, args, dynamic_shapes=(tuple(spec),), strict=False)
             return ep, sizes
         except Exception as exc:  # noqa: BLE001
-            fixes = _suggested_bounds(str(exc))
+            fixes = {kind: {**bounds.get(kind, {}), **bound}
+                     for kind, bound in _suggested_bounds(str(exc)).items()}
+            fixes.update(_guarded_sizes(str(exc), sizes, {**bounds, **fixes}))
             if not fixes or all(bounds.get(k) == v for k, v in fixes.items()):
                 raise
             for kind, bound in fixes.items():
@@ -444,6 +449,55 @@ def _suggested_bounds(message: str) -> dict[str, dict[str, int]]:
     out = {}
     for name, _, rest in _DIM_FIX.findall(message.split("Suggested fixes", 1)[1]):
         out[name] = {k: int(v) for k, v in re.findall(r"(min|max)=(\d+)", rest)}
+    return out
+
+
+#: A guard export could not prove for every size of a dim: "Not all values of seq =
+#: L['ids'].size()[1] in the specified range satisfy the generated guard ((-2) + ...) != 1."
+_GUARD = re.compile(r"Not all values of (\w+) = (L(?:\[[^\]]+\])+\.size\(\)\[\d+\]) in "
+                    r"the specified range satisfy the generated guard (.+?)\.?\s*$", re.M)
+#: What such a guard may hold once its size is ``s``: integers, arithmetic, comparisons.
+_ARITHMETIC = re.compile(r"^[\s\d+\-*/%()<>=!,s]*$")
+#: The names a guard may use, and their values.
+_SCOPE = {"__builtins__": {}, "max": max, "min": min, "IntInfinity": lambda: float("inf")}
+_WORDS = re.compile(r"\b(?:max|min|and|or|not|IntInfinity)\b")
+#: Sizes tried above the example's when looking for the least size that keeps a guard.
+_PROBE = 256
+
+
+def _guarded_sizes(message: str, sizes: dict[str, int], bounds: dict[str, dict[str, int]]
+                   ) -> dict[str, dict[str, int]]:
+    """From export's guards on a dim it was told is dynamic (see :data:`_GUARD`), the widest
+    run of sizes around the example's on which every guard holds (looked for down to the dim's
+    minimum and up to its maximum, or :data:`_PROBE` above the example: a run that reaches
+    that far is taken as unbounded), as that dim's bounds: ``ids[:, 2:]`` gives ``min=4``,
+    GPT-Neo's ``s != 64`` under its ``max=64`` gives ``max=63``. Export checks them when it
+    runs again. ``{}`` when a guard is not plain arithmetic in that dim's size alone, or the
+    example's size breaks one."""
+    guards: dict[str, list[Any]] = {}
+    for kind, ref, expr in _GUARD.findall(message):
+        text = expr.replace(ref, "s")
+        if kind not in sizes or not _ARITHMETIC.match(re.sub(_WORDS, "", text)):
+            return {}
+        guards.setdefault(kind, []).append(compile(text, "<guard>", "eval"))
+    out = {}
+    for kind, codes in guards.items():
+        def holds(size: int, codes: list[Any] = codes) -> bool:
+            return all(eval(code, dict(_SCOPE), {"s": size}) for code in codes)  # noqa: S307
+
+        size, given = sizes[kind], bounds.get(kind, {})
+        low, high = given.get("min", 0), given.get("max")
+        top = high if high is not None else size + _PROBE
+        if not low <= size <= top or not holds(size):
+            return {}
+        least, most = size, size
+        while least > low and holds(least - 1):
+            least -= 1
+        while most < top and holds(most + 1):
+            most += 1
+        out[kind] = {**given, "min": least}
+        if most < top or high is not None:
+            out[kind]["max"] = most
     return out
 
 
@@ -497,7 +551,24 @@ def _from_export(ep: ExportedProgram, method: CaptureMethod, sizes: dict[str, in
     return CapturedGraph(gm=gm, method=method, params=params, buffers=buffers,
                          constants=constants, input_names=input_names, target_names=[],
                          example_sizes=example_sizes, layers=[], has_loss=False, exported=ep,
-                         symbol_rename=rename)
+                         symbol_rename=rename, size_ranges=_size_ranges(ep, rename))
+
+
+def _size_ranges(ep: ExportedProgram, rename: dict[sympy.Symbol, sympy.Expr]
+                 ) -> dict[sympy.Symbol, tuple[int, int | None]]:
+    """The sizes of b and s the exported graph holds for, where export narrowed them (a
+    minimum above 2, or a maximum, from :func:`_guarded_sizes`; a maximum, from a model's bound): ``{symbol:
+    (least, most or None)}``."""
+    out: dict[sympy.Symbol, tuple[int, int | None]] = {}
+    for symbol, target in rename.items():
+        span = ep.range_constraints.get(symbol)
+        if span is None or not isinstance(target, sympy.Symbol):
+            continue
+        low = int(span.lower) if isinstance(span.lower, sympy.Integer) else 0  # not int_oo
+        high = int(span.upper) if isinstance(span.upper, sympy.Integer) else None
+        if low > 2 or high is not None:
+            out[target] = (low, high)
+    return out
 
 
 def _symbols_from_inputs(user_inputs, by_name, sizes: dict[str, int],

@@ -376,6 +376,7 @@ class ParallelModel(ModelState):
         names = list(self.captured.input_names) + list(self.captured.target_names)
         sizes = self._batch_sizes(names, inputs + targets)
         self._check_sizes(sizes)
+        self._check_ranges(sizes)
         for i, t in enumerate(inputs + targets):
             if not isinstance(t, torch.Tensor):
                 out.append(t)
@@ -443,6 +444,35 @@ class ParallelModel(ModelState):
                 found=f"indexes {outside[0]} to {outside[1]} ({bound.low} to {bound.high})",
                 fix="shorten the sequence to what the model was built for, or build it with a "
                     "larger table (GPT-2: config.n_positions)")
+
+    def _check_ranges(self, sizes: dict[str, int]) -> None:
+        """The sizes the captured graph holds for (``CapturedGraph.size_ranges``: a model that
+        slices ``ids[:, 2:]`` was traced for ``s >= 4``, BERT's for ``s <= 512``): a size outside
+        would run a graph traced for other sizes. Refused by name before the step. Under
+        context parallelism the least size holds for each rank's part, ``s / cp`` (the graph's
+        slices run on it), the most for the whole sequence (the positions are the whole's)."""
+        from autopar.ir import SEQ
+
+        for symbol, (low, high) in self.captured.size_ranges.items():
+            if symbol.name not in sizes:
+                continue  # the batch: the batch passed holds every micro-batch (and replica)
+            split = self.plan.cp if symbol == SEQ else 1
+            size = sizes[symbol.name]
+            if low <= size // split and (high is None or size <= high):
+                continue
+            model = type(self.captured.model).__name__ if self.captured.model is not None \
+                else "the model"
+            raise InvalidInputError(
+                f"{symbol.name}={size} lies outside the sizes {model} was captured for",
+                expected=f"{symbol.name} from {low * split}"
+                         + (f" to {high}" if high is not None else " up")
+                         + (f" ({low} or more on each of {split} context-parallel ranks)"
+                            if split > 1 else ""),
+                found=f"{symbol.name}={size}",
+                fix="pass a size in that range: torch.export proved the graph for it (a slice "
+                    "of the sequence, ids[:, 2:], needs 2 tokens left, s >= 4; a model's own "
+                    "bound on its positions). To train at another size, parallelize with "
+                    "example inputs of that size")
 
     def _check_indices(self, name: str, index: int, t: torch.Tensor,
                        sizes: dict[str, int]) -> None:

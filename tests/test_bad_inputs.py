@@ -648,3 +648,63 @@ def test_an_index_beyond_a_table_inside_a_stage_is_the_inputs_fault():
         assert "embedding" in str(err.value) and "parallelized again" in err.value.fix
     finally:
         pm.close()
+
+
+class _ShortAndBounded(nn.Module):
+    """Drops its first two tokens (``ids[:, 2:]``: traced for s >= 4) and mixes the rest
+    through a causal mask sliced from a 32-row buffer (traced for s - 2 <= 31)."""
+
+    def __init__(self, vocab=64, hidden=16, window=32):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+        self.register_buffer("causal", torch.tril(torch.ones(window, window)) / window)
+
+    def forward(self, ids):
+        h = self.tokens(ids[:, 2:])
+        n = h.shape[1]
+        return self.head(self.causal[:n, :n] @ h)
+
+
+def _dropped_loss(logits, targets):
+    return _token_loss(logits, targets[:, 2:])
+
+
+def test_a_size_outside_what_the_graph_was_captured_for_is_refused_before_the_step():
+    """The capture keeps s symbolic for 4 to 33 (tests/test_capture.py): s = 3 and s = 34 are
+    refused by name before the step (a graph traced for other sizes would run), with the range;
+    the model stays usable: steps at s = 4 and s = 33, the range's ends, equal one process's
+    (loss to 1e-5, fp32, SGD), then every parameter."""
+    from autopar.ir import SEQ
+
+    torch.manual_seed(0)
+    model = _ShortAndBounded()
+    reference = _ShortAndBounded()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (2, 16), generator=gen)
+    pm = autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids.clone(),),
+                             loss_fn=_dropped_loss, optimizer=SGD,
+                             plan={"dp": 1, "tp": 1, "pp": 1})
+    try:
+        assert pm.captured.size_ranges == {SEQ: (4, 33)}
+        for s in (3, 34):
+            bad = torch.randint(0, 64, (2, s), generator=gen)
+            with pytest.raises(autopar.InvalidInputError, match=f"s={s} lies outside") as err:
+                pm.train_step((bad,), (bad,))
+            _explains(err.value)
+            assert err.value.expected == "s from 4 to 33", err.value.expected
+        optimizer = SGD(reference.parameters())
+        for s in (4, 33):
+            batch = torch.randint(0, 64, (2, s), generator=gen)
+            loss = float(pm.train_step((batch,), (batch,)))
+            optimizer.zero_grad()
+            want = _dropped_loss(reference(batch), batch)
+            want.backward()
+            optimizer.step()
+            assert abs(loss - want.item()) < 1e-5, (s, loss, want.item())
+        state = pm.state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        pm.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import sympy
 import torch
@@ -214,6 +216,75 @@ def test_one_tensor_passed_as_input_and_target_captures_both():
     captured = capture(on_meta, (meta_ids,), loss, example_targets=(meta_ids,))
     kinds = [info(n).kind for n in captured.gm.graph.nodes if n.op == "placeholder"]
     assert kinds.count(NodeKind.INPUT) == kinds.count(NodeKind.TARGET) == 1
+
+
+class _Sliced(nn.Module):
+    """Embeds a slice of its ids; with ``window``, mixes the tokens through a causal mask
+    sliced from a buffer of that many rows (GPT-Neo's ``bias[:, :, :s, :s]``)."""
+
+    def __init__(self, view, window=None):
+        super().__init__()
+        self.view = view
+        self.tokens = nn.Embedding(50, 4)
+        if window:
+            self.register_buffer("causal", torch.tril(torch.ones(window, window)))
+        self.window = window
+
+    def forward(self, ids):
+        h = self.tokens(self.view(ids))
+        if self.window:
+            n = h.shape[1]
+            h = self.causal[:n, :n] @ h
+        return h
+
+
+def _energy(out):
+    return out.pow(2).mean()
+
+
+SLICES = {"ids[:, 2:]": lambda ids: ids[:, 2:], "ids[:, 1:-1:2]": lambda ids: ids[:, 1:-1:2],
+          "ids[:, 4:-4]": lambda ids: ids[:, 4:-4]}
+
+
+def _captured_quietly(model, ids):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        captured = capture(model, (ids,), _energy)
+    shown = [str(w.message) for w in caught if "captured" in str(w.message)
+             or "fixes the size" in str(w.message)]
+    assert not shown and not captured.warnings, shown
+    return captured
+
+
+@pytest.mark.parametrize("name", list(SLICES))
+def test_a_model_that_slices_its_sequence_keeps_it_symbolic(name):
+    """Export guards the slice's length away from 0 and 1 (sizes it specializes) and suggests
+    no bound; the capture takes the least sequence that keeps every guard, where it had fixed
+    the sequence at the example's 16: the least s at which the slice keeps 2 tokens, found here
+    by eager slicing, and the graph equals eager PyTorch at every s from it to 24."""
+    view = SLICES[name]
+    model = _Sliced(view)
+    captured = _captured_quietly(model, torch.randint(0, 50, (2, 16)))
+    least = min(s for s in range(1, 17) if view(torch.zeros(1, s)).shape[1] >= 2)
+    assert SEQ in captured.example_sizes and captured.size_ranges == {SEQ: (least, None)}
+    for s in range(least, 25):
+        ids = torch.randint(0, 50, (3, s))
+        torch.testing.assert_close(captured.run(ids), _energy(model(ids)), msg=str(s))
+
+
+def test_a_buffer_slice_bounds_the_sequence_from_above():
+    """A causal mask sliced from a 32-row buffer (GPT-Neo's pattern): export bounds s by 32
+    and guards ``s != 32`` (where the slice would be the whole buffer), which it cannot state
+    as a bound; the capture keeps s symbolic for 2 to 31 where it had fixed it at 16. With the
+    ids sliced first the range moves by the 2 tokens dropped. The graph equals eager PyTorch
+    at each size in the range."""
+    for view, want in ((lambda ids: ids, (2, 31)), (lambda ids: ids[:, 2:], (4, 33))):
+        model = _Sliced(view, window=32)
+        captured = _captured_quietly(model, torch.randint(0, 50, (2, 16)))
+        assert captured.size_ranges == {SEQ: want}
+        for s in range(want[0], want[1] + 1):
+            ids = torch.randint(0, 50, (2, s))
+            torch.testing.assert_close(captured.run(ids), _energy(model(ids)), msg=str(s))
 
 
 def test_model_without_loss():
