@@ -14,6 +14,7 @@ import torch
 import cp_jobs
 import parallelize_jobs as jobs
 from autopar.errors import InvalidPlanError, ShardingError
+from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.runtime.cp import CPGroup, head_tail_positions
 from test_parallelize import _compare, _compare_mixed
@@ -138,7 +139,8 @@ def test_written_attention_is_fused_only_where_it_computes_attention(variant):
     causal attention, and without a mask plain attention; a mask from the data (padding), an
     additive bias and dropout on the probabilities are something else, left written out, and
     context parallelism refuses them by name. So is a mask read from a buffer (nanoGPT's tril):
-    the pass evaluates masks from the sizes alone."""
+    the pass evaluates masks from the sizes alone (the capture keeps the sequence symbolic up to
+    the buffer's 32 rows less one, tests/test_capture.py)."""
     from autopar import capture
     from autopar.passes.attention_fusion import written_attention
     from autopar.passes.context_parallel import context_parallelize
@@ -153,13 +155,15 @@ def test_written_attention_is_fused_only_where_it_computes_attention(variant):
         assert context_parallelize(program).meta["cp_fused_attention"] == 1
     else:
         assert found == []
-        # refused by name: the written core, or (a mask input, a buffer sliced by the length
-        # pin the sequence length at capture) the static sequence
+        # refused by name: the written core, or (a mask input pins the sequence length at
+        # capture) the static sequence
         with pytest.raises(ShardingError, match="context parallelism") as err:
             context_parallelize(program)
         assert ("scaled_dot_product_attention" in err.value.fix
-                if variant in ("bias", "dropout") else "sequence length symbolic"
+                if variant in ("bias", "dropout", "buffer") else "sequence length symbolic"
                 in str(err.value)), str(err.value)
+        if variant == "buffer":
+            assert captured.size_ranges == {SEQ: (2, 31)}
 
 
 class _Pooled(torch.nn.Module):
