@@ -45,7 +45,7 @@ from autopar.errors import (
 from autopar.ir import SEQ
 from autopar.plan_types import Plan
 from autopar.parallel_model import ParallelModel, TrainingOptions
-from autopar.runtime.comm import (announce_failure, broadcast_object, collective,
+from autopar.runtime.comm import (announce_failure, broadcast_object, check_world, collective,
                                   new_failure_scope, rank_device, set_activity,
                                   set_default_timeout)
 from autopar.runtime.mesh import ParallelMesh
@@ -54,6 +54,24 @@ from autopar.runtime.optim import OptimizerFactory
 __all__ = ["parallelize", "PINNABLE"]
 
 
+def _announced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, whose failure on this rank is announced to its peers before it propagates
+    (runtime/comm.announce_failure): a rank that fails alone anywhere in ``parallelize`` (its
+    capture, a cluster file only it cannot read, its program, its mesh) stops the peers waiting
+    for it in a collective within about a second, naming its error, instead of at their
+    timeout. Every rank announces an error all of them raise; the first is the one named."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            announce_failure(exc)
+            raise
+
+    return call
+
+
+@_announced
 def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, loss_fn: Callable,
                 optimizer: Any, plan: Plan | Mapping[str, Any] | str | os.PathLike = "auto",
                 example_targets: Any = (), global_batch: int | None = None,
@@ -138,6 +156,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     # ranks) is not this one's, and nothing this rank did before is what it does now
     new_failure_scope()
     set_activity("")
+    check_world()  # a collective a failed peer left unfinished would pair with this model's
     world = dist.get_world_size()
     plan = plan_argument(plan, world)  # bad pins fail here, on every rank, before any work
     device = rank_device()
@@ -237,20 +256,17 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     except Exception as exc:  # noqa: BLE001 - every rank must learn that this one failed
         failure = exc
     agree_on_success(failure, "building its program and shards")
-    try:  # collective from here: a rank that fails tells the others it did (runtime/comm.py)
-        mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp, ep=chosen.ep,
-                            cp_innermost=chosen.cp_innermost,
-                            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-                            device_type=device.type)
-        pm = program.instantiate(mesh, training, shards=shards)
-        if resume is not None:  # each rank reads only the blocks its layout needs
-            pm.load(resume)
-        _check_agreement(pm)
-        if verify:
-            pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
-    except BaseException as exc:
-        announce_failure(exc)
-        raise
+    # collective from here: a rank that fails announces it (_announced, runtime/comm.py)
+    mesh = ParallelMesh(chosen.dp, chosen.pp, chosen.tp, cp=chosen.cp, ep=chosen.ep,
+                        cp_innermost=chosen.cp_innermost,
+                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                        device_type=device.type)
+    pm = program.instantiate(mesh, training, shards=shards)
+    if resume is not None:  # each rank reads only the blocks its layout needs
+        pm.load(resume)
+    _check_agreement(pm)
+    if verify:
+        pm.verify(example_inputs, example_targets, tolerance=verify_tolerance)
     return pm
 
 

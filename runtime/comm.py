@@ -56,7 +56,7 @@ from autopar.errors import CommunicationTimeoutError, error_from_parts, error_pa
 
 __all__ = ["wait_work", "collective", "activity", "set_rank_label", "set_default_timeout",
            "default_timeout", "set_stream_waits", "stream_waits", "DEFAULT_TIMEOUT_S",
-           "note_failure", "failure_count", "announce_failure", "announced_failure",
+           "note_failure", "failure_count", "announce_failure", "announced_failure", "check_world",
            "new_failure_scope", "blocking", "FAILURE_POLL_S", "all_gather_bytes",
            "all_gather_object", "broadcast_bytes", "broadcast_object", "agree_on_success", "rank_device"]
 
@@ -296,8 +296,31 @@ def collective(fn: Callable[..., Any], *args: Any, what: str,
     """Run ``fn(*args, async_op=True, **kwargs)`` (a torch.distributed collective) and wait on it
     with :func:`wait_work`; returns what ``fn`` returned."""
     work = fn(*args, async_op=True, **kwargs)
-    wait_work(work, what, timeout)
+    try:
+        wait_work(work, what, timeout)
+    except CommunicationTimeoutError:
+        import torch.distributed as dist
+
+        if kwargs.get("group") in (None, dist.group.WORLD):
+            _state["world_failed"] = what
+        raise
     return work
+
+
+def check_world() -> None:
+    """Refuse to start collectives on the default process group after one of its collectives
+    failed in this process (:func:`collective`: a peer failed or timed out while this rank
+    waited): torch.distributed cannot cancel an operation, so the unfinished one would pair
+    with the next (gloo aborts the process on the size mismatch, or hands one collective's
+    bytes to another). Called where every model starts (``parallelize``)."""
+    what = _state.get("world_failed")
+    if what:
+        raise CommunicationTimeoutError(
+            f"{_who()} cannot start another model: its default process group holds an "
+            f"unfinished collective ({what}, which failed earlier in this process)",
+            expected="a default process group whose collectives all completed",
+            found=f"{what} failed", fix="restart the job, every rank: the failure named "
+                                        "before is the cause")
 
 
 # -- small objects, waited as every collective is ----------------------------------------------

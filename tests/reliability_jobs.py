@@ -235,6 +235,33 @@ def construction_error(pins: dict, culprit: int, timeout_s: float):
         api.compile_program = compile_program
 
 
+def capture_error(pins: dict, culprit: int, timeout_s: float):
+    """Rank ``culprit`` fails capturing the model (injected: a model built otherwise on one
+    rank, a file only its node lacks), before the plan: the others, waiting for rank 0's plan
+    or in its broadcast, must raise in seconds. Returns (class, seconds, message)."""
+    import autopar.api as api
+
+    data = batches(1)
+    capture = api._capture
+
+    def failing(*args, **kwargs):
+        if dist.get_rank() == culprit:
+            raise autopar.UntraceableModelError("injected: this rank's model does not trace",
+                                                fix="nothing: a test")
+        return capture(*args, **kwargs)
+
+    api._capture = failing
+    try:
+        return _timed_parallelize(pins, data, timeout_s)
+    finally:
+        api._capture = capture
+
+
+def parallelize_once(pins: dict, timeout_s: float):
+    """A plain parallelize of the small GPT. Returns (class, seconds, message)."""
+    return _timed_parallelize(pins, batches(1), timeout_s)
+
+
 def offload_dir_fails_on_one_rank(pins: dict, culprit: int, timeout_s: float, root: str):
     """Rank ``culprit``'s offload directory cannot be created (a file stands in its path, as a
     node whose local disk is read-only); every rank must raise at once. Returns (class,

@@ -49,6 +49,34 @@ def test_a_rank_that_fails_to_build_its_program_stops_every_rank_at_once(pool2):
     assert seconds0 < 15, out  # the capture and compile only; the timeout is 30 s
 
 
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_a_rank_that_fails_before_the_plan_stops_every_rank_at_once(culprit):
+    """pp=2: one rank's capture fails (injected), before the plan. Rank 1 failing leaves rank 0
+    planning and then waiting in the plan's broadcast; rank 0 failing leaves rank 1 waiting for
+    the plan. The waiting rank stops within seconds naming the culprit's error, where it had
+    waited the whole collective timeout (30 s here). Its default process group now holds the
+    broadcast it gave up on, which the next model's first collective would pair with (gloo
+    aborted the process on the size mismatch): the next parallelize refuses by name there,
+    and the culprit, waiting for it, stops within seconds, by the announcement or because the
+    stale operation's gloo pair ended the refusing process. A pool of its own (two fresh
+    processes): these leave their group unusable."""
+    with LocalPool(2, timeout_s=180, death_grace_s=10) as pool:
+        out = pool.run(jobs.capture_error, {"dp": 1, "tp": 1, "pp": 2}, culprit, 30.0)
+        waiting = out[1 - culprit]
+        assert out[culprit][0] == "UntraceableModelError", out
+        assert waiting[0] == "CommunicationTimeoutError", out
+        assert "a peer failed" in waiting[2] and f"rank {culprit}" in waiting[2], out
+        assert "injected: this rank's model does not trace" in waiting[2], out
+        assert waiting[1] < 15, out  # the capture only; the timeout is 30 s
+        again = pool.run(jobs.parallelize_once, {"dp": 1, "tp": 1, "pp": 2}, 30.0)
+    assert again[1 - culprit][0] == "CommunicationTimeoutError", again
+    assert "cannot start another model" in again[1 - culprit][2], again
+    assert "the broadcast of rank 0's plan" in again[1 - culprit][2], again
+    assert again[culprit][0] == "CommunicationTimeoutError", again
+    assert ("a peer failed" in again[culprit][2] or "lost a peer" in again[culprit][2]) \
+        and again[culprit][1] < 15, again
+
+
 def test_an_offload_directory_one_rank_cannot_write_stops_every_rank_at_once(pool2, tmp_path):
     """dp=2 with the optimizer state on disk: rank 1's directory cannot be created (one node's
     disk). It is checked with the program, before the mesh: rank 1 raises its OffloadError,
