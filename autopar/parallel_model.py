@@ -396,6 +396,7 @@ class ParallelModel(ModelState):
                     fix="change the batch size, or re-plan with another micro-batch count")
             out.append(t.to(self.device))
         self._check_computed(names, inputs + targets, local)
+        self.executor.loss_weights = self._loss_weights(names, inputs + targets, local)
         rows = next((t.shape[0] for t in out if isinstance(t, torch.Tensor) and t.dim()), 0)
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
@@ -556,6 +557,40 @@ class ParallelModel(ModelState):
                     fix="check the batch (one process's lookup fails on it the same way): "
                         "an attention mask of 0s and 1s, sequences no longer than the model's "
                         "positions")
+
+    def _loss_weights(self, names: list[str], batch: tuple, local: bool) -> list[float] | None:
+        """This replica's micro-batch weights in the step's loss (passes/loss_reduction.py): a
+        summed loss, or a mean over targets whose counted number differs between micro-batches,
+        adds up to one process's loss over the whole batch; None for the executor's ``1 / m``.
+        With ``local=True`` the count over the whole batch is an all-reduce of each replica's."""
+        reduction = getattr(self, "_reduction", False)
+        if reduction is False:
+            from autopar.passes.loss_reduction import loss_reduction
+
+            reduction = self._reduction = loss_reduction(self.captured)
+        if reduction is None or self.plan.cp > 1:
+            return None
+        m, dp = self.plan.num_micro_batches, self.plan.dp
+        replicas = 1 if local else dp
+        try:
+            counts = reduction.counts(dict(zip(names, batch)), m * replicas)
+        except Exception:  # noqa: BLE001 - a form _check_input names, or a size the graph fixed
+            return None
+        grid = [counts[r * m:(r + 1) * m] for r in range(replicas)]
+        if local and dp > 1:  # every replica's counts, in replica order
+            gathered = torch.zeros(dp * m, dtype=torch.int64)
+            gathered[self.mesh.dp_rank * m:(self.mesh.dp_rank + 1) * m] = torch.tensor(counts)
+            gathered = gathered.to(self.device)
+            collective(dist.all_reduce, gathered, what="the all-reduce of every replica's "
+                                                       "counted targets")
+            grid = gathered.cpu().view(dp, m).div(self._ranks_per_replica(),
+                                                  rounding_mode="floor").tolist()
+        return reduction.weights(grid, self.mesh.dp_rank)
+
+    def _ranks_per_replica(self) -> int:
+        """How many ranks hold one data-parallel replica's batch (its pp x tp ranks; cp is 1
+        where the loss weights are used)."""
+        return dist.get_world_size() // self.plan.dp
 
     def _position(self, name: str) -> int:
         """An input's or target's index among the inputs or the targets."""

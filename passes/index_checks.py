@@ -43,7 +43,7 @@ from autopar.captured import CapturedGraph
 from autopar.ir import BATCH, NodeKind, info, op_name
 
 __all__ = ["reads_model_input", "IndexBound", "index_bounds", "SizeBound", "size_bounds",
-           "ComputedBound", "computed_bounds"]
+           "ComputedBound", "computed_bounds", "index_program", "row_wise"]
 
 _INDEX_VIEWS = frozenset({"view", "reshape", "flatten", "slice", "clone", "contiguous", "to",
                           "_to_copy", "alias", "detach", "_unsafe_view"})
@@ -424,17 +424,17 @@ def computed_bounds(captured: CapturedGraph) -> list[ComputedBound]:
         span = _range(index, memo)
         if span is not None and (span[0].free_symbols or span[1].free_symbols):
             continue  # size_bounds' range
-        part = _index_program(captured, index)
+        part = index_program(captured, index)
         if part is not None:
             program, reads, needed = part
             ops = tuple(dict.fromkeys(op_name(n) for n in needed if n.op == "call_function"
                                       and op_name(n) != "sym_size"))
             out.append(ComputedBound(program, reads, rows, table, ignore, ops,
-                                     _row_wise(needed, index)))
+                                     row_wise(needed, index)))
     return out
 
 
-def _index_program(captured: CapturedGraph, index: torch.fx.Node
+def index_program(captured: CapturedGraph, index: torch.fx.Node
                    ) -> tuple[torch.fx.GraphModule, tuple[str, ...], list[torch.fx.Node]] | None:
     """The nodes that compute ``index`` as a program of the step's inputs and targets (with
     the placeholders it reads, and those nodes in graph order), when they read nothing else but
@@ -499,7 +499,7 @@ _ALONG = frozenset({"cumsum", "cumprod", "sum", "amax", "amin", "max", "min", "m
 _RENUMBER = frozenset({"view", "reshape", "_unsafe_view", "flatten"})
 
 
-def _row_wise(nodes: list[torch.fx.Node], index: torch.fx.Node) -> bool:
+def row_wise(nodes: list[torch.fx.Node], index: torch.fx.Node) -> bool:
     """Whether the program ``nodes`` (graph order, ending in ``index``) keeps the batch's rows
     apart: every op element-wise, a maker or cast (``_MAKES``), a scan or reduction over dims
     other than the first, a slice, ``unsqueeze``, ``squeeze`` or ``expand`` that leaves the

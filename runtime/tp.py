@@ -301,8 +301,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g[rows, local_target] -= in_range.to(g.dtype)
         if ctx.reduction == 0:
             scale = grad.float() * valid
-        elif ctx.reduction == 1:
-            scale = grad.float() * valid / count
+        elif ctx.reduction == 1:  # none counted: no gradient (torch's; 0/0 would be NaN)
+            scale = grad.float() * valid / count.clamp(min=1)
         else:
             scale = grad.float() * valid
         g = g * scale.unsqueeze(1)

@@ -114,11 +114,12 @@ def _assert_sharded(programs):
 def test_collectives_forward_and_backward(world, shared_pool2, shared_pool4):
     """Each TPGroup collective and its backward (Megatron's f and g, all-gather / reduce-scatter
     / all-to-all, the block-interleaved layout of fused QKV, vocab-parallel embedding and
-    cross-entropy) against the full computation on one rank: rounding-level agreement."""
+    cross-entropy, also over targets all ignored) against the full computation on one rank:
+    rounding-level agreement."""
     pool = shared_pool2 if world == 2 else shared_pool4
     for rank, errs in enumerate(pool.run(check_collectives, timeout_s=120)):
-        assert len(errs) == 27
-        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert len(errs) == 28
+        bad = {k: v for k, v in errs.items() if not v <= 1e-5}  # NaN too
         assert not bad, (rank, bad)
 
 

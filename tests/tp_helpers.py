@@ -135,7 +135,8 @@ def check_collectives():
     errs: dict[str, float] = {}
 
     def err(name, got, want):
-        errs[name] = max(errs.get(name, 0.0), (got - want).abs().max().item())
+        value = (got - want).abs().max().item()  # NaN kept: max(0.0, nan) would drop it
+        errs[name] = value if value != value else max(errs.get(name, 0.0), value)
 
     # all_gather (Shard(1) -> R), backward keeps the slice
     x = full.chunk(n, 1)[r].clone().requires_grad_()
@@ -205,6 +206,13 @@ def check_collectives():
         (ref * upstream).sum().backward() if name == "none" else ref.backward()
         (got * upstream).sum().backward() if name == "none" else got.backward()
         err(f"cross_entropy[{name}].grad", local.grad, ref_in.grad.chunk(n, 1)[r])
+    # every target ignored (a micro-batch of padding): the mean is 0/0, its gradient zero
+    ignored = torch.full_like(target, -100)
+    ref_in = logits.clone().requires_grad_()
+    F.cross_entropy(ref_in, ignored, ignore_index=-100).backward()
+    local = logits.chunk(n, 1)[r].clone().requires_grad_()
+    tp.vocab_parallel_cross_entropy(local, ignored, 1, -100).backward()
+    err("cross_entropy[mean, all ignored].grad", local.grad, ref_in.grad.chunk(n, 1)[r])
     # vocab-parallel embedding: the sum over ranks is the lookup, padding row gets no gradient
     table = torch.randn(16, 6, generator=g)
     idx = torch.randint(0, 16, (3, 5), generator=g)

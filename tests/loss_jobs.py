@@ -1,0 +1,113 @@
+"""Jobs for tests/test_loss_reduction.py (run on every rank of a LocalPool, importable by name),
+and the one-process references they are compared with: a small language model whose losses
+reduce over the batch in the ways one process's does and a micro-batched step must match."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import autopar
+from tp_helpers import TINY_COST
+
+VOCAB = 32
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+class TinyLM(nn.Module):
+    """Embedding, a block (tensor-parallel GEMMs, a pipeline cut between the two), a head."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, hidden)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(),
+                                                  nn.Linear(2 * hidden, hidden))
+                                    for _ in range(2))
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, ids):
+        h = self.tokens(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def summed(logits, labels):
+    """A sum over the batch's tokens (divided by a constant: SGD's step stays small)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                       reduction="sum") / 64
+
+
+def padded(logits, labels):
+    """Next-token loss with padding (id 0) ignored: labels shifted inside, as training code
+    does."""
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                       ignore_index=0)
+
+
+def masked(logits, labels):
+    """Targets masked by ``where`` (prompt tokens, here ids below 4) times a constant."""
+    kept = torch.where(labels < 4, -100, labels)
+    return 0.5 * nn.functional.cross_entropy(logits.flatten(0, 1), kept.flatten())
+
+
+def with_aux(logits, labels):
+    """A cross entropy plus another term: keeps the parts' 1 / m weights."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + \
+        1e-3 * logits.pow(2).mean()
+
+
+LOSSES: dict[str, Callable] = {"summed": summed, "padded": padded, "masked": masked}
+
+
+def batch(rows: int = 8, seq: int = 8, *, seed: int = 1) -> torch.Tensor:
+    """Token ids whose padding (0s at the end of a row) differs from row to row: rows 0-1 keep
+    2 tokens, rows 2-3 one (the shifted labels all ignored: a whole micro-batch of 2 rows), the
+    rest 3 to 8."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=gen)
+    for row, kept in enumerate([2, 2, 1, 1] + [3 + (r % 6) for r in range(rows - 4)]):
+        ids[row, kept:] = 0
+    return ids
+
+
+def reference(loss: str, steps: int = 2, rows: int = 8) -> dict[str, Any]:
+    """One process: the losses and the state after ``steps`` SGD steps on the whole batch."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = SGD(model.parameters())
+    losses = []
+    for step in range(steps):
+        ids = batch(rows, seed=step + 1)
+        optimizer.zero_grad()
+        value = LOSSES[loss](model(ids), ids)
+        value.backward()
+        optimizer.step()
+        losses.append(float(value.detach()))
+    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def train(configs: list[tuple[str, dict]], steps: int = 2, rows: int = 8) -> list[dict]:
+    """Each (loss, plan pins): the losses and rank 0's full state after ``steps`` steps."""
+    out = []
+    for loss, pins in configs:
+        torch.manual_seed(0)
+        model = TinyLM()
+        ids = batch(rows, seed=1)
+        pm = autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids.clone(),),
+                                 loss_fn=LOSSES[loss], optimizer=SGD, plan=dict(pins),
+                                 tp_cost=TINY_COST)
+        try:
+            losses = []
+            for step in range(steps):
+                ids = batch(rows, seed=step + 1)
+                losses.append(pm.train_step((ids,), (ids,)))
+            state = pm.state_dict()
+        finally:
+            pm.close()
+        out.append({"losses": losses, "state": state if dist.get_rank() == 0 else None})
+    return out
