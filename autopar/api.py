@@ -211,6 +211,7 @@ def parallelize(model: nn.Module, cluster: Any = None, *, example_inputs: Any, l
     global_batch = global_batch or _batch_size(example_inputs)
     # the length the capture made symbolic; else the first token-like input's (as it marks them)
     seq = seq or captured.example_sizes.get(SEQ) or _seq_len(example_inputs)
+    _check_planned_length(captured, seq)
     # the search offloads only where memory requires it; to disk only with a directory
     planned = agree_on_plan(plan, captured, cl, world, global_batch, seq, mixed_precision, seed,
                             offload_choices=("optimizer", "disk") if offload_dir is not None
@@ -428,6 +429,23 @@ def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_t
             if isinstance(value, TensorSpec) and dtype is not None and value.dtype != dtype:
                 info(node).value = TensorSpec(value.shape, dtype)
     return captured
+
+
+def _check_planned_length(captured: Any, seq: int) -> None:
+    """A plan for a sequence the captured graph was not traced for (``parallelize(seq=...)``
+    outside ``CapturedGraph.size_ranges``) would price steps that are refused: say so now."""
+    span = captured.size_ranges.get(SEQ)
+    if span is None:
+        return
+    low, high = span
+    if low <= seq and (high is None or seq <= high):
+        return
+    raise InvalidInputError(
+        f"seq={seq} lies outside the sequence lengths {type(captured.model).__name__} was "
+        f"captured for", expected=f"s from {low}" + (f" to {high}" if high is not None else " up"),
+        found=f"seq={seq}",
+        fix="plan for a length in that range, or parallelize with example inputs of the "
+            "length you train at (torch.export proved the graph for the range around it)")
 
 
 def _fp32_loss(loss_fn: Callable) -> Callable:

@@ -708,3 +708,16 @@ def test_a_size_outside_what_the_graph_was_captured_for_is_refused_before_the_st
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         pm.close()
+
+
+def test_a_plan_for_a_length_the_graph_was_not_captured_for_is_refused():
+    """``parallelize(seq=40)`` for the model traced for s from 4 to 33: refused before the
+    plan, with the range (every step at that length would be refused)."""
+    model = _ShortAndBounded()
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(autopar.InvalidInputError, match="seq=40 lies outside") as err:
+        autopar.parallelize(model, example_inputs=(ids,), example_targets=(ids.clone(),),
+                            loss_fn=_dropped_loss, optimizer=SGD, seq=40,
+                            plan={"dp": 1, "tp": 1, "pp": 1})
+    _explains(err.value)
+    assert err.value.expected == "s from 4 to 33"
