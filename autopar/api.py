@@ -435,15 +435,11 @@ def _check_planned_length(captured: Any, seq: int) -> None:
     """A plan for a sequence the captured graph was not traced for (``parallelize(seq=...)``
     outside ``CapturedGraph.size_ranges``) would price steps that are refused: say so now."""
     span = captured.size_ranges.get(SEQ)
-    if span is None:
-        return
-    low, high = span
-    if low <= seq and (high is None or seq <= high):
+    if span is None or span[0] <= seq and (span[1] is None or seq <= span[1]):
         return
     raise InvalidInputError(
         f"seq={seq} lies outside the sequence lengths {type(captured.model).__name__} was "
-        f"captured for", expected=f"s from {low}" + (f" to {high}" if high is not None else " up"),
-        found=f"seq={seq}",
+        f"captured for", expected=captured.size_range(SEQ), found=f"seq={seq}",
         fix="plan for a length in that range, or parallelize with example inputs of the "
             "length you train at (torch.export proved the graph for the range around it)")
 

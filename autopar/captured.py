@@ -114,6 +114,11 @@ class CapturedGraph:
                 return layer
         raise KeyError(name)
 
+    def size_range(self, symbol: sympy.Symbol) -> str:
+        """``size_ranges[symbol]`` in words: ``"s from 4 to 33"``, ``"s from 4 up"``."""
+        low, high = self.size_ranges[symbol]
+        return f"{symbol.name} from {low}" + (f" to {high}" if high is not None else " up")
+
     @property
     def num_params(self) -> int:
         """Number of distinct parameter elements (tied weights counted once)."""

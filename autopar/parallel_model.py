@@ -465,10 +465,10 @@ class ParallelModel(ModelState):
                 else "the model"
             raise InvalidInputError(
                 f"{symbol.name}={size} lies outside the sizes {model} was captured for",
-                expected=f"{symbol.name} from {low * split}"
-                         + (f" to {high}" if high is not None else " up")
-                         + (f" ({low} or more on each of {split} context-parallel ranks)"
-                            if split > 1 else ""),
+                expected=self.captured.size_range(symbol) if split == 1 else
+                f"{symbol.name} from {low * split}" + (f" to {high}" if high is not None else
+                                                       " up")
+                + f" ({low} or more on each of {split} context-parallel ranks)",
                 found=f"{symbol.name}={size}",
                 fix="pass a size in that range: torch.export proved the graph for it (a slice "
                     "of the sequence, ids[:, 2:], needs 2 tokens left, s >= 4; a model's own "
@@ -514,7 +514,6 @@ class ParallelModel(ModelState):
         index outside is refused by name, the model left usable (inside a stage it would end
         the step, and the executor with it). A program that does not run on the batch as passed
         leaves the check to the stage."""
-        from autopar.ir import BATCH, info
         from autopar.passes.index_checks import computed_bounds
 
         bounds = getattr(self, "_computed_bounds", None)
@@ -522,15 +521,8 @@ class ParallelModel(ModelState):
             bounds = self._computed_bounds = computed_bounds(self.captured)
         if not bounds:
             return
-        parts = self.plan.num_micro_batches * (1 if local else self.plan.dp)
-        static_batch = BATCH not in self.captured.example_sizes
-        chunks: dict[str, Any] = {}
-        for name, t in zip(names, batch):
-            spec = info(self.captured.node(name)).spec if isinstance(t, torch.Tensor) else None
-            batched = spec is not None and spec.ndim and t.dim() and \
-                (static_batch or spec.shape[0] == BATCH) and t.shape[0] % parts == 0
-            chunks[name] = t.tensor_split(parts) if batched else [t] * parts
         whole = dict(zip(names, batch))
+        parts = self._micro_batches(names, batch, local)
         for bound in bounds:
             if bound.row_wise:  # the whole batch at once is every micro-batch
                 try:
@@ -539,8 +531,8 @@ class ParallelModel(ModelState):
                 except Exception:  # noqa: BLE001 - a size the capture fixed: each apart
                     pass
             try:  # each micro-batch apart (after a refusal: which one)
-                found = next(((k, outside) for k in range(parts) if (outside := bound.outside(
-                    {name: chunks[name][k] for name in bound.reads})) is not None), None)
+                found = next(((k, outside) for k, part in enumerate(parts)
+                              if (outside := bound.outside(part)) is not None), None)
             except Exception:  # noqa: BLE001 - the stage's own lookup still checks it
                 continue
             if found is not None:
@@ -573,7 +565,8 @@ class ParallelModel(ModelState):
         m, dp = self.plan.num_micro_batches, self.plan.dp
         replicas = 1 if local else dp
         try:
-            counts = reduction.counts(dict(zip(names, batch)), m * replicas)
+            counts = reduction.counts(dict(zip(names, batch)),
+                                      self._micro_batches(names, batch, local))
         except Exception:  # noqa: BLE001 - a form _check_input names, or a size the graph fixed
             return None
         grid = [counts[r * m:(r + 1) * m] for r in range(replicas)]
@@ -583,14 +576,25 @@ class ParallelModel(ModelState):
             gathered = gathered.to(self.device)
             collective(dist.all_reduce, gathered, what="the all-reduce of every replica's "
                                                        "counted targets")
-            grid = gathered.cpu().view(dp, m).div(self._ranks_per_replica(),
-                                                  rounding_mode="floor").tolist()
+            # each replica's pp x tp ranks added the same counts: a factor the weights cancel
+            grid = gathered.cpu().view(dp, m).tolist()
         return reduction.weights(grid, self.mesh.dp_rank)
 
-    def _ranks_per_replica(self) -> int:
-        """How many ranks hold one data-parallel replica's batch (its pp x tp ranks; cp is 1
-        where the loss weights are used)."""
-        return dist.get_world_size() // self.plan.dp
+    def _micro_batches(self, names: list[str], batch: tuple, local: bool) -> list[dict[str, Any]]:
+        """The batch passed as every replica's micro-batches in order (each a dict by
+        placeholder name), as the stages will see them: the batch-major tensors split by rows,
+        the others whole in each."""
+        from autopar.ir import BATCH, info
+
+        parts = self.plan.num_micro_batches * (1 if local else self.plan.dp)
+        static_batch = BATCH not in self.captured.example_sizes
+        chunks: dict[str, Any] = {}
+        for name, t in zip(names, batch):
+            spec = info(self.captured.node(name)).spec if isinstance(t, torch.Tensor) else None
+            batched = spec is not None and spec.ndim and t.dim() and \
+                (static_batch or spec.shape[0] == BATCH) and t.shape[0] % parts == 0
+            chunks[name] = t.tensor_split(parts) if batched else [t] * parts
+        return [{name: chunks[name][k] for name in names} for k in range(parts)]
 
     def _position(self, name: str) -> int:
         """An input's or target's index among the inputs or the targets."""

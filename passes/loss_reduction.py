@@ -59,16 +59,15 @@ class LossReduction:
     #: targets split as the micro-batches' would (passes/index_checks.row_wise).
     row_wise: bool = False
 
-    def counts(self, values: dict[str, Any], parts: int) -> list[int]:
-        """The targets each of ``parts`` micro-batches counts, in order (``values``: the step's
-        inputs and targets by placeholder name, whose rows hold the ``parts`` micro-batches
-        one after the other)."""
-        if self.row_wise:
-            targets = self.program(*(values[name] for name in self.reads))
-            return [self._counted(t) for t in targets.tensor_split(parts)]
-        return [self._counted(self.program(*(
-            values[name].tensor_split(parts)[k] if values[name].dim() else values[name]
-            for name in self.reads))) for k in range(parts)]
+    def counts(self, whole: dict[str, Any], parts: list[dict[str, Any]]) -> list[int]:
+        """The targets each micro-batch counts, in order (``whole``: the step's inputs and
+        targets by placeholder name; ``parts``: the same split into the micro-batches, whose
+        rows follow one another in ``whole``)."""
+        if self.row_wise:  # the whole batch at once, its targets split as the parts'
+            targets = self.program(*(whole[name] for name in self.reads))
+            return [self._counted(t) for t in targets.tensor_split(len(parts))]
+        return [self._counted(self.program(*(part[name] for name in self.reads)))
+                for part in parts]
 
     def _counted(self, targets: torch.Tensor) -> int:
         return int((targets != self.ignore).sum()) if self.ignore is not None \

@@ -547,13 +547,17 @@ class PipelineExecutor:
                         out = module(*args)
             if stage.returns_loss:
                 weight = self.loss_weights[mb] if self.loss_weights is not None else None
+                if weight is None:
+                    outs: Any = out / self.m
+                    part = out.detach().float() / self.m
+                else:
+                    # weight 0: a micro-batch whose targets are all ignored (its mean is NaN);
+                    # its loss's gradient reaches no logit, so NaN times 0 adds nothing to it
+                    outs = out * weight
+                    part = (out.detach().float() * weight if weight
+                            else out.new_zeros((), dtype=torch.float32))
                 # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here
-                part = out.detach().float() / self.m if weight is None else \
-                    out.detach().float() * weight if weight else torch.zeros_like(out.float())
                 self._loss_sum = part + (self._loss_sum if self._loss_sum is not None else 0.0)
-                # weight 0: a micro-batch whose targets are all ignored (its mean is NaN); its
-                # loss's gradient reaches no logit, so the NaN times 0 adds nothing
-                outs: Any = out / self.m if weight is None else out * weight
             else:
                 outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if not self._inference:

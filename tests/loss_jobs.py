@@ -91,10 +91,11 @@ def reference(loss: str, steps: int = 2, rows: int = 8) -> dict[str, Any]:
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def train(configs: list[tuple[str, dict]], steps: int = 2, rows: int = 8) -> list[dict]:
-    """Each (loss, plan pins): the losses and rank 0's full state after ``steps`` steps."""
+def train(configs: list[tuple], steps: int = 2, rows: int = 8) -> list[dict]:
+    """Each (loss, plan pins[, local]): the losses and rank 0's full state after ``steps``
+    steps; ``local``: each replica passes only its rows (``train_step(local=True)``)."""
     out = []
-    for loss, pins in configs:
+    for loss, pins, *local in configs:
         torch.manual_seed(0)
         model = TinyLM()
         ids = batch(rows, seed=1)
@@ -105,7 +106,9 @@ def train(configs: list[tuple[str, dict]], steps: int = 2, rows: int = 8) -> lis
             losses = []
             for step in range(steps):
                 ids = batch(rows, seed=step + 1)
-                losses.append(pm.train_step((ids,), (ids,)))
+                if local and local[0]:
+                    ids = pm.local_batch(ids)
+                losses.append(pm.train_step((ids,), (ids,), local=bool(local and local[0])))
             state = pm.state_dict()
         finally:
             pm.close()

@@ -56,21 +56,24 @@ def test_what_keeps_the_parts_weights():
     assert reduction.weights([[5, 5], [5, 5]], 1) is None
     assert reduction.weights([[1, 3], [0, 4]], 1) == [0.0, 2 * 4 / 8]
     full = {captured.target_names[0]: ids, captured.input_names[0]: ids}
-    assert reduction.row_wise and reduction.counts(full, 2) == [
+    halves = [{name: t[:4] for name, t in full.items()}, {name: t[4:] for name, t in full.items()}]
+    assert reduction.row_wise and reduction.counts(full, halves) == [
         int((ids[:4, 1:] != 0).sum()), int((ids[4:, 1:] != 0).sum())]
 
 
 @pytest.mark.distributed
 def test_replicas_and_stages_add_up_to_one_processs_loss(shared_pool4):
     """dp 2 x pp 2 (1F1B, 2 micro-batches) and dp 2 x tp 2 (4 micro-batches): every replica's
-    micro-batches weigh their share of the whole batch's count."""
-    configs = [(loss, pins) for loss in jobs.LOSSES for pins in (
-        {"dp": 2, "tp": 1, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"},
-        {"dp": 2, "tp": 2, "pp": 1, "num_micro_batches": 4})]
+    micro-batches weigh their share of the whole batch's count; also with each replica passed
+    only its rows (``local=True``: the counts all-reduced over the replicas)."""
+    configs = [(loss, pins, local) for loss in jobs.LOSSES for pins, local in (
+        ({"dp": 2, "tp": 1, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"}, False),
+        ({"dp": 2, "tp": 2, "pp": 1, "num_micro_batches": 4}, False),
+        ({"dp": 2, "tp": 1, "pp": 2, "num_micro_batches": 2, "schedule": "1f1b"}, True))]
     per_rank = shared_pool4.run(jobs.train, configs, timeout_s=600)
-    for k, (loss, pins) in enumerate(configs):
+    for k, (loss, pins, local) in enumerate(configs):
         assert len({tuple(r[k]["losses"]) for r in per_rank}) == 1, (loss, pins)
-        _compare(per_rank[0][k], jobs.reference(loss), f"{loss} {pins}")
+        _compare(per_rank[0][k], jobs.reference(loss), f"{loss} {pins} local={local}")
 
 
 def test_a_summed_loss_was_wrong_without_the_weights(monkeypatch):
