@@ -365,24 +365,24 @@ def stage_program(planned: Planned, sharded: "TPProgram", *, device: torch.devic
                                    fix="report this schedule: every generated one passes "
                                        "(tests/test_schedules.py); gloo runs it")
     stages = sorted(plan.stages, key=lambda s: s.index)
-    gm = sharded.gm
-    if plan.cp > 1:  # every rank runs its tokens; attention exchanges K/V over the cp ranks
-        from autopar.passes.context_parallel import context_parallel_pass
-        from autopar.passes.infra import PassContext, PassManager
-
-        gm = PassManager([context_parallel_pass]).run(gm, PassContext(captured=captured,
-                                                                      plan=plan))
+    from autopar.passes.context_parallel import context_parallel_pass
     from autopar.passes.expert_parallel import expert_parallel_pass, expert_weights
-    from autopar.passes.infra import PassContext as _Ctx, PassManager as _PM
+    from autopar.passes.infra import PassContext, PassManager
+    from autopar.passes.loss_reduction import loss_scale_pass
 
-    has_experts = bool(expert_weights(gm, plan.ep))  # raises when ep does not divide them
+    has_experts = bool(expert_weights(sharded.gm, plan.ep))  # raises when ep does not divide them
     if plan.ep > 1 and not has_experts:
         raise InvalidPlanError("ep > 1 but the model has no mixture-of-experts block",
                                expected="experts captured as autopar.moe recognizes them",
                                found=f"ep={plan.ep} and no experts operation",
                                fix="plan with ep=1")
-    if has_experts:  # the experts run on the ep group (of one rank at ep = 1: all local)
-        gm = _PM([expert_parallel_pass]).run(gm, _Ctx(captured=captured, plan=plan))
+    # cp: every rank runs its tokens, attention exchanges K/V over the cp ranks; experts run on
+    # the ep group (of one rank at ep = 1: all local); the loss's token means and batch sums
+    # become each part's share of the whole batch's
+    passes = [context_parallel_pass] if plan.cp > 1 else []
+    passes += [expert_parallel_pass] if has_experts else []
+    gm = PassManager([*passes, loss_scale_pass]).run(sharded.gm,
+                                                     PassContext(captured=captured, plan=plan))
     valueless = sorted(k for k, v in sharded.captured.constants.items()
                        if isinstance(v, torch.Tensor) and v.is_meta)
     if valueless:

@@ -122,7 +122,9 @@ class ParallelModel(ModelState):
                  tensors: Mapping[str, torch.Tensor], *,
                  stream: Callable[[Callable[[str, torch.Tensor], None]], None] | None = None
                  ) -> None:
+        from autopar.passes.loss_reduction import PLACEHOLDER
         from autopar.runtime.cp import CPGroup
+        from autopar.runtime.loss_scale import LossScale
         from autopar.runtime.moe import EPGroup
         from autopar.runtime.pipeline import PipelineExecutor
         from autopar.runtime.tp import TPGroup
@@ -148,6 +150,9 @@ class ParallelModel(ModelState):
         self.cp_group = CPGroup.from_mesh(mesh, attention=self.plan.cp_attention) \
             if self.plan.cp > 1 else CPGroup()
         self.tp_group.cp = self.cp_group  # dropout masks: the whole sequence's, this rank's part
+        #: What the loss's terms read to weigh as one process's (passes/loss_reduction.py): the
+        #: parts a step averages, and each token mean's count on the step's whole batch.
+        self.loss_scale = LossScale(self.plan.num_micro_batches, self.plan.dp, self.cp_group)
         #: Per input and target: the dims holding tokens, split over the cp ranks.
         self._sequence_dims = [_token_dims(self.captured.node(name)) if self.plan.cp > 1 else ()
                                for name in (*self.captured.input_names,
@@ -160,7 +165,8 @@ class ParallelModel(ModelState):
         self.executor = PipelineExecutor(self.split, program.staged.schedule, mesh,
                                          tensors=tensors,
                                          bindings={"tp": self.tp_group, "cp": self.cp_group,
-                                                   "ep": EPGroup.from_mesh(mesh)},
+                                                   "ep": EPGroup.from_mesh(mesh),
+                                                   PLACEHOLDER: self.loss_scale},
                                          sync_tied=False, hooks=_RankHooks(self),
                                          recompute=self.plan.recompute is RecomputeKind.FULL,
                                          copy_tensors=False,  # the rank's own fresh shards
@@ -396,7 +402,7 @@ class ParallelModel(ModelState):
                     fix="change the batch size, or re-plan with another micro-batch count")
             out.append(t.to(self.device))
         self._check_computed(names, inputs + targets, local)
-        self.executor.loss_weights = self._loss_weights(names, inputs + targets, local)
+        self.loss_scale.totals = self._loss_totals(names, inputs + targets, local)
         rows = next((t.shape[0] for t in out if isinstance(t, torch.Tensor) and t.dim()), 0)
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
@@ -550,35 +556,34 @@ class ParallelModel(ModelState):
                         "an attention mask of 0s and 1s, sequences no longer than the model's "
                         "positions")
 
-    def _loss_weights(self, names: list[str], batch: tuple, local: bool) -> list[float] | None:
-        """This replica's micro-batch weights in the step's loss (passes/loss_reduction.py): a
-        summed loss, or a mean over targets whose counted number differs between micro-batches,
-        adds up to one process's loss over the whole batch; None for the executor's ``1 / m``.
-        With ``local=True`` the count over the whole batch is an all-reduce of each replica's."""
-        reduction = getattr(self, "_reduction", False)
-        if reduction is False:
-            from autopar.passes.loss_reduction import loss_reduction
+    def _loss_totals(self, names: list[str], batch: tuple, local: bool) -> list[int | None]:
+        """Every token mean's counted targets over the step's whole batch, in graph order
+        (passes/loss_reduction.target_counts; None where they cannot be counted before the
+        step). With ``local=True`` each replica counts its rows and the counts are added."""
+        counts = getattr(self, "_target_counts", None)
+        if counts is None:
+            from autopar.passes.loss_reduction import target_counts
 
-            reduction = self._reduction = loss_reduction(self.captured)
-        if reduction is None or self.plan.cp > 1:
-            return None
-        m, dp = self.plan.num_micro_batches, self.plan.dp
-        replicas = 1 if local else dp
-        try:
-            counts = reduction.counts(dict(zip(names, batch)),
-                                      self._micro_batches(names, batch, local))
-        except Exception:  # noqa: BLE001 - a form _check_input names, or a size the graph fixed
-            return None
-        grid = [counts[r * m:(r + 1) * m] for r in range(replicas)]
-        if local and dp > 1:  # every replica's counts, in replica order
-            gathered = torch.zeros(dp * m, dtype=torch.int64)
-            gathered[self.mesh.dp_rank * m:(self.mesh.dp_rank + 1) * m] = torch.tensor(counts)
-            gathered = gathered.to(self.device)
-            collective(dist.all_reduce, gathered, what="the all-reduce of every replica's "
-                                                       "counted targets")
-            # each replica's pp x tp ranks added the same counts: a factor the weights cancel
-            grid = gathered.cpu().view(dp, m).tolist()
-        return reduction.weights(grid, self.mesh.dp_rank)
+            counts = self._target_counts = target_counts(self.captured)
+        if not counts:
+            return []
+        whole = dict(zip(names, batch))
+        parts = self._micro_batches(names, batch, local)
+        totals: list[int | None] = []
+        for count in counts:
+            try:
+                totals.append(count.count(whole, parts) if count is not None else None)
+            except Exception:  # noqa: BLE001 - a form _check_input names, or a size the graph fixed
+                totals.append(None)
+        if local and self.plan.dp > 1:  # every replica's rows: added over the world
+            known = torch.tensor([[t if t is not None else 0, t is None] for t in totals],
+                                 dtype=torch.int64, device=self.device)
+            collective(dist.all_reduce, known, what="the all-reduce of every replica's "
+                                                    "counted targets")
+            per_replica = dist.get_world_size() // self.plan.dp  # its pp x cp x tp ranks
+            totals = [None if unknown else int(total) // per_replica
+                      for total, unknown in known.cpu().tolist()]
+        return totals
 
     def _micro_batches(self, names: list[str], batch: tuple, local: bool) -> list[dict[str, Any]]:
         """The batch passed as every replica's micro-batches in order (each a dict by

@@ -35,6 +35,8 @@ import torch.fx
 
 from autopar.errors import VerificationError
 from autopar.ir import META_KEY, TensorSpec, info
+from autopar.passes.loss_reduction import scaled_step
+from autopar.runtime.loss_scale import LossScale
 
 __all__ = ["verify", "VerificationReport", "LayerCheck", "DEFAULT_TOLERANCE",
            "MIXED_PRECISION_TOLERANCE"]
@@ -150,8 +152,10 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
     keep = {origin for per in wanted.values() for origin, _, _ in per.values()}
 
     weights = _reference_weights(pm)
+    # one process's parts: the loss terms' shares of the whole batch, with the stages' counts
+    scale = LossScale(m, pm.plan.dp, totals=pm.loss_scale.totals)
     reference, ref_loss = _run_reference(captured, weights, first, keep,
-                                         any(returns_loss.values()), pm.device)
+                                         any(returns_loss.values()), pm.device, scale)
 
     def record(row: int, value: torch.Tensor, ref: torch.Tensor) -> None:
         a, r = value.detach().double(), ref.detach().double()
@@ -311,14 +315,18 @@ class _Reference(torch.fx.Interpreter):
 
 
 def _run_reference(captured: Any, weights: Mapping[str, torch.Tensor], batch: Sequence[Any],
-                   keep: set[str], need_loss: bool, device: torch.device
+                   keep: set[str], need_loss: bool, device: torch.device, scale: LossScale
                    ) -> tuple[dict[str, torch.Tensor], Any]:
-    """The reference run up to the last tensor this rank compares (the end: the loss)."""
+    """The reference run up to the last tensor this rank compares (the end: the loss, scaled
+    by ``scale`` as the stages scale theirs: passes/loss_reduction.py)."""
     values = [weights[p.fqn] for p in captured.params.values()]
     values += [weights[b.fqn] for b in captured.buffers.values()]
     values += list(captured.constants.values())
     values = [v.detach().to(device) for v in values]
-    interp = _Reference(captured.gm, keep, need_loss and captured.has_loss)
+    gm = scaled_step(captured)
+    if gm is not captured.gm:  # the loss as the stages scale it: this part's share of the batch
+        batch = (*batch, scale)
+    interp = _Reference(gm, keep, need_loss and captured.has_loss)
     if not keep and not interp.need_loss:
         return {}, None
     try:

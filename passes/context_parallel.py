@@ -46,7 +46,8 @@ import torch.fx
 from autopar.errors import ShardingError
 from autopar.ir import META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, info, op_name
 from autopar.passes.attention_fusion import fuse_written_attention
-from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
+from autopar.passes.infra import PassContext, PassResult, call_like, graph_pass, graph_property
+from autopar.passes.loss_reduction import TOKEN_LOSSES, token_loss_args
 from autopar.runtime import cp as cp_runtime
 from autopar.runtime import tp as tp_runtime
 
@@ -174,19 +175,6 @@ def _check_token_wise(node: torch.fx.Node) -> None:
         raise _refuse(node, f"a {name} across tokens ({src.shape})", "plan with cp=1")
 
 
-def _node(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: dict, like: torch.fx.Node,
-          value: Any = None) -> torch.fx.Node:
-    new = graph.call_function(fn, args, kwargs)
-    meta = info(like) if META_KEY in like.meta else NodeInfo(NodeKind.OP)
-    new.meta[META_KEY] = NodeInfo(NodeKind.OP, value=value if value is not None else meta.value,
-                                  module_path=meta.module_path, layer=meta.layer,
-                                  placement=meta.placement, local_value=meta.local_value)
-    for key in ("val", "tensor_meta", "stack_trace", "nn_module_stack"):
-        if key in like.meta:
-            new.meta[key] = like.meta[key]
-    return new
-
-
 def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new per-rank program computing ``gm`` on this rank's tokens (``gm`` is not changed);
     it reads a :class:`autopar.runtime.cp.CPGroup` from a placeholder ``cp``. Attention written
@@ -235,7 +223,7 @@ def context_parallelize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             attention += 1
         elif name == "arange" and _is_token_index(node):
             with graph.inserting_after(node):
-                new = _node(graph, cp_runtime.positions, (cp, node), {}, node)
+                new = call_like(graph, cp_runtime.positions, (cp, node), {}, node)
             node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         elif name == "slice" and node.args and node.args[0] in tables and not _is_full_slice(node):
             _rewrite_table_slice(graph, node, cp)
@@ -305,35 +293,15 @@ def _rewrite_attention(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.
                       "set the attention dropout to 0 (LLaMA-style recipes do), or plan with cp=1")
     scale = node.kwargs.get("scale")
     with graph.inserting_after(node):
-        new = _node(graph, cp_runtime.attention, (cp, q, k, v),
+        new = call_like(graph, cp_runtime.attention, (cp, q, k, v),
                     {"is_causal": bool(given.get("is_causal") or False), "scale": scale}, node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 
 
-#: Token-mean losses: op -> its parameters, in order.
-_LOSSES = {aten.cross_entropy_loss.default: ("self", "target", "weight", "reduction",
-                                             "ignore_index", "label_smoothing"),
-           aten.nll_loss.default: ("self", "target", "weight", "reduction", "ignore_index"),
-           tp_runtime.vocab_parallel_cross_entropy: ("tp", "logits", "target", "reduction",
-                                                     "ignore_index")}
-_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
-
-
-def _bound(node: torch.fx.Node) -> dict[str, Any] | None:
-    """The loss op's arguments by name (defaults filled), or None if ``node`` is not one."""
-    names = _LOSSES.get(node.target)
-    if names is None:
-        return None
-    bound = {n: _DEFAULTS.get(n) for n in names}
-    bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
-    return bound
-
-
 def _mean_loss(node: torch.fx.Node) -> dict[str, Any] | None:
     """A mean-reduced token loss without class weights (its arguments by name), or None."""
-    bound = _bound(node)
+    bound = token_loss_args(node)
     if bound is None or bound["reduction"] != 1 or bound.get("weight") is not None:
         return None
     return bound
@@ -343,14 +311,14 @@ def _rewrite_mean_loss(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.fx.
     """``loss(..., reduction=mean)`` -> ``cp.token_mean(cp, loss(..., reduction=sum), target,
     ignore_index)``: the mean over every cp rank's counted tokens, not the mean of each rank's
     means (they differ when ranks count different tokens: ``ignore_index`` targets)."""
-    bound = _bound(node)
+    bound = token_loss_args(node)
     assert bound is not None
-    names = _LOSSES[node.target]
+    names = TOKEN_LOSSES[node.target]
     bound["reduction"] = 2  # sum
     with graph.inserting_before(node):
-        total = _node(graph, node.target, tuple(bound[n] for n in names), {}, node)
+        total = call_like(graph, node.target, tuple(bound[n] for n in names), {}, node)
     with graph.inserting_after(node):
-        new = _node(graph, cp_runtime.token_mean,
+        new = call_like(graph, cp_runtime.token_mean,
                     (cp, total, bound["target"], bound["ignore_index"]), {}, node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
@@ -381,7 +349,7 @@ def _rewrite_table_slice(graph: torch.fx.Graph, node: torch.fx.Node, cp: torch.f
         return
     length = node.args[3]
     with graph.inserting_after(node):
-        new = _node(graph, cp_runtime.take_positions, (cp, node.args[0], dim, length), {}, node)
+        new = call_like(graph, cp_runtime.take_positions, (cp, node.args[0], dim, length), {}, node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 

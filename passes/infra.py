@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterable, Protocol
 import torch.fx
 
 from autopar.errors import AutoparError, PassError
+from autopar.ir import META_KEY, NodeInfo, NodeKind, info
 
 __all__ = ["PassResult", "PassContext", "GraphPass", "graph_pass", "PassManager",
-           "GraphProperty", "graph_property", "PROPERTIES", "check_property"]
+           "GraphProperty", "graph_property", "PROPERTIES", "check_property", "call_like"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,3 +178,20 @@ class PassManager:
                                 found="; ".join(f"{e}: {why}" for e, why in broken.items()))
             previous = p.name
         return gm
+
+
+def call_like(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: dict, like: torch.fx.Node,
+              value: Any = None, name: str | None = None) -> torch.fx.Node:
+    """A new ``call_function`` node of ``fn`` at the graph's insertion point that stands where
+    ``like`` stands: its layer, module path and placement (what the stage split and the
+    cost model read), its value unless ``value`` is given, and torch's metadata; named
+    ``name`` where the graph has no node of that name yet."""
+    new = graph.create_node("call_function", fn, args, kwargs, name=name)
+    meta = info(like) if META_KEY in like.meta else NodeInfo(NodeKind.OP)
+    new.meta[META_KEY] = NodeInfo(NodeKind.OP, value=value if value is not None else meta.value,
+                                  module_path=meta.module_path, layer=meta.layer,
+                                  placement=meta.placement, local_value=meta.local_value)
+    for key in ("val", "tensor_meta", "stack_trace", "nn_module_stack"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    return new

@@ -1,30 +1,39 @@
-"""How the loss reduces over the batch, so micro-batches add up to one process's loss.
+"""How the step's loss reduces over the batch, so that its parts add up to one process's loss.
 
-The pipeline runs the captured step once per micro-batch and adds the micro-batches' losses
-with weight ``1 / m`` (and data parallelism averages the replicas' gradients). That is one
-process's loss only when the loss is a mean over equal parts. It is not:
+A step runs the captured loss once per part of the global batch: per micro-batch (the pipeline
+adds them with weight ``1 / m``), per data-parallel replica and per context-parallel rank (their
+gradients averaged). That is one process's loss only for a term that is a mean over equal
+parts. The step's loss is walked from its output through the ops it is linear in (``+``, ``-``,
+a product or quotient by a number, views and casts, tensor parallelism's all-reduce); the terms
+reached that way are rewritten when they are not such a mean (``runtime/loss_scale.py``):
 
-- for a loss summed over the batch (``cross_entropy(..., reduction="sum")``): one process's loss
-  is the sum over every micro-batch of every replica, ``R m`` times the average of the parts;
-- for a mean over the targets a loss does not ignore (``ignore_index``: padding, a prompt's
-  tokens), when micro-batches hold different numbers of them: one process divides the whole
-  batch's sum by the whole batch's count ``N``, so micro-batch ``k`` of replica ``r``, of
-  ``n_rk`` counted targets, weighs ``R n_rk / N`` (its mean times that is its share of the sum
-  over ``N``), not ``1 / m``. A micro-batch whose targets are all ignored weighs 0 (its own
-  mean is 0/0, NaN).
+- a **token mean** (``cross_entropy`` / ``nll_loss`` / the vocabulary-parallel cross entropy,
+  reduction mean, no class weights; context parallelism's ``cp.token_mean``) becomes
+  ``loss_scale.token_mean(scale, k, sum, target, ignore_index)``: the part's sum times
+  ``P / N``, ``N`` the targets counted on the whole batch. The step's padding, prompt masks
+  and uneven counts then weigh as in one process, and a micro-batch whose targets are all
+  ignored adds 0 instead of 0/0;
+- a **batch sum** (a token or element-wise loss with reduction sum, ``.sum()`` of a tensor with
+  a batch dim) becomes ``loss_scale.batch_sum(scale, value)``: the part's sum times ``P``.
 
-:func:`loss_reduction` finds the loss of the captured step that is a cross entropy (or NLL)
-times constants, and the part of the graph that computes its targets from the step's inputs and
-targets (``labels[:, 1:]``, a ``where`` that masks padding): :meth:`LossReduction.weights` runs
-that part on every micro-batch of every replica, counts, and gives this replica's weights
-(``runtime/pipeline.PipelineExecutor.loss_weights``). A loss that adds other terms (an
-auxiliary loss), a weighted cross entropy (class weights), or targets that read the model's
-state keep the ``1 / m`` weights, as does context parallelism (each rank holds a part of the
-sequence; its count is the split's).
+Every other term is left as it is: a mean over elements (equal parts), a value that does not
+depend on the batch (a regularizer), or a term the loss is not linear in (``exp(ce)``, a
+mixture-of-experts balance loss over the part's routing): those are each part's own, as in
+every pipeline. A batch sum needs a batch dim captured symbolic: with a static one, ``/ 8`` may
+be the micro-batch's size, and the part's sum stays as written.
+
+:func:`target_counts` finds, for every token mean of the captured step in graph order, the part
+of the graph that computes its targets from the step's inputs and targets (``labels[:, 1:]``,
+a ``where`` that masks padding); ``autopar.parallel_model`` runs it on the whole batch before
+each step and sets the counts on the :class:`~autopar.runtime.loss_scale.LossScale` the stages
+read (a count it cannot compute, from targets read off the model's state, falls back to each
+part's own mean).
 """
 
 from __future__ import annotations
 
+import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,96 +41,328 @@ import torch
 import torch.fx
 
 from autopar.captured import CapturedGraph
-from autopar.ir import op_name
+from autopar.ir import BATCH, META_KEY, SEQ, NodeInfo, NodeKind, info, op_name
 from autopar.passes.index_checks import index_program, row_wise
+from autopar.passes.infra import PassContext, PassResult, call_like, graph_pass, graph_property
+from autopar.runtime import cp as cp_runtime
+from autopar.runtime import loss_scale as scale_runtime
+from autopar.runtime import tp as tp_runtime
 
-__all__ = ["LossReduction", "loss_reduction"]
+__all__ = ["TOKEN_LOSSES", "token_loss_args", "TargetCount", "target_counts", "scale_loss",
+           "loss_scale_pass", "scaled_step", "PLACEHOLDER"]
+
+aten = torch.ops.aten
 
 #: ATen's reduction codes (``at::Reduction``).
 _MEAN, _SUM = 1, 2
 
-#: Ops through which the step's loss is its cross entropy times a constant (or a view of it).
-_SCALES = frozenset({"mul", "div", "neg", "to", "_to_copy", "clone", "alias", "detach", "view",
-                     "reshape", "squeeze", "unsqueeze", "float", "type_as"})
+#: The name of the placeholder the rewritten graph reads its LossScale from.
+PLACEHOLDER = "loss_scale"
 
+#: Token losses: op -> its parameters, in order (a mean over the counted targets, or their sum).
+TOKEN_LOSSES: dict[Any, tuple[str, ...]] = {
+    aten.cross_entropy_loss.default: ("self", "target", "weight", "reduction", "ignore_index",
+                                      "label_smoothing"),
+    aten.nll_loss.default: ("self", "target", "weight", "reduction", "ignore_index"),
+    aten.nll_loss_nd.default: ("self", "target", "weight", "reduction", "ignore_index"),
+    tp_runtime.vocab_parallel_cross_entropy: ("tp", "logits", "target", "reduction",
+                                              "ignore_index")}
+_DEFAULTS = {"weight": None, "reduction": _MEAN, "ignore_index": -100, "label_smoothing": 0.0}
+
+#: Element-wise losses -> the position of their reduction argument (with sum: a batch sum).
+_ELEMENT_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2,
+                   aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
+                   aten.soft_margin_loss.default: 2, aten.kl_div.default: 2,
+                   aten.binary_cross_entropy.default: 3,
+                   aten.binary_cross_entropy_with_logits.default: 4}
+
+#: Ops the loss is linear in their first operand (views, casts, a sign).
+_PASS_FIRST = frozenset({"neg", "to", "_to_copy", "clone", "alias", "detach", "view", "reshape",
+                         "squeeze", "unsqueeze", "type_as", "float", "contiguous"})
+
+
+def token_loss_args(node: torch.fx.Node) -> dict[str, Any] | None:
+    """A token loss's arguments by name (defaults filled), or None if ``node`` is not one."""
+    names = TOKEN_LOSSES.get(node.target)
+    if names is None:
+        return None
+    bound = {n: _DEFAULTS.get(n) for n in names}
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _token_mean(node: torch.fx.Node) -> bool:
+    """A mean over counted targets: a token loss with reduction mean and no class weights, or
+    context parallelism's ``cp.token_mean``."""
+    if node.op != "call_function":
+        return False
+    if node.target is cp_runtime.token_mean:
+        return True
+    bound = token_loss_args(node)
+    return bound is not None and bound["reduction"] == _MEAN and bound.get("weight") is None
+
+
+def _target(node: torch.fx.Node) -> Any:
+    """A token mean's target operand."""
+    return node.args[2] if node.target is cp_runtime.token_mean else token_loss_args(node)["target"]
+
+
+# -- counting the targets -----------------------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
-class LossReduction:
-    """The step's loss is ``reduction`` ("mean" or "sum") of a cross entropy over the targets
-    that ``program`` computes from the step's inputs and targets named by ``reads``, ``ignore``
-    (its ignore_index) not counted."""
+class TargetCount:
+    """How a token mean's counted targets follow from the step's batch: ``program`` computes
+    its targets from the inputs and targets named by ``reads``; ``ignore`` is not counted."""
 
-    reduction: str
     ignore: int | None
     program: torch.fx.GraphModule
     reads: tuple[str, ...]
-    #: No op of ``program`` mixes the batch's rows: the whole batch runs at once, and its
-    #: targets split as the micro-batches' would (passes/index_checks.row_wise).
+    #: No op of ``program`` mixes the batch's rows: the whole batch runs at once
+    #: (passes/index_checks.row_wise).
     row_wise: bool = False
 
-    def counts(self, whole: dict[str, Any], parts: list[dict[str, Any]]) -> list[int]:
-        """The targets each micro-batch counts, in order (``whole``: the step's inputs and
-        targets by placeholder name; ``parts``: the same split into the micro-batches, whose
-        rows follow one another in ``whole``)."""
-        if self.row_wise:  # the whole batch at once, its targets split as the parts'
-            targets = self.program(*(whole[name] for name in self.reads))
-            return [self._counted(t) for t in targets.tensor_split(len(parts))]
-        return [self._counted(self.program(*(part[name] for name in self.reads)))
-                for part in parts]
+    def count(self, whole: dict[str, Any], parts: list[dict[str, Any]]) -> int:
+        """The targets counted over the whole batch (``whole``: the step's inputs and targets
+        by placeholder name; ``parts``: the same split into the micro-batches the stages see,
+        each run apart when the program mixes rows)."""
+        if self.row_wise:
+            return self._counted(self.program(*(whole[name] for name in self.reads)))
+        return sum(self._counted(self.program(*(part[name] for name in self.reads)))
+                   for part in parts)
 
     def _counted(self, targets: torch.Tensor) -> int:
         return int((targets != self.ignore).sum()) if self.ignore is not None \
             else targets.numel()
 
-    def weights(self, counts: list[list[int]], replica: int) -> list[float] | None:
-        """Replica ``replica``'s micro-batch weights, from every replica's counts (``counts[r][k]``,
-        see the module docstring); None where they are ``1 / m`` (a mean over equal counts) or no
-        target is counted at all (one process's mean is NaN then, as the parts' is)."""
-        replicas, total = len(counts), sum(sum(c) for c in counts)
-        if self.reduction == "sum":
-            return [float(replicas)] * len(counts[replica])
-        if total == 0 or len({n for c in counts for n in c}) == 1:
-            return None
-        return [replicas * n / total for n in counts[replica]]
+
+def target_counts(captured: CapturedGraph) -> list[TargetCount | None]:
+    """For every token mean of the captured step, in graph order, how to count its targets
+    from the batch (None: they read the model's state, or ops that cannot run again)."""
+    out: list[TargetCount | None] = []
+    for node in captured.gm.graph.nodes:
+        if not _token_mean(node):
+            continue
+        bound = token_loss_args(node)
+        assert bound is not None  # the captured graph holds no cp.token_mean
+        target, ignore = bound["target"], bound["ignore_index"]
+        part = index_program(captured, target) if isinstance(target, torch.fx.Node) else None
+        if part is None:
+            out.append(None)
+            continue
+        program, reads, needed = part
+        out.append(TargetCount(None if ignore is None else int(ignore), program, reads,
+                               row_wise(needed, target)))
+    return out
 
 
-def loss_reduction(captured: CapturedGraph) -> LossReduction | None:
-    """The step's :class:`LossReduction` when its loss is one cross entropy (or NLL loss) with
-    reduction mean or sum and no class weights, times constants; else None."""
-    if not captured.has_loss:
+# -- the rewrite ----------------------------------------------------------------------------------
+
+def _linear_operands(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The operands the loss stays linear in through ``node`` (an affine op: a number added is
+    the same in every part), or None where ``node`` is a term."""
+    if node.op != "call_function":
         return None
-    output = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    nodes = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    name = op_name(node)
+    if node.target is tp_runtime.all_reduce:  # a sum over the tp ranks' parts
+        return [node.args[1]]
+    if node.target in (operator.add, operator.sub) or name in ("add", "sub"):
+        return nodes if all(_tensor(n) for n in nodes) else None
+    if name in ("mul", "div") or node.target in (operator.mul, operator.truediv):
+        return nodes if len(nodes) == 1 and nodes[0] is node.args[0] else None
+    if name in _PASS_FIRST and nodes and nodes[0] is node.args[0]:
+        return [nodes[0]]
+    return None
+
+
+def _tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor) or \
+        META_KEY in node.meta and info(node).spec is not None
+
+
+def _holds(node: Any, symbol: Any) -> bool:
+    """Whether a dim of ``node``'s captured shape grows with ``symbol`` (b or s)."""
+    if not isinstance(node, torch.fx.Node) or META_KEY not in node.meta:
+        return False
+    spec = info(node).spec
+    return spec is not None and any(symbol in getattr(e, "free_symbols", ()) for e in spec.shape)
+
+
+def _batch_sum(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``node`` sums over the whole batch (a token or element-wise loss with
+    reduction sum, a whole-tensor ``sum`` of a tensor with a batch dim), or None."""
+    if node.op != "call_function":
+        return None
+    bound = token_loss_args(node)
+    if bound is not None:
+        return bound["target"] if bound["reduction"] == _SUM else None
+    position = _ELEMENT_LOSSES.get(node.target)
+    if position is not None:
+        reduction = node.args[position] if len(node.args) > position \
+            else node.kwargs.get("reduction", _MEAN)
+        return node.args[0] if reduction == _SUM else None
+    if op_name(node) != "sum" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    source = node.args[0]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    spec = info(source).spec if META_KEY in source.meta else None
+    if spec is None or dims not in (None, [], ()) and sorted(
+            d % max(spec.ndim, 1) for d in dims) != list(range(spec.ndim)):
+        return None  # a sum over some dims: not the loss's reduction
+    if not _holds(source, BATCH) or _scaled_by_batch(source):
+        return None
+    return source
+
+
+def _scaled_by_batch(node: torch.fx.Node, depth: int = 8) -> bool:
+    """Whether the element-wise ops that make ``node`` divide or multiply it by a size
+    (``(loss / b).sum()`` is a mean: scaling it as a sum would count the batch twice)."""
+    for _ in range(depth):
+        if node.op != "call_function":
+            return False
+        if any(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), _SIZES)
+               for a in list(node.args) + list(node.kwargs.values())):
+            return True
+        tensors = [a for a in node.args if isinstance(a, torch.fx.Node) and _holds(a, BATCH)]
+        if len(tensors) != 1:
+            return False
+        node = tensors[0]
+    return False
+
+
+_SIZES = (torch.SymInt, torch.SymFloat, int, float)
+
+
+def _loss_node(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
     node = output.args[0]
     while isinstance(node, (tuple, list)) and len(node) == 1:
         node = node[0]
-    for _ in range(32):
-        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-            return None
-        name = op_name(node)
-        if name == "getitem" and node.args[1] == 0:  # nll_loss_forward's (loss, total weight)
-            node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _terms(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> list[torch.fx.Node]:
+    """The terms the step's loss is linear in: the first nodes, walking from ``loss`` through
+    :func:`_linear_operands`, that are not linear ops themselves, and are read only by them
+    (a mean the loss also squares is not one)."""
+    region: set[torch.fx.Node] = set()
+    leaves: list[torch.fx.Node] = []
+    stack = [loss]
+    while stack:
+        node = stack.pop()
+        if node in region:
             continue
-        if name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss_nd"):
-            break
-        if name not in _SCALES:
-            return None
-        operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        if len(operands) != 1 or operands[0] is not node.args[0]:
-            return None  # a term added, or a scale the graph computes (a tensor)
-        node = node.args[0]
+        region.add(node)
+        operands = _linear_operands(node)
+        if operands is None:
+            leaves.append(node)
+        else:
+            stack.extend(operands)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    linear = region - set(leaves) | {output}
+    return [leaf for leaf in leaves if set(leaf.users) <= linear]
+
+
+def scale_loss(gm: torch.fx.GraphModule, *, static_batch: bool = False,
+               counted: int | None = None) -> torch.fx.GraphModule:
+    """A copy of the graph with its loss's token means and batch sums scaled to their share of
+    the whole batch (module docstring), reading a
+    :class:`~autopar.runtime.loss_scale.LossScale` from a placeholder ``loss_scale``; ``gm``
+    itself when no term needs it. Token mean ``k`` reads ``totals[k]``, ``k`` its place among
+    the graph's token means, which must be the captured step's (``counted`` of them, when
+    given: else the means are left as they are, with a warning)."""
+    loss = _loss_node(gm)
+    if loss is None:
+        return gm
+    means = [n for n in gm.graph.nodes if _token_mean(n)]
+    terms = [("mean", leaf) if _token_mean(leaf) else ("sum", leaf)
+             for leaf in _terms(gm, loss)
+             if _token_mean(leaf) or not static_batch and _batch_sum(leaf) is not None]
+    if counted is not None and counted != len(means) and any(k == "mean" for k, _ in terms):
+        warnings.warn(f"the per-rank program holds {len(means)} token-mean losses where the "
+                      f"captured step holds {counted}: each part's mean is left as its own "
+                      f"(a batch padded unevenly weighs its micro-batches alike)", stacklevel=2)
+        terms = [(k, leaf) for k, leaf in terms if k != "mean"]
+    if not terms:
+        return gm
+    kinds = {leaf: kind for kind, leaf in terms}
+    last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1:]
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    scale = None if last_placeholder else _scale_placeholder(graph)
+    for node in gm.graph.nodes:
+        kind = kinds.get(node)
+        if kind == "mean":  # the new node takes the mean's name: checks find it by name
+            env[node] = _scaled_mean(graph, node, env, scale, means.index(node))
+            continue
+        env[node] = graph.node_copy(node, env.__getitem__)
+        if kind == "sum":
+            leaf = env[node]
+            env[node] = call_like(graph, scale_runtime.batch_sum,
+                                  (scale, leaf, _holds(_batch_sum(node), SEQ)), {}, leaf)
+        if last_placeholder and node is last_placeholder[0]:
+            scale = _scale_placeholder(graph)
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _scale_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
+    scale = graph.placeholder(PLACEHOLDER)
+    scale.meta[META_KEY] = NodeInfo(NodeKind.COMMUNICATOR)
+    return scale
+
+
+def _scaled_mean(graph: torch.fx.Graph, mean: torch.fx.Node, env: dict[torch.fx.Node, Any],
+                 scale: torch.fx.Node | None, term: int) -> torch.fx.Node:
+    """Token mean ``mean`` (of the old graph) as ``loss_scale.token_mean`` of its sum, in
+    ``graph``, under ``mean``'s name."""
+    def new(value: Any) -> Any:
+        return torch.fx.map_arg(value, env.__getitem__)
+
+    if mean.target is cp_runtime.token_mean:  # (cp, sum, target, ignore_index): already a sum
+        total, ignore = new(mean.args[1]), (list(mean.args) + [-100])[3]
     else:
+        bound = token_loss_args(mean)
+        assert bound is not None
+        bound["reduction"] = _SUM
+        ignore = bound["ignore_index"]
+        total = call_like(graph, mean.target,
+                          new(tuple(bound[n] for n in TOKEN_LOSSES[mean.target])), {}, mean,
+                          name=f"{mean.name}_sum")
+    target = _target(mean)
+    return call_like(graph, scale_runtime.token_mean,
+                     (scale, term, total, new(target), ignore, _holds(target, SEQ)), {}, mean,
+                     name=mean.name)
+
+
+@graph_property("loss_scaled")
+def loss_scaled(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    """No token mean left among the loss's terms: each reads the step's count (unless the
+    program's token means are not the captured step's, which :func:`scale_loss` warns of)."""
+    loss = _loss_node(gm)
+    if ctx.captured is not None and sum(map(_token_mean, ctx.captured.gm.graph.nodes)) != sum(
+            map(_token_mean, gm.graph.nodes)) + sum(n.target is scale_runtime.token_mean
+                                                     for n in gm.graph.nodes):
         return None
-    args = list(node.args) + [None] * 5
-    weight = args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    reduction = args[3] if len(node.args) > 3 else node.kwargs.get("reduction", _MEAN)
-    ignore = args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-    if weight is not None or reduction not in (_MEAN, _SUM) or \
-            not isinstance(node.args[1], torch.fx.Node):
-        return None
-    part = index_program(captured, node.args[1])
-    if part is None:
-        return None
-    program, reads, needed = part
-    return LossReduction("mean" if reduction == _MEAN else "sum",
-                         None if ignore is None else int(ignore), program, reads,
-                         row_wise(needed, node.args[1]))
+    for term in _terms(gm, loss) if loss is not None else []:
+        if _token_mean(term):
+            return f"{term.name} ({op_name(term)}) is each part's own mean"
+    return None
+
+
+@graph_pass(ensures=("loss_scaled",))
+def loss_scale_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """:func:`scale_loss` as a pass, on the per-rank program of ``ctx.captured``."""
+    captured = ctx.captured
+    if captured is None:
+        return PassResult(gm, False)
+    new = scale_loss(gm, static_batch=BATCH not in captured.example_sizes,
+                     counted=sum(map(_token_mean, captured.gm.graph.nodes)))
+    return PassResult(new, new is not gm)
+
+
+def scaled_step(captured: CapturedGraph) -> torch.fx.GraphModule:
+    """The captured step with its loss scaled as every rank's program scales it (what a check
+    against one process runs on one part of the batch), reading its LossScale last."""
+    return scale_loss(captured.gm, static_batch=BATCH not in captured.example_sizes)

@@ -411,11 +411,6 @@ class PipelineExecutor:
         self._posted: dict[Action, tuple[list[tuple[Any, str]], list[torch.Tensor]]] = {}
         self._loss_sum: torch.Tensor | None = None
 
-    #: Each micro-batch's weight in the step's loss, in place of ``1 / m``
-    #: (passes/loss_reduction.py: a summed loss, a mean over uneven counts of targets); set by
-    #: the caller before each step, None for ``1 / m``.
-    loss_weights: list[float] | None = None
-
     def step(self, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> torch.Tensor | None:
         """Forward and backward of one global batch; gradients accumulate into ``.grad``.
 
@@ -546,18 +541,12 @@ class PipelineExecutor:
                             scope.enter_context(saved_gathers())
                         out = module(*args)
             if stage.returns_loss:
-                weight = self.loss_weights[mb] if self.loss_weights is not None else None
-                if weight is None:
-                    outs: Any = out / self.m
-                    part = out.detach().float() / self.m
-                else:
-                    # weight 0: a micro-batch whose targets are all ignored (its mean is NaN);
-                    # its loss's gradient reaches no logit, so NaN times 0 adds nothing to it
-                    outs = out * weight
-                    part = (out.detach().float() * weight if weight
-                            else out.new_zeros((), dtype=torch.float32))
-                # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here
-                self._loss_sum = part + (self._loss_sum if self._loss_sum is not None else 0.0)
+                # summed in fp32: a bf16 loss (mixed precision) would lose its low bits here;
+                # 1 / m is one process's weight once the loss's terms read their share of the
+                # whole batch (passes/loss_reduction.py)
+                self._loss_sum = out.detach().float() / self.m + (
+                    self._loss_sum if self._loss_sum is not None else 0.0)
+                outs: Any = out / self.m
             else:
                 outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if not self._inference:

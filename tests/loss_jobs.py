@@ -55,13 +55,27 @@ def masked(logits, labels):
     return 0.5 * nn.functional.cross_entropy(logits.flatten(0, 1), kept.flatten())
 
 
-def with_aux(logits, labels):
-    """A cross entropy plus another term: keeps the parts' 1 / m weights."""
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + \
-        1e-3 * logits.pow(2).mean()
+def aux(logits, labels):
+    """A mean over the tokens that are not padding, plus a mean over every logit (the same
+    number of elements in every part: left as each part's own)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=0) \
+        + 1e-2 * logits.pow(2).mean()
 
 
-LOSSES: dict[str, Callable] = {"summed": summed, "padded": padded, "masked": masked}
+def mixed(logits, labels):
+    """An NLL loss (``nll_loss_nd``) over the tokens that are not padding, a sum of per-token
+    losses, and an element-wise loss summed, each with its own factor."""
+    flat, target = logits.flatten(0, 1), labels.flatten()
+    per_token = nn.functional.cross_entropy(flat, target, reduction="none")
+    return 0.7 * nn.functional.nll_loss(flat.log_softmax(-1), target, ignore_index=0) \
+        + per_token.sum() / 256 - 1e-4 * nn.functional.mse_loss(
+            logits, torch.zeros_like(logits), reduction="sum")
+
+
+LOSSES: dict[str, Callable] = {"summed": summed, "padded": padded, "masked": masked, "aux": aux,
+                               "mixed": mixed}
+#: The losses that mix no tokens of a sequence (no shift): what context parallelism runs.
+TOKEN_WISE = ("summed", "masked", "aux", "mixed")
 
 
 def batch(rows: int = 8, seq: int = 8, *, seed: int = 1) -> torch.Tensor:

@@ -339,7 +339,8 @@ def test_context_parallel_training_equals_one_process(shared_pool2, shared_pool4
                    18, timeout_s=300)
     ignored = pool.run(cp_jobs.ignored_targets,
                        [dict(dp=1, tp=1, pp=1, cp=4, micro_batch_size=8),
-                        dict(dp=1, tp=2, pp=1, cp=2, micro_batch_size=8)], timeout_s=600)
+                        dict(dp=1, tp=2, pp=1, cp=2, micro_batch_size=8),
+                        dict(dp=2, tp=1, pp=1, cp=2, micro_batch_size=2)], timeout_s=600)
     # attention: fp32 rounding of a different summation order (measured <= 1.5e-6)
     for rank_errors in errors:
         for case, err in zip(ATTENTION, rank_errors):
@@ -363,8 +364,9 @@ def test_context_parallel_training_equals_one_process(shared_pool2, shared_pool4
         assert losses == pytest.approx(base_losses, rel=1e-6)
         for key, want in base_state.items():
             torch.testing.assert_close(state[key], want, rtol=0, atol=1e-5)
-    # targets ignored unevenly: the ranks count 0 to 4 tokens per row; the loss is still one
-    # device's mean over the counted tokens (SGD: every parameter, no Adam noise amplification)
+    # targets ignored unevenly: the cp ranks count 0 to 4 tokens per row, the replicas and
+    # micro-batches (dp 2 x cp 2, 2 micro-batches) 16 and 64; the loss is still one device's
+    # mean over the counted tokens (SGD: every parameter, no Adam noise amplification)
     ref_losses, ref_state = cp_jobs.ignored_reference()
     for losses, state in ignored[0]:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
