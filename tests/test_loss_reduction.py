@@ -122,3 +122,28 @@ def test_a_summed_loss_was_wrong_without_the_scale(monkeypatch):
                         steps=1)
     want = jobs.reference("summed", steps=1)
     assert got["losses"][0] == pytest.approx(want["losses"][0] / 2, rel=RTOL)
+
+
+@pytest.mark.parametrize("loss", ["summed", "padded", "mixed"])
+def test_verify_compares_each_parts_share_of_the_loss(loss):
+    """``verify`` runs one process's program on the first micro-batch with its loss scaled as
+    the stages scale theirs, so a summed loss, a mean over targets counted unevenly (the first
+    micro-batch counts 2 of the batch's targets) and a mix of terms compare equal, the loss
+    node too (it keeps its name through the rewrite: the post layer's boundary tensor)."""
+    from tp_helpers import TINY_COST
+
+    import autopar
+
+    torch.manual_seed(0)
+    ids = jobs.batch()
+    pm = autopar.parallelize(jobs.TinyLM(), example_inputs=(ids,), example_targets=(ids.clone(),),
+                             loss_fn=jobs.LOSSES[loss], optimizer=jobs.SGD,
+                             plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2},
+                             tp_cost=TINY_COST)
+    try:
+        report = pm.verify((ids,), (ids,))
+    finally:
+        pm.close()
+    assert report.ok and all(c.tensors >= 1 for c in report.layers), report.layers
+    # the same ops on the same rows: fp32 rounding only
+    assert report.layers[-1].layer == "loss" and report.layers[-1].max_rel <= 1e-6
