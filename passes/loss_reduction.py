@@ -19,8 +19,9 @@ reached that way are rewritten when they are not such a mean (``runtime/loss_sca
 Every other term is left as it is: a mean over elements (equal parts), a value that does not
 depend on the batch (a regularizer), or a term the loss is not linear in (``exp(ce)``, a
 mixture-of-experts balance loss over the part's routing): those are each part's own, as in
-every pipeline. A batch sum needs a batch dim captured symbolic: with a static one, ``/ 8`` may
-be the micro-batch's size, and the part's sum stays as written.
+every pipeline. Where the batch dim was captured static, a batch sum divided by a multiple of a
+part's rows (``/ 8`` at 8 rows) may be a mean per row written out: it stays as written, with a
+warning (a batch sum divided by nothing such is still scaled).
 
 :func:`target_counts` finds, for every token mean of the captured step in graph order, the part
 of the graph that computes its targets from the step's inputs and targets (``labels[:, 1:]``,
@@ -264,21 +265,38 @@ def _terms(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> list[torch.fx.Node]
     return [leaf for leaf in leaves if set(leaf.users) <= linear]
 
 
-def scale_loss(gm: torch.fx.GraphModule, *, static_batch: bool = False,
+def scale_loss(gm: torch.fx.GraphModule, *, static_rows: int | None = None,
                counted: int | None = None) -> torch.fx.GraphModule:
     """A copy of the graph with its loss's token means and batch sums scaled to their share of
     the whole batch (module docstring), reading a
     :class:`~autopar.runtime.loss_scale.LossScale` from a placeholder ``loss_scale``; ``gm``
     itself when no term needs it. Token mean ``k`` reads ``totals[k]``, ``k`` its place among
     the graph's token means, which must be the captured step's (``counted`` of them, when
-    given: else the means are left as they are, with a warning)."""
+    given: else the means are left as they are, with a warning). ``static_rows``: a part's
+    rows where the batch dim was captured static (None: symbolic); a batch sum divided there
+    by a multiple of them may be a mean per row written out, and is left as it is, with a
+    warning."""
     loss = _loss_node(gm)
     if loss is None:
         return gm
     means = [n for n in gm.graph.nodes if _token_mean(n)]
-    terms = [("mean", leaf) if _token_mean(leaf) else ("sum", leaf)
-             for leaf in _terms(gm, loss)
-             if _token_mean(leaf) or not static_batch and _batch_sum(leaf) is not None]
+    terms: list[tuple[str, torch.fx.Node]] = []
+    for leaf in _terms(gm, loss):
+        if _token_mean(leaf):
+            terms.append(("mean", leaf))
+        elif _batch_sum(leaf) is not None:
+            rows = [d for d in _divisors(leaf) if static_rows and _multiple(d, static_rows)]
+            if not rows:
+                terms.append(("sum", leaf))
+                continue
+            warnings.warn(
+                f"the loss sums over the batch ({op_name(leaf)}) and is divided "
+                f"by {rows[0]:g}, a multiple of the {static_rows} rows of a part, in a graph "
+                f"captured at a static batch: autopar cannot tell a mean per row written out "
+                f"from a sum over the global batch, and takes each part's loss as written (for "
+                f"a sum over the global batch, the step's loss is 1/(micro-batches x dp) of "
+                f"one process's). Capture the batch dim symbolic, or write the loss as a mean",
+                stacklevel=2)
     if counted is not None and counted != len(means) and any(k == "mean" for k, _ in terms):
         warnings.warn(f"the per-rank program holds {len(means)} token-mean losses where the "
                       f"captured step holds {counted}: each part's mean is left as its own "
@@ -305,6 +323,47 @@ def scale_loss(gm: torch.fx.GraphModule, *, static_batch: bool = False,
             scale = _scale_placeholder(graph)
     graph.lint()
     return torch.fx.GraphModule(gm, graph)
+
+
+def _divisors(leaf: torch.fx.Node) -> list[float]:
+    """What the loss divides term ``leaf`` by on its way to the output: each number it is
+    divided by, and the reciprocal of each it is multiplied by."""
+    out: list[float] = []
+    stack, seen = [leaf], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            operands = _linear_operands(user)
+            if user in seen or operands is None or node not in operands:
+                continue
+            seen.add(user)
+            stack.append(user)
+            numbers = [float(a) for a in user.args[1:2] if isinstance(a, (int, float))
+                       and not isinstance(a, bool) and a]
+            if op_name(user) == "div" or user.target is operator.truediv:
+                out += numbers
+            elif op_name(user) == "mul" or user.target is operator.mul:
+                out += [1 / a for a in numbers]
+    return out
+
+
+def _multiple(divisor: float, rows: int) -> bool:
+    """Whether ``divisor`` is a whole multiple of ``rows`` (a count of rows, or of tokens)."""
+    ratio = abs(divisor) / rows
+    return ratio >= 1 and abs(ratio - round(ratio)) < 1e-6
+
+
+def _static_rows(captured: CapturedGraph) -> int | None:
+    """A part's rows where the batch dim was captured static (the first batch-major input's
+    size), None where it is symbolic."""
+    if BATCH in captured.example_sizes:
+        return None
+    for name in captured.input_names:
+        spec = info(captured.node(name)).spec
+        rows = spec.shape[0] if spec is not None and spec.ndim else None
+        if isinstance(rows, int) or getattr(rows, "is_Integer", False):
+            return int(rows)
+    return None
 
 
 def _scale_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
@@ -357,7 +416,7 @@ def loss_scale_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     captured = ctx.captured
     if captured is None:
         return PassResult(gm, False)
-    new = scale_loss(gm, static_batch=BATCH not in captured.example_sizes,
+    new = scale_loss(gm, static_rows=_static_rows(captured),
                      counted=sum(map(_token_mean, captured.gm.graph.nodes)))
     return PassResult(new, new is not gm)
 
@@ -365,4 +424,4 @@ def loss_scale_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
 def scaled_step(captured: CapturedGraph) -> torch.fx.GraphModule:
     """The captured step with its loss scaled as every rank's program scales it (what a check
     against one process runs on one part of the batch), reading its LossScale last."""
-    return scale_loss(captured.gm, static_batch=BATCH not in captured.example_sizes)
+    return scale_loss(captured.gm, static_rows=_static_rows(captured))

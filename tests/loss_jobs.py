@@ -128,3 +128,67 @@ def train(configs: list[tuple], steps: int = 2, rows: int = 8) -> list[dict]:
             pm.close()
         out.append({"losses": losses, "state": state if dist.get_rank() == 0 else None})
     return out
+
+
+class StaticLM(TinyLM):
+    """TinyLM whose logits add a bias per row of a batch of 4: export cannot keep the batch
+    symbolic, and the graph is captured at 4 rows (a part's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.row_bias = nn.Parameter(torch.zeros(4, 1, VOCAB))
+
+    def forward(self, ids):
+        return super().forward(ids) + self.row_bias
+
+
+def row_mean(logits, labels):
+    """A summed cross entropy divided by the rows: a mean per row, written out."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                       reduction="sum") / logits.shape[0]
+
+
+def scaled_sum(logits, labels):
+    """A summed cross entropy times 0.03 (1 / 33.3: no multiple of a part's rows)."""
+    return 0.03 * nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                              reduction="sum")
+
+
+STATIC_LOSSES: dict[str, Callable] = {"summed": scaled_sum, "row mean": row_mean}
+
+
+def static_run(loss: str, steps: int = 2) -> dict[str, Any]:
+    """StaticLM at one rank, 2 micro-batches of its 4 rows: losses and the state after
+    ``steps`` SGD steps."""
+    torch.manual_seed(0)
+    ids = batch(8, seed=1)
+    pm = autopar.parallelize(StaticLM(), example_inputs=(ids[:4],),
+                             example_targets=(ids[:4].clone(),), loss_fn=STATIC_LOSSES[loss],
+                             optimizer=SGD, global_batch=8, tp_cost=TINY_COST,
+                             plan={"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2,
+                                   "micro_batch_size": 4})
+    try:
+        losses = [pm.train_step((ids,), (ids,)) for ids in
+                  (batch(8, seed=step + 1) for step in range(steps))]
+        return {"losses": losses, "state": pm.state_dict()}
+    finally:
+        pm.close()
+
+
+def static_reference(loss: str, steps: int = 2) -> dict[str, Any]:
+    """One process, as the user means each loss over a batch of 8 that the model takes 4 rows
+    at a time: a sum over the batch adds the halves' sums, a mean per row averages the halves'
+    means."""
+    torch.manual_seed(0)
+    model = StaticLM()
+    optimizer = SGD(model.parameters())
+    weight = 1.0 if loss == "summed" else 0.5
+    losses = []
+    for step in range(steps):
+        ids = batch(8, seed=step + 1)
+        optimizer.zero_grad()
+        value = sum(weight * STATIC_LOSSES[loss](model(half), half) for half in ids.split(4))
+        value.backward()
+        optimizer.step()
+        losses.append(float(value.detach()))
+    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}

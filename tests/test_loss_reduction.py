@@ -147,3 +147,21 @@ def test_verify_compares_each_parts_share_of_the_loss(loss):
     assert report.ok and all(c.tensors >= 1 for c in report.layers), report.layers
     # the same ops on the same rows: fp32 rounding only
     assert report.layers[-1].layer == "loss" and report.layers[-1].max_rel <= 1e-6
+
+
+def test_a_static_batch_scales_a_sum_and_warns_where_it_may_be_a_mean():
+    """A graph captured at a static batch of 4 rows: a cross entropy summed over the batch (times
+    0.03) is still scaled (one process's sum over both halves), while a sum divided by 4, a multiple
+    of a part's rows (a mean per row written out, or a sum over 4 x k rows: the graph cannot
+    tell), is taken as written, with a warning; each against one process's losses and
+    parameters after two SGD steps."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jobs.static_run("summed")
+    assert not [w for w in caught if "cannot tell" in str(w.message)]
+    _compare(got, jobs.static_reference("summed"), "summed, static batch")
+    with pytest.warns(UserWarning, match="divided by 4, a multiple of the 4 rows of a part"):
+        got = jobs.static_run("row mean")
+    _compare(got, jobs.static_reference("row mean"), "row mean, static batch")
