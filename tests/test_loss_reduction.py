@@ -165,3 +165,13 @@ def test_a_static_batch_scales_a_sum_and_warns_where_it_may_be_a_mean():
     with pytest.warns(UserWarning, match="divided by 4, a multiple of the 4 rows of a part"):
         got = jobs.static_run("row mean")
     _compare(got, jobs.static_reference("row mean"), "row mean, static batch")
+
+
+def test_a_token_mean_left_unscaled_is_named_by_the_pass(monkeypatch):
+    """The pass's ``ensures`` check: with the rewrite turned off, the padded loss's token mean
+    is each part's own, and the pass manager names it rather than training on."""
+    from autopar.errors import PassError
+
+    monkeypatch.setattr(loss_reduction, "scale_loss", lambda gm, **_: gm)
+    with pytest.raises(PassError, match="loss_scaled: cross_entropy_loss .* is each part's own"):
+        jobs.train([("padded", {"dp": 1, "tp": 1, "pp": 1, "num_micro_batches": 2})], steps=1)
