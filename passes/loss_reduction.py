@@ -216,6 +216,10 @@ def _batch_sum(node: torch.fx.Node) -> torch.fx.Node | None:
     return source
 
 
+#: The values of size nodes: a batch's rows, a sequence's length, as traced.
+_SIZES = (torch.SymInt, torch.SymFloat, int, float)
+
+
 def _scaled_by_batch(node: torch.fx.Node, depth: int = 8) -> bool:
     """Whether the element-wise ops that make ``node`` divide or multiply it by a size
     (``(loss / b).sum()`` is a mean: scaling it as a sum would count the batch twice)."""
@@ -231,8 +235,6 @@ def _scaled_by_batch(node: torch.fx.Node, depth: int = 8) -> bool:
         node = tensors[0]
     return False
 
-
-_SIZES = (torch.SymInt, torch.SymFloat, int, float)
 
 
 def _loss_node(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
