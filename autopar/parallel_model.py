@@ -361,7 +361,11 @@ class ParallelModel(ModelState):
                                     fix="use a global batch that is a multiple of dp x micro-batches")
         return batch.chunk(self.plan.dp, dim=0)[self.mesh.dp_rank]
 
-    def _prepare(self, inputs: Any, targets: Any, local: bool) -> tuple[tuple, tuple]:
+    def _prepare(self, inputs: Any, targets: Any, local: bool, *,
+                 whole_sequence: bool = False) -> tuple[tuple, tuple]:
+        """The step's inputs and targets checked and cut to this rank's part: its replica's rows
+        and, under context parallelism, its tokens of each sequence (``whole_sequence``: not
+        cut along the sequence, what :func:`autopar.verify.verify`'s reference reads)."""
         if isinstance(inputs, Mapping):  # keyword inputs, as captured
             names = self.captured.input_kwargs
             if set(inputs) != set(names):
@@ -391,8 +395,8 @@ class ParallelModel(ModelState):
             self._check_indices(names[i], i, t, sizes)
             if not local:
                 t = self.local_batch(t)
-            for dim in self._sequence_dims[i]:  # this rank's tokens (head-tail layout)
-                t = self.cp_group.split(t, dim)
+            for dim in () if whole_sequence else self._sequence_dims[i]:
+                t = self.cp_group.split(t, dim)  # this rank's tokens (head-tail layout)
             if t.shape[0] % m:
                 raise InvalidInputError(
                     "the batch does not split into the plan's micro-batches",

@@ -4,7 +4,8 @@
 holds the whole original model (``parallelize`` takes real weights), so every rank checks its own
 part, and nothing but one small vector crosses the network:
 
-1. This rank's data-parallel share of the batch gives its first micro-batch.
+1. This rank's data-parallel share of the batch gives its first micro-batch (the whole
+   sequence: under context parallelism the rank holds some of its tokens, step 3).
 2. The reference: the captured graph of the original model (``CapturedGraph.run``: the single
    device program) runs that micro-batch with dropout off, keeping only the *layer boundary*
    tensors this rank's stages compute (a tensor made in one layer and read by a later one) and
@@ -14,6 +15,10 @@ part, and nothing but one small vector crosses the network:
    each of this rank's stage graphs is interpreted node by node, and every boundary tensor it
    holds in a comparable placement (replicated, or sharded: the reference is sliced with the
    node's placement; pending sums are skipped) is compared with the reference on the spot.
+   Under context parallelism the reference is also cut to this rank's tokens (the head-tail
+   layout along every dim of size ``s``; a tensor whose tokens are folded into another dim,
+   ``b*s``, is not compared), and the loss, of which each cp rank holds its tokens' share, is
+   averaged over the cp group before it is compared.
 4. One all-reduce (MAX) of the per-layer ``[max abs, max rel]`` vector and one (SUM) of the
    counts give every rank the same :class:`VerificationReport`.
 
@@ -27,14 +32,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx
 
 from autopar.errors import VerificationError
-from autopar.ir import META_KEY, TensorSpec, info
+from autopar.ir import META_KEY, SEQ, TensorSpec, info
 from autopar.passes.loss_reduction import scaled_step
 from autopar.runtime.loss_scale import LossScale
 
@@ -134,7 +139,7 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
     stats = torch.full((n_layers + 1, 2), -1.0, dtype=torch.float64)
     counts = torch.zeros(n_layers + 1, dtype=torch.float64)
 
-    inputs_p, targets_p = pm._prepare(inputs, targets, local)
+    inputs_p, targets_p = pm._prepare(inputs, targets, local, whole_sequence=True)
     m = pm.plan.num_micro_batches
     first = [t.chunk(m, dim=0)[0] if isinstance(t, torch.Tensor) and t.dim() else t
              for t in (*inputs_p, *targets_p)]
@@ -143,13 +148,14 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
 
     # which boundary tensors this rank's stages hold, in which placement
     boundary = _boundary_nodes(captured)
-    wanted: dict[int, dict[str, tuple[str, Any, str]]] = {}
+    cp = pm.cp_group
+    wanted: dict[int, dict[str, _Wanted]] = {}
     returns_loss: dict[int, bool] = {}
     for s in pm.executor.stage_modules:
         stage = pm.split.stages[s]
-        wanted[s] = _comparable(stage.gm, captured, boundary)
+        wanted[s] = _comparable(stage.gm, captured, boundary, cp.size > 1)
         returns_loss[s] = bool(stage.returns_loss)
-    keep = {origin for per in wanted.values() for origin, _, _ in per.values()}
+    keep = {w.origin for per in wanted.values() for w in per.values()}
 
     weights = _reference_weights(pm)
     # one process's parts: the loss terms' shares of the whole batch, with the stages' counts
@@ -170,17 +176,29 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
 
     tp_rank, tp = pm.mesh.tp_rank, pm.plan.tp
     restore = {}
+    recorders: list[_Recorder] = []
     for s, module in pm.executor.stage_modules.items():
         gm = object.__getattribute__(module, "_graph")
         restore[s] = gm
         recorder = _Recorder(gm, wanted[s], returns_loss[s], reference, ref_loss, record,
-                             layer_index, n_layers, tp, tp_rank)
+                             layer_index, n_layers, tp, tp_rank, cp)
+        recorders.append(recorder)
         object.__setattr__(module, "_graph", recorder)
     try:
         pm.eval_step(inputs, targets, local=local)
     finally:
         for s, module in pm.executor.stage_modules.items():
             object.__setattr__(module, "_graph", restore[s])
+    # each cp rank's loss is its tokens' share (x cp): their mean is the whole sequence's; the
+    # ranks of a cp group hold the same stages, so all of them reach this all-reduce or none
+    for recorder in recorders:
+        if recorder.loss_part is not None:
+            from autopar.runtime.comm import collective
+
+            part = recorder.loss_part.detach().double().clone()
+            collective(dist.all_reduce, part, group=cp.group,
+                       what="the all-reduce of verify's context-parallel loss")
+            record(n_layers, part / cp.size, ref_loss)
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         from autopar.runtime.comm import collective
@@ -239,10 +257,22 @@ def _origin(n: torch.fx.Node) -> torch.fx.Node | None:
     return n if n.op == "call_function" else None
 
 
-def _comparable(gm: torch.fx.GraphModule, captured: Any, boundary: Mapping[str, str]
-                ) -> dict[str, tuple[str, Any, str]]:
-    """Stage node name -> (captured node name, placement, layer) for the boundary tensors it
-    holds in a placement that can be compared locally (one stage node per captured tensor)."""
+class _Wanted(NamedTuple):
+    """A boundary tensor a stage holds: the captured node it is, its tp placement, its layer,
+    and the dims that hold the sequence's tokens (cut over the cp ranks; () without cp)."""
+
+    origin: str
+    placement: Any
+    layer: str
+    token_dims: tuple[int, ...]
+
+
+def _comparable(gm: torch.fx.GraphModule, captured: Any, boundary: Mapping[str, str],
+                context_parallel: bool = False) -> dict[str, _Wanted]:
+    """Stage node name -> what it is, for the boundary tensors it holds in a placement that can
+    be compared locally (one stage node per captured tensor). Under context parallelism a
+    tensor whose tokens are folded into another dim (``b*s``) is left out: which of its rows a
+    rank holds depends on the fold."""
     from autopar.sharding import Replicate, is_sharded
 
     cap = captured._nodes_by_name()
@@ -259,7 +289,13 @@ def _comparable(gm: torch.fx.GraphModule, captured: Any, boundary: Mapping[str, 
             continue  # pending sums (Partial) are compared after their reduction
         if info(n).value != info(cap[src.name]).value:
             continue  # a name shared by accident: not the same tensor
-        out[n.name] = (src.name, placement, boundary[src.name])
+        token_dims: tuple[int, ...] = ()
+        if context_parallel:
+            shape = info(cap[src.name]).spec.shape
+            if any(SEQ in getattr(e, "free_symbols", ()) and e != SEQ for e in shape):
+                continue
+            token_dims = tuple(d for d, e in enumerate(shape) if e == SEQ)
+        out[n.name] = _Wanted(src.name, placement, boundary[src.name], token_dims)
         taken.add(src.name)
     return out
 
@@ -342,10 +378,10 @@ class _Recorder(torch.fx.Interpreter):
     """A stage graph run node by node; on its first call (the first micro-batch) every wanted
     tensor is compared with the reference as soon as it exists."""
 
-    def __init__(self, gm: torch.fx.GraphModule, wanted: Mapping[str, tuple[str, Any, str]],
+    def __init__(self, gm: torch.fx.GraphModule, wanted: Mapping[str, _Wanted],
                  returns_loss: bool, reference: Mapping[str, torch.Tensor], ref_loss: Any,
                  record: Any, layer_index: Mapping[str, int], n_layers: int, tp: int,
-                 tp_rank: int) -> None:
+                 tp_rank: int, cp: Any) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.gm = gm
         self.wanted = wanted
@@ -356,6 +392,10 @@ class _Recorder(torch.fx.Interpreter):
         self.layer_index = layer_index
         self.n_layers = n_layers
         self.tp, self.tp_rank = tp, tp_rank
+        self.cp = cp
+        #: Under context parallelism: this rank's share of the first micro-batch's loss, compared
+        #: after the cp group's all-reduce.
+        self.loss_part: torch.Tensor | None = None
         self.calls = 0
 
     def __call__(self, *args: Any) -> Any:
@@ -365,7 +405,10 @@ class _Recorder(torch.fx.Interpreter):
         out = self.run(*args)
         if self.returns_loss and self.ref_loss is not None:
             loss = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
-            self.record(self.n_layers, loss, self.ref_loss)
+            if self.cp.size > 1:
+                self.loss_part = loss
+            else:
+                self.record(self.n_layers, loss, self.ref_loss)
         return out
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -373,10 +416,12 @@ class _Recorder(torch.fx.Interpreter):
         if n.name in self.wanted:
             from autopar.sharding import shard_tensor
 
-            origin, placement, layer = self.wanted[n.name]
-            ref = self.reference[origin]
-            local = shard_tensor(ref, placement, self.tp, self.tp_rank, origin) \
-                if self.tp > 1 else ref
-            self.record(self.layer_index.get(layer, self.n_layers), out, local)
+            want = self.wanted[n.name]
+            local = self.reference[want.origin]
+            for dim in want.token_dims:  # this rank's tokens of the whole sequence, which
+                local = self.cp.split(local, dim)  # sequence parallelism cuts further
+            if self.tp > 1:
+                local = shard_tensor(local, want.placement, self.tp, self.tp_rank, want.origin)
+            self.record(self.layer_index.get(want.layer, self.n_layers), out, local)
         return out
 

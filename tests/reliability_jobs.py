@@ -93,10 +93,18 @@ def _break_shard(pm, fqn_part: str, tp_rank: int) -> None:
             return
 
 
+def _local_attention(cp, q, k, v, is_causal=False, scale=None):
+    """Context-parallel attention broken on purpose: each rank attends over its own tokens."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                            scale=scale)
+
+
 def verify_configs(configs):
     """For each (model, pins, fault): parallelize, verify; fault: None, ("scale", fqn part, tp
-    rank) or ("skip_all_reduce",): every tensor-parallel all-reduce in forward returns its
-    input unreduced."""
+    rank), ("skip_all_reduce",): every tensor-parallel all-reduce in forward returns its
+    input unreduced, or ("local_attention",): context-parallel attention over each rank's
+    tokens only."""
+    from autopar.runtime import cp as cp_runtime
     from autopar.runtime import tp as tp_runtime
 
     out = []
@@ -104,11 +112,14 @@ def verify_configs(configs):
     for name, pins, fault in configs:
         pm = _parallelize(name, pins, data)
         original = tp_runtime._AllReduce.forward
+        original_attention = cp_runtime.CPGroup.attention
         try:
             if fault and fault[0] == "scale":
                 _break_shard(pm, fault[1], fault[2])
             if fault and fault[0] == "skip_all_reduce":
                 tp_runtime._AllReduce.forward = staticmethod(lambda ctx, x, group: x.clone())
+            if fault and fault[0] == "local_attention":
+                cp_runtime.CPGroup.attention = _local_attention
             try:
                 report = pm.verify(*data[0])
                 out.append(("ok", report.as_dict()))
@@ -117,6 +128,7 @@ def verify_configs(configs):
                             exc.report.as_dict()))
         finally:
             tp_runtime._AllReduce.forward = original
+            cp_runtime.CPGroup.attention = original_attention
             pm.close()
     return out
 

@@ -3,8 +3,9 @@
 - ``parallelize(..., verify=True)`` passes on a tp=2 x pp=2 plan with sequence parallelism, on
   a dp=2 x pp=2 plan with full recompute and on a tp=2 x pp=2 ZB-H1 plan with selective
   recompute; a program broken on purpose (one rank's shard of a weight scaled, or the
-  tensor-parallel all-reduce skipped) raises VerificationError naming the layer where the fault
-  is.
+  tensor-parallel all-reduce skipped, or context-parallel attention over each rank's own
+  tokens) raises VerificationError naming the layer where the fault is; a correct cp 2 x tp 2
+  program with sequence parallelism passes, every layer and the loss compared.
 - HF GPT-2 with dropout 0.1: those plans train to the same losses and parameters as the world-1
   autopar run with the same seed (dropout masks are a function of seed, step, site and sample,
   never of the plan), two runs of the same program are identical, and evaluation turns dropout
@@ -69,11 +70,23 @@ def test_verify_names_the_broken_layer(shared_pool4):
         ("gpt", {"dp": 2, "pp": 1, "tp": 2, "num_micro_batches": 1},
          ("scale", "h.1.mlp.c_fc.weight", 1)),
         ("llama", {"dp": 1, "pp": 2, "tp": 2, "num_micro_batches": 2}, ("skip_all_reduce",)),
+        # context parallelism: each rank holds some tokens of the reference's whole sequence
+        ("llama", {"dp": 1, "cp": 2, "tp": 2, "sequence_parallel": True,
+                   "num_micro_batches": 2}, None),
+        ("llama", {"dp": 1, "pp": 2, "cp": 2, "num_micro_batches": 2}, ("local_attention",)),
     ]
     per_rank = shared_pool4.run(jobs.verify_configs, configs, timeout_s=900)
     assert all(r == per_rank[0] for r in per_rank)  # one report, every rank
-    (kind, layer, report), (kind2, layer2, report2) = per_rank[0]
+    (kind, layer, report), (kind2, layer2, report2), (ok, cp_report), (kind4, layer4, report4) \
+        = per_rank[0]
     assert (kind, layer) == ("VerificationError", "transformer.h.1"), report
     assert report["transformer.h.0"]["max_rel"] < 1e-5 and report["pre"]["tensors"] == 4
     assert (kind2, layer2) == ("VerificationError", "model.layers.0"), report2
     assert report2["pre"]["max_rel"] < 1e-5
+    # every layer and the loss compared on every rank (fp32, reordered sums: ~1e-7)
+    assert ok == "ok", cp_report
+    for name in ("pre", "model.layers.0", "model.layers.1", "loss"):
+        assert cp_report[name]["tensors"] >= 4 and cp_report[name]["max_rel"] < 1e-5, cp_report
+    # attention over a rank's own tokens: the first layer differs, what comes before does not
+    assert (kind4, layer4) == ("VerificationError", "model.layers.0"), report4
+    assert report4["pre"]["max_rel"] < 1e-5
