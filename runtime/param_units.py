@@ -4,7 +4,9 @@ A :class:`ParamUnit` wraps a module whose parameters live in ZeRO-3 flat buckets
 (:class:`autopar.runtime.zero.FlatBucket`): module hooks gather the buckets before the module
 runs forward, free them after it (unless kept gathered between forward and backward, FSDP's
 ``reshard_after_forward=False``), gather them again when the first gradient reaches the
-module's outputs and free them once every parameter's gradient is accumulated. A
+module's outputs and free them once every parameter's gradient is accumulated (and, for a
+module holding frozen parameters, once the gradients of its inputs are computed too: the
+backward still reads a frozen weight after the last trainable one's gradient). A
 :class:`UnitOrder` learns the order the units run in during the first step and from then on
 launches the next unit's gather while the current one computes (the prefetch FSDP2 does), in the
 forward and in the backward.
@@ -21,6 +23,10 @@ if TYPE_CHECKING:
     from autopar.runtime.zero import FlatBucket
 
 __all__ = ["ParamUnit", "UnitOrder"]
+
+#: What a unit holding frozen parameters waits for in backward, besides its gradients.
+_INPUTS = "the gradients of the tensors entering it"
+_PASS_END = "the end of the backward (an entering tensor is a leaf)"
 
 
 def _flatten_tensors(value: Any) -> list[torch.Tensor]:
@@ -41,6 +47,14 @@ class ParamUnit:
     from at once). Backward: gathered again when the first gradient reaches the module's outputs,
     freed when every parameter's gradient has been accumulated (the engine calls
     :meth:`on_param_grad`) or at the end of the backward.
+
+    Frozen parameters (``requires_grad=False``: a frozen norm, a LoRA base weight) have no
+    gradient to count, yet the backward reads them to pass gradients on (a frozen norm's weight
+    scales its input's gradient), possibly after the unit's last trainable gradient. A unit
+    holding some is freed when that count is done *and* the gradients of the tensors entering
+    it are computed (a multi-grad hook registered in forward): every backward op of the unit
+    leads to one or the other. Where an entering tensor is a leaf (a stage's received
+    activations), the end of the backward frees it, as the stage's last unit it is by then.
     """
 
     def __init__(self, name: str, module: nn.Module, buckets: Sequence[FlatBucket], *,
@@ -69,6 +83,12 @@ class ParamUnit:
         self.reshard_after_forward = reshard_after_forward and not is_root
         self.fired = 0
         self.in_backward = False
+        self._holds_frozen = any(not b.requires_grad for b in self.buckets)
+        #: Frozen parameters: what the unit's backward waits for besides its gradients (None:
+        #: nothing; _INPUTS: its entering tensors' gradients; _PASS_END: the backward's end),
+        #: learnt in forward; and whether the current backward still waits for its inputs.
+        self._inputs_wait: object | None = None
+        self._inputs_pending = False
         self._on_backward_start = on_backward_start
         if hasattr(module, "bind_unit"):  # a layer inside a graph calls us itself
             module.bind_unit(lambda tensors: self._enter(module, tensors),
@@ -95,9 +115,30 @@ class ParamUnit:
         self.gather()
         if self.order is not None and not self.in_backward:
             self.order.forward(self)
+        self._watch_inputs(args)
+
+    def _watch_inputs(self, args: Any) -> None:
+        """A unit holding frozen parameters: learn what its backward must wait for (class
+        docstring), hooking the gradients of the tensors entering it."""
+        if not self._holds_frozen or self.in_backward or not torch.is_grad_enabled():
+            return
+        entering = [t for t in _flatten_tensors(args) if t.requires_grad]
+        if any(t.grad_fn is None for t in entering):
+            self._inputs_wait = _PASS_END
+        elif entering:
+            self._inputs_wait = _INPUTS
+            torch.autograd.graph.register_multi_grad_hook(entering, self._frozen_inputs_done,
+                                                          mode="all")
+        else:
+            self._inputs_wait = None
+
+    def _frozen_inputs_done(self, grads: Any) -> None:
+        self._inputs_pending = False
+        if self.in_backward and self.fired >= self.num_grad_params:
+            self.end_backward()
 
     def _enter(self, module: nn.Module, tensors: tuple[Any, ...]) -> None:
-        self._pre_forward(module, ())
+        self._pre_forward(module, tensors)
         if self._free_after_inputs is None or self.in_backward or not torch.is_grad_enabled():
             return
         # leaves (a stage's received activations) cannot carry an "all" hook under
@@ -123,6 +164,8 @@ class ParamUnit:
 
     def _pre_backward(self, grad: Any) -> None:
         self._on_backward_start()
+        if not self.in_backward:
+            self._inputs_pending = self._inputs_wait is not None
         self.in_backward = True
         self.gather()
         if self.order is not None:
@@ -130,12 +173,13 @@ class ParamUnit:
 
     def on_param_grad(self) -> None:
         self.fired += 1
-        if self.fired == self.num_grad_params:
+        if self.fired == self.num_grad_params and not self._inputs_pending:
             self.end_backward()
 
     def end_backward(self) -> None:
         self.fired = 0
         self.in_backward = False
+        self._inputs_pending = False
         self.free()
 
     def remove(self) -> None:
