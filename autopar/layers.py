@@ -137,9 +137,13 @@ def layer_signature(nodes: list[torch.fx.Node], prefix: str | None) -> str:
             if a in local:
                 return f"%{local[a]}"
             meta = info(a)
+            # a frozen parameter: no weight gradient, no optimizer state; its layer is priced
+            # apart from a trainable one of the same ops (fine-tuning freezes some blocks)
+            frozen = ":frozen" if meta.kind is NodeKind.PARAMETER and not meta.requires_grad \
+                else ""
             if meta.kind is NodeKind.PARAMETER and meta.fqn and prefix and meta.fqn.startswith(prefix + "."):
-                return f"param:{meta.fqn[len(prefix) + 1:]}:{meta.value}"
-            return f"ext:{meta.kind.value}:{meta.value}"
+                return f"param:{meta.fqn[len(prefix) + 1:]}:{meta.value}{frozen}"
+            return f"ext:{meta.kind.value}:{meta.value}{frozen}"
         if isinstance(a, (list, tuple)):
             return "[" + ",".join(ref(x) for x in a) + "]"
         return repr(a)

@@ -5,7 +5,8 @@ and the one-process reference: fine-tuning with frozen parameters, the way users
   (Hu et al. 2021, LoRA) added to the attention's ``qkv`` and the MLP's ``fc``;
 - ``"norms"``: the same GPT with its embeddings and every LayerNorm frozen (a frozen norm's
   weight still scales its input's gradient in the backward, after the block's last trainable
-  gradient).
+  gradient);
+- ``"first"``: the same GPT with its embeddings and first block frozen (fine-tuning the top).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def build(kind: str) -> tuple[nn.Module, Any]:
     elif kind == "norms":
         for name, p in model.named_parameters():
             if "emb" in name or "ln" in name:
+                p.requires_grad_(False)
+    elif kind == "first":
+        for name, p in model.named_parameters():
+            if "emb" in name or name.startswith("blocks.0."):
                 p.requires_grad_(False)
     else:
         raise KeyError(kind)
@@ -101,4 +106,21 @@ def train(configs: list[tuple[str, dict]]) -> list[tuple[list[float], dict | Non
         state = pm.state_dict()
         pm.close()
         out.append((losses, state if dist.get_rank() == 0 else None))
+    return out
+
+
+def state_bytes(configs: list[tuple[str, dict, bool]]) -> list[dict[str, int]]:
+    """Each ``(kind, pins, mixed_precision)``: parallelize, one step (the optimizer's state
+    exists from its first step), and the bytes this rank holds (``pm.memory_bytes()``)."""
+    out = []
+    data = batches(1)
+    for kind, pins, mixed in configs:
+        model, loss_fn = build(kind)
+        pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                                 mixed_precision=mixed,
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+        pm.train_step(*data[0])
+        out.append(pm.memory_bytes())
+        pm.close()
     return out

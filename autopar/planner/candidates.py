@@ -12,7 +12,7 @@ from autopar.plan_types import OptimizerProfile, Plan, Prediction, RecomputeKind
 from autopar.planner.kernels import PRECISION_BYTES
 from autopar.planner.memory import RankMemory
 
-__all__ = ["Candidate", "OFFLOAD_ORDER", "StageCost", "RankSums", "Staging", "Evaluation", "TrainingSetup"]
+__all__ = ["Candidate", "OFFLOAD_ORDER", "StageCost", "RankSums", "HeldParams", "Staging", "Evaluation", "TrainingSetup"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,9 +118,36 @@ class RankSums:
     #: stage's input, or its output's gradient; per tp rank): what each receive posted ahead of
     #: its compute holds (``ScheduleSpec.receives_ahead``).
     received_bytes: float = 0.0
-    #: The largest parameter this rank holds (per tp rank, experts over ep): the largest tensor
-    #: an optimizer steps at a time, bucket permitting (memory.optimizer_step_bytes).
+    #: The largest trainable parameter this rank holds (per tp rank, experts over ep): the
+    #: largest tensor an optimizer steps at a time, bucket permitting
+    #: (memory.optimizer_step_bytes).
     largest_param: float = 0.0
+    #: Of ``params``, ``expert_params`` and ``tensors``: the frozen ones (``requires_grad=False``:
+    #: weights without gradients, reductions or optimizer state).
+    frozen_params: float = 0.0
+    frozen_expert_params: float = 0.0
+    frozen_tensors: int = 0
+
+    @property
+    def trainable_params(self) -> float:
+        """The parameters with a gradient: what is reduced over the replicas and stepped."""
+        return self.params - self.frozen_params
+
+
+@dataclass(frozen=True, slots=True)
+class HeldParams:
+    """What one tensor-parallel rank holding some layers holds of the parameters
+    (:meth:`autopar.planner.stage_sums.StageSums.rank_params`): elements per tp rank, experts
+    over ep, a tied table once."""
+
+    params: float
+    largest_layer: float  # the layer with the most
+    experts: float  # of params
+    tensors: int
+    largest_param: float  # the largest trainable tensor
+    frozen: float = 0.0  # of params: without gradient
+    frozen_experts: float = 0.0  # of experts
+    frozen_tensors: int = 0
 
 
 @dataclass(frozen=True, slots=True)

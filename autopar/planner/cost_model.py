@@ -124,8 +124,10 @@ class CostModel:
             for fqn in tmpl.params:
                 if tmpl.param_key(i, fqn) == fqn:
                     readers.setdefault(fqn, []).append(i)
+        # (a frozen one has no gradient to sum)
         self._tied_weights = {fqn: (tuple(layers), model.template(layers[0]).params[fqn])
-                              for fqn, layers in readers.items() if len(layers) > 1}
+                              for fqn, layers in readers.items() if len(layers) > 1
+                              and fqn not in model.template(layers[0]).frozen}
         self._coll_cache: dict[Any, dict[tuple, float]] = {}
         self._loss_cache: dict[int, float] = {}  # the loss all-reduce by world size
         self._tp_problems: dict[tuple[int, bool], str | None] = {}
@@ -579,16 +581,21 @@ class CostModel:
                                                      interference)
                 exposed = max(0.0, exposed - slack)
                 if c.zero in (1, 2):  # updated weights gathered after the step
-                    exposed += coll(Collective.ALL_GATHER, rs.params * w_bytes, DDP_BUCKET_BYTES)
+                    exposed += coll(Collective.ALL_GATHER, rs.trainable_params * w_bytes,
+                                    DDP_BUCKET_BYTES)
                 dp_exposed = max(dp_exposed, exposed)
-            local = (rs.params - rs.expert_params) / replicas \
-                + rs.expert_params / max(replicas // c.ep, 1) if c.zero >= 1 else rs.params
+            # the trainable parameters: frozen ones are not stepped
+            experts = rs.expert_params - rs.frozen_expert_params
+            trainable = rs.trainable_params
+            local = (trainable - experts) / replicas \
+                + experts / max(replicas // c.ep, 1) if c.zero >= 1 else trainable
             # ZeRO: a rank steps the pieces of the tensors in its shard (runtime/zero.py), on
             # average its 1/replicas of them
-            tensors = rs.tensors / replicas if c.zero >= 1 else rs.tensors
+            stepped_tensors = rs.tensors - rs.frozen_tensors
+            tensors = stepped_tensors / replicas if c.zero >= 1 else stepped_tensors
             # every rank steps at once: on a CPU host they share its cores; an offloaded step
             # pipelines its copies and steps over the rank's buckets
-            buckets = max(1, math.ceil(rs.params / BUCKET_ELEMENTS))
+            buckets = max(1, math.ceil(trainable / BUCKET_ELEMENTS))
             optimizer_s = max(optimizer_s, offloaded_optimizer_time(
                 cl, local, c.offload, w_bytes, state_bytes=self.setup.optimizer.state_bytes,
                 tensors=tensors, kernel=self.setup.optimizer.kernel, buckets=buckets,
@@ -683,17 +690,22 @@ class CostModel:
         rank keeps in flight: max_r (S_r + f_r A_r) >= (S + f A) / p."""
         table = self.sums.table(c)
         layers = len(table.costs)
-        held, _, experts, _, _ = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c),
-                                                    c.tp, c.ep)
+        held = self.sums.rank_params(((0, layers - 1),), self.sums.layout(c), c.tp, c.ep)
         separate_host = self.cluster.host_link_bandwidth > 0
         n = c.dp * c.cp
         opt_state = self.setup.optimizer.state_bytes
-        states = ((held - experts) * sum(sharded_state_bytes(self.setup.dtype, c.zero, n,
-                                                            c.offload, separate_host,
-                                                            opt_state))
-                  + experts * sum(sharded_state_bytes(self.setup.dtype, c.zero,
-                                                      max(n // c.ep, 1), c.offload,
-                                                      separate_host, opt_state)))
+        dtype = self.setup.dtype
+
+        def per_param(shards: int, trainable: bool) -> float:
+            w, g, o = sharded_state_bytes(dtype, c.zero, shards, c.offload, separate_host,
+                                          opt_state if trainable else 0.0)
+            return w + (g + o if trainable else o)  # frozen: weights and a master copy
+
+        ne = max(n // c.ep, 1)
+        dense, fdense = held.params - held.experts, held.frozen - held.frozen_experts
+        states = ((dense - fdense) * per_param(n, True) + fdense * per_param(n, False)
+                  + (held.experts - held.frozen_experts) * per_param(ne, True)
+                  + held.frozen_experts * per_param(ne, False))
         m = self.setup.global_batch // (c.dp * c.micro_batch_size)
         if c.schedule.spec.splits_backward and c.recompute is RecomputeKind.FULL:
             # its stages may free their activations at I (:meth:`_rank_activations`), which

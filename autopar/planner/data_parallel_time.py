@@ -57,7 +57,8 @@ def exposed_data_parallel_time(cluster: Cluster, c: Candidate, rs: RankSums, m: 
     """Seconds of rank ``rs``'s data-parallel communication not hidden behind its compute over
     a step of ``m`` micro-batches (before the pipeline's drain slack is taken off):
     ``coll(op, nbytes, unit)`` prices ``nbytes`` over the replica group in pieces of ``unit``."""
-    grads, weights = rs.params * grad_bytes, rs.params * weight_bytes
+    # frozen parameters are gathered (ZeRO-3) but have no gradient to reduce
+    grads, weights = rs.trainable_params * grad_bytes, rs.params * weight_bytes
     window = rs.backward
     reduce_op = Collective.ALL_REDUCE if c.zero == 0 else Collective.REDUCE_SCATTER
     bucket = DDP_BUCKET_BYTES
@@ -81,7 +82,8 @@ def exposed_data_parallel_time(cluster: Cluster, c: Candidate, rs: RankSums, m: 
     else:  # ZeRO-3: per layer, gather for forward and backward, reduce-scatter after backward
         unit = max(rs.params / max(rs.layers, 1), 1.0)
         ag = coll(Collective.ALL_GATHER, weights, unit * weight_bytes)
-        rs_t = coll(Collective.REDUCE_SCATTER, grads, unit * grad_bytes)
+        rs_t = coll(Collective.REDUCE_SCATTER, grads,
+                    max(rs.trainable_params / max(rs.layers, 1), 1.0) * grad_bytes)
         # kept gathered from forward to backward: the backward gathers nothing
         ag_b = ag if c.reshard_after_forward else 0.0
         first = rs.largest_layer_params * weight_bytes  # the first gather has nothing to hide behind

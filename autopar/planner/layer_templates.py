@@ -99,6 +99,12 @@ class Template:
     gemm_flops: int
     core_flops: int
     params: dict[str, int]  # fqn -> numel (a tied table is read by two layers)
+    #: Of ``params``: the frozen ones (``requires_grad=False``), which hold weights but no
+    #: gradient or optimizer state (the runtime keeps their fp32 master copy under mixed
+    #: precision; memory.sharded_state_bytes with no optimizer state). Layers that differ in
+    #: what is frozen have different signatures (autopar/layers.py), so this holds for every
+    #: layer of the template.
+    frozen: frozenset[str] = frozenset()
     #: Graph nodes the layer's program calls in forward (every op, views included), and the
     #: autograd nodes its backward runs (ops whose output needs a gradient, and one gradient
     #: accumulation per parameter): what the host's per-node cost multiplies.

@@ -235,12 +235,22 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
             buffers += receives_ahead[r] * rs.received_bytes
         ex = rs.expert_params
         dense = rs.params - ex
-        stepped = dense / n + ex / ne if zero >= 1 else rs.params
+        # frozen parameters: weights (and a master copy under mixed precision), no gradient,
+        # no optimizer state, not stepped
+        fex = rs.frozen_expert_params
+        fdense = rs.frozen_params - fex
+        tex, tdense = ex - fex, dense - fdense
+        stepped = tdense / n + tex / ne if zero >= 1 else rs.trainable_params
         # the largest tensor one step call holds: a parameter, a ZeRO shard's piece of it at
         # most a bucket's share, a flat bucket at most (runtime/data_parallel.py)
         largest = min(rs.largest_param or math.inf,
                       BUCKET_ELEMENTS / (n if zero >= 1 else 1))
-        yield (w_per * dense + w_ex * ex, g_per * dense + g_ex * ex, o_per * dense + o_ex * ex,
+        optimizer_bytes = o_per * tdense + o_ex * tex
+        if rs.frozen_params:
+            optimizer_bytes += (
+                fdense * sharded_state_bytes(dtype, zero, n, c.offload, separate_host, 0.0)[2]
+                + fex * sharded_state_bytes(dtype, zero, ne, c.offload, separate_host, 0.0)[2])
+        yield (w_per * dense + w_ex * ex, g_per * tdense + g_ex * tex, optimizer_bytes,
                acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host,
                                                    optimizer.kernel, optimizer.step, largest))
 

@@ -66,6 +66,10 @@ def _is_weight(a: Any) -> bool:
         and info(a).requires_grad
 
 
+#: GEMM ops whose second operand may be a weight: its gradient is a GEMM of its own
+#: (``dW = x^T dy``), as a linear layer's.
+_WEIGHT_GEMMS = frozenset({"linear", "matmul", "mm"})
+
 _UNKNOWN = object()
 
 
@@ -101,6 +105,7 @@ class ModelCosts:
             for fqn in (p.fqn, *p.aliases):
                 self._param_numel[fqn] = int(p.spec.numel)
         self._canonical = {a: p.fqn for p in captured.params.values() for a in (p.fqn, *p.aliases)}
+        self._frozen = frozenset(p.fqn for p in captured.params.values() if not p.requires_grad)
         self._layouts: dict[tuple, TPLayout | str] = {}
         self._splits: dict[tuple[int, int], LayerSplit] = {}
         saved = self._saved_entries()
@@ -267,7 +272,9 @@ class ModelCosts:
                 continue
             dims = gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
-                weighted = op == "linear" and _is_weight(node.args[1])
+                # x @ W (a parameter read through views: W.t(), a LoRA adapter) computes its
+                # weight's gradient as a linear does
+                weighted = op in _WEIGHT_GEMMS and _is_weight(node.args[1])
                 idx = add(dims[0])
                 for d in dims[1:]:
                     add(d)
@@ -335,7 +342,10 @@ class ModelCosts:
             layer_name=layer.name, terms=terms, exprs=exprs, saved=saved_tensors,
             checkpoint=checkpoint, boundary=boundary, gemm_flops=add(gemm_flops),
             core_flops=add(core_flops), params=params, nodes=calls,
-            grad_nodes=grad_calls + len(params), moe_rows=moe_rows, moe_experts=moe_experts,
+            # one gradient accumulation per trainable parameter
+            grad_nodes=grad_calls + len(params.keys() - self._frozen),
+            frozen=frozenset(params.keys() & self._frozen),
+            moe_rows=moe_rows, moe_experts=moe_experts,
             expert_params=frozenset(self._canonical.get(f, f) for f in moe_params),
             inner_boundary=inner, transient=transient)
 

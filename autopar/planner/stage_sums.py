@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.ir import LayerKind
 from autopar.plan_types import RecomputeKind
-from autopar.planner.candidates import Candidate, RankSums, Staging, StageCost
+from autopar.planner.candidates import Candidate, HeldParams, RankSums, Staging, StageCost
 from autopar.planner.comm import mesh_span, p2p_time
 from autopar.planner.host import Host
 from autopar.planner.layer_costs import LayerCosts
@@ -67,7 +67,7 @@ class StageSums:
         self._split_cache: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self._staging_cache: dict[tuple, Staging] = {}
         self._table_cache: dict[tuple, LayerTable] = {}
-        self._params_cache: dict[tuple, tuple[float, float, float, int, float]] = {}
+        self._params_cache: dict[tuple, HeldParams] = {}
 
     def layer_times(self, costs: Sequence[LayerCosts], recompute: RecomputeKind,
                      cp_attention: str = "ring", split_backward: bool = False
@@ -224,21 +224,23 @@ class StageSums:
         ranks = []
         for rank in range(p):
             mine = [stages[s] for s in chunks[rank]]
-            held, largest, experts, tensors, largest_param = self.rank_params(
-                tuple(st.layers for st in mine), layout, c.tp, c.ep)
+            held = self.rank_params(tuple(st.layers for st in mine), layout, c.tp, c.ep)
             working = max((max(table.working[st.layers[0]:st.layers[1] + 1]) for st in mine),
                           default=0.0)
             ranks.append(RankSums(
-                params=held, largest_layer_params=largest, expert_params=experts,
+                params=held.params, largest_layer_params=held.largest_layer,
+                expert_params=held.experts, frozen_params=held.frozen,
+                frozen_expert_params=held.frozen_experts,
+                frozen_tensors=held.frozen_tensors,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
                 activations=sum(st.activation_bytes for st in mine), working=max(working, 0.0),
                 forward=sum(st.forward_s for st in mine),
                 backward=sum(st.backward_s + st.weight_s for st in mine),
                 backward_chunk0=sum(st.backward_s + st.weight_s for st in mine if st.chunk == 0),
                 recompute=sum(st.recompute_s for st in mine),
-                tp_comm=sum(st.tp_comm_s for st in mine), tensors=tensors,
+                tp_comm=sum(st.tp_comm_s for st in mine), tensors=held.tensors,
                 received_bytes=max((received[s] for s in chunks[rank]), default=0.0),
-                largest_param=largest_param))
+                largest_param=held.largest_param))
         # a tensor-parallel collective's arrival (a0 per call) is spent waiting on the peers,
         # not computing: on shared cores it takes no core (runtime/simulator.py)
         a0 = self.cluster.collective_latency_s if c.tp > 1 else 0.0
@@ -272,10 +274,9 @@ class StageSums:
         return total, experts
 
     def rank_params(self, ranges: tuple[tuple[int, int], ...], layout: TPLayout | None,
-                     tp: int, ep: int = 1) -> tuple[float, float, float, int, float]:
-        """(parameters held, largest layer's parameters, experts held, parameter tensors held,
-        largest parameter) of one tp rank holding the layers of ``ranges`` (a tied table read by
-        two of them once; experts split over ep ranks)."""
+                     tp: int, ep: int = 1) -> HeldParams:
+        """The parameters one tp rank holding the layers of ``ranges`` holds (a tied table read
+        by two of them once; experts split over ep ranks): :class:`HeldParams`."""
         split = layout.sharded_params if layout is not None else frozenset()
         key = (ranges, split, tp, ep)  # layouts of several micro-batches often shard alike
         hit = self._params_cache.get(key)
@@ -283,6 +284,7 @@ class StageSums:
             return hit
         seen: dict[Any, float] = {}
         experts: dict[Any, float] = {}
+        frozen: dict[Any, bool] = {}
         largest = 0.0
         for first, last in ranges:
             for i in range(first, last + 1):
@@ -296,8 +298,14 @@ class StageSums:
                         experts[where] = share
                     layer_total += share
                     seen[where] = share
+                    frozen[where] = fqn in tmpl.frozen
                 largest = max(largest, layer_total)
-        out = (sum(seen.values()), largest, sum(experts.values()), len(seen),
-           max(seen.values(), default=0.0))
+        trainable = [share for where, share in seen.items() if not frozen[where]]
+        out = HeldParams(
+            params=sum(seen.values()), largest_layer=largest, experts=sum(experts.values()),
+            tensors=len(seen), largest_param=max(trainable, default=0.0),
+            frozen=sum(share for where, share in seen.items() if frozen[where]),
+            frozen_experts=sum(share for where, share in experts.items() if frozen[where]),
+            frozen_tensors=len(seen) - len(trainable))
         self._params_cache[key] = out
         return out
