@@ -408,8 +408,60 @@ class ParallelModel(ModelState):
         self._check_computed(names, inputs + targets, local)
         self.loss_scale.totals = self._loss_totals(names, inputs + targets, local)
         rows = next((t.shape[0] for t in out if isinstance(t, torch.Tensor) and t.dim()), 0)
+        if rows == 0 and any(isinstance(t, torch.Tensor) and t.dim() for t in out):
+            raise InvalidInputError("the batch is empty", expected="at least dp x micro-batches "
+                                    f"= {self.plan.dp * m} rows", found="0 rows",
+                                    fix="skip empty batches")
+        self._check_tp_splits(sizes, rows // m)
         self._rows = (self.mesh.dp_rank * rows, rows // m)
         return tuple(out[:n_in]), tuple(out[n_in:])
+
+    def _check_tp_splits(self, sizes: dict[str, int], micro_rows: int) -> None:
+        """The sizes the tensor-parallel program splits over its ranks, at this batch: a
+        sequence under sequence parallelism (``s`` split tp ways, on each cp rank's part), a
+        batch-sized dim a layout splits. One that does not divide is refused by name before the
+        step, the model left usable (inside a stage it would end the step, and the executor
+        with it)."""
+        from autopar.ir import BATCH, META_KEY, SEQ, info
+        from autopar.sharding import is_sharded, num_blocks
+
+        splits = getattr(self, "_tp_splits", None)
+        if splits is None:
+            found: dict[tuple[Any, int], str] = {}
+            if self.plan.tp > 1:
+                for n in self.tp_program.gm.graph.nodes:
+                    if META_KEY not in n.meta:
+                        continue
+                    placement, spec = info(n).placement, info(n).spec
+                    if not is_sharded(placement) or spec is None:
+                        continue
+                    size = spec.shape[placement.dim]
+                    if getattr(size, "free_symbols", None):
+                        found.setdefault((size, self.plan.tp * num_blocks(placement)), n.name)
+            splits = self._tp_splits = found
+        if not splits:
+            return
+        values = {sym: sizes[sym.name] for sym in self.captured.symbols.values()
+                  if sym.name in sizes}
+        if SEQ in values:
+            values[SEQ] //= self.plan.cp  # each cp rank's part of the sequence
+        values[BATCH] = micro_rows
+        for (size, divisor), node in splits.items():
+            if not size.free_symbols <= values.keys():
+                continue
+            got = int(size.subs(values))
+            if got % divisor:
+                shown = ", ".join(f"{k.name}={v}" for k, v in sorted(values.items(),
+                                                                     key=lambda kv: kv[0].name))
+                raise InvalidInputError(
+                    f"the batch's sizes ({shown}) do not split over the {self.plan.tp} "
+                    f"tensor-parallel ranks",
+                    expected=f"{size} divisible by {divisor} (the plan splits it"
+                             + (": sequence parallelism" if self.plan.sequence_parallel
+                                and SEQ in size.free_symbols else "") + f", at {node})",
+                    found=f"{size} = {got}",
+                    fix=f"pad the batch so that {size} is a multiple of {divisor} (masking the "
+                        "padding out of the loss), or re-plan without that split")
 
     def _batch_sizes(self, names: list[str], batch: tuple) -> dict[str, int]:
         """The capture's size symbols (``s``, an encoder-decoder's other lengths) at this batch,
@@ -464,6 +516,13 @@ class ParallelModel(ModelState):
         slices run on it), the most for the whole sequence (the positions are the whole's)."""
         from autopar.ir import SEQ
 
+        empty = sorted(name for name, size in sizes.items() if size < 1)
+        if empty:
+            raise InvalidInputError(
+                f"the batch has an empty dim ({', '.join(f'{k}=0' for k in empty)})",
+                expected="at least one token (one element along every dim the model traced as "
+                         "a size symbol)", found=", ".join(f"{k}={sizes[k]}" for k in empty),
+                fix="skip empty batches")
         for symbol, (low, high) in self.captured.size_ranges.items():
             if symbol.name not in sizes:
                 continue  # the batch: the batch passed holds every micro-batch (and replica)

@@ -368,3 +368,32 @@ def indexes_out_of_range(pins: dict):
         want = float(loss_fn(model(*data[0][0]), *data[0][1]))
     pm.close()
     return out, good, want
+
+
+# -- sizes refused before the step ------------------------------------------------------------
+
+def size_cases(name: str, pins: dict, cases: list[tuple[int, int]]):
+    """Parallelize ``name`` under ``pins``, then evaluate batches of ``(seq, rows)`` in turn:
+    per case the loss, or the refusal's (type, message). Seeded per case, as
+    :func:`size_case_reference` is."""
+    data = batches(1)
+    pm = _parallelize(name, pins, data)
+    out = []
+    for seq, rows in cases:
+        tokens = torch.randint(0, 128, (rows, seq + 1),
+                               generator=torch.Generator().manual_seed(seq * 100 + rows))
+        try:
+            out.append(pm.eval_step((tokens[:, :-1],), (tokens[:, 1:],)))
+        except autopar.AutoparError as exc:
+            out.append((type(exc).__name__, str(exc)))
+    pm.close()
+    return out
+
+
+def size_case_reference(name: str, seq: int, rows: int) -> float:
+    """One process's loss on :func:`size_cases`' batch of ``(seq, rows)``."""
+    model, loss_fn = make_model(name)
+    tokens = torch.randint(0, 128, (rows, seq + 1),
+                           generator=torch.Generator().manual_seed(seq * 100 + rows))
+    with torch.no_grad():
+        return loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).item()

@@ -90,3 +90,21 @@ def test_verify_names_the_broken_layer(shared_pool4):
     # attention over a rank's own tokens: the first layer differs, what comes before does not
     assert (kind4, layer4) == ("VerificationError", "model.layers.0"), report4
     assert report4["pre"]["max_rel"] < 1e-5
+
+
+def test_sizes_the_program_cannot_split_are_refused_before_the_step(shared_pool4):
+    """Sequence parallelism splits each micro-batch's sequence over the tp ranks: a sequence
+    of 15 tokens at tp 2 is refused by name before the step (it used to fail inside the stage,
+    in an all-to-all, and shut the executor down), as are an empty sequence and an empty batch
+    (one process fails on them too, with a raw torch error). The model stays usable: the batches
+    that follow give one process's losses (fp32, 1e-5 relative: reordered sums)."""
+    pins = {"dp": 1, "tp": 2, "pp": 2, "num_micro_batches": 2, "sequence_parallel": True}
+    cases = [(16, 8), (15, 8), (0, 8), (16, 0), (2, 8), (32, 4)]
+    got = shared_pool4.run(jobs.size_cases, "llama", pins, cases, timeout_s=600)[0]
+    kind, message = got[1]
+    assert kind == "InvalidInputError" and "s divisible by 2" in message \
+        and "sequence parallelism" in message and "s = 15" in message, message
+    assert got[2][0] == "InvalidInputError" and "empty dim (s=0)" in got[2][1], got[2]
+    assert got[3][0] == "InvalidInputError" and "batch is empty" in got[3][1], got[3]
+    for k in (0, 4, 5):
+        assert got[k] == pytest.approx(jobs.size_case_reference("llama", *cases[k]), rel=1e-5)
