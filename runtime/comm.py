@@ -216,6 +216,11 @@ def _named(exc: BaseException, what: str, limit: timedelta) -> CommunicationTime
         fix = ("a peer rank is stuck or far slower than this one: look at its log first; if "
                "the work is just slow, raise parallelize(timeout_s=...) / AUTOPAR_TIMEOUT_S")
     else:
+        # a pipeline rank whose stage raised announces it, then closes its point-to-point
+        # groups: its neighbour's transfer ends here, and the announcement names the cause
+        peer = announced_failure()
+        if peer is not None:
+            return _peer_failed(what, during, peer, seconds)
         summary = f"{_who()} lost a peer on {what}{during}"
         fix = ("a peer rank crashed or was killed: its log has the cause; restart the job "
                "(from the last checkpoint)")
