@@ -36,6 +36,19 @@ def build_tiny(family: str, **overrides):
     return models.build(family, **{"dropout": 0.0, "seed": 0, **TINY[family], **overrides})
 
 
+def train_one_process(model, loss_fn, optimizer, data):
+    """The reference of a parallel run: ``model`` trained in this process on ``data`` (a list of
+    ``(inputs, targets)`` tuples) with ``optimizer``; the losses and the final state."""
+    losses = []
+    for inputs, targets in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(*inputs), *targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def build_own_gpt(**overrides):
     from examples.gpt import GPT, GPTConfig, gpt_loss
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import autopar
 import parallelize_jobs as jobs
-from conftest import build_tiny
+from conftest import build_tiny, train_one_process
 from tp_helpers import TINY_COST
 
 
@@ -124,12 +124,5 @@ def ignored_reference():
     """One process, the same data and SGD."""
     torch.manual_seed(0)
     model, loss_fn = jobs.make_model("llama")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for inputs, targets in ignored_batches():
-        opt.zero_grad()
-        loss = loss_fn(model(*inputs), *targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_one_process(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                             ignored_batches())

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import autopar
+from conftest import train_one_process
 from tp_helpers import TINY_COST
 
 LR = 1e-2
@@ -81,14 +82,7 @@ def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, AdamW over the trainable parameters: losses and the final state."""
     model, loss_fn = build(kind)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
-    losses = []
-    for inputs, targets in batches():
-        opt.zero_grad()
-        loss = loss_fn(model(*inputs), *targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_one_process(model, loss_fn, opt, batches())
 
 
 def train(configs: list[tuple[str, dict]]) -> list[tuple[list[float], dict | None]]:

@@ -40,6 +40,7 @@ from autopar import PlanMismatchError
 from autopar.runtime.local_pool import LocalPool
 
 import parallelize_jobs as jobs
+from conftest import train_one_process
 
 pytestmark = pytest.mark.distributed
 
@@ -513,14 +514,7 @@ def test_the_optimizer_is_priced_as_it_runs():
         if fused:
             losses = [pm.train_step(i, t) for i, t in data]
             ref = jobs.make_model("own_gpt")[0]
-            opt = make(ref.parameters())
-            want = []
-            for inputs, targets in data:
-                opt.zero_grad()
-                loss = loss_fn(ref(*inputs), *targets)
-                loss.backward()
-                opt.step()
-                want.append(loss.item())
+            want, _ = train_one_process(ref, loss_fn, make(ref.parameters()), data)
             assert losses == pytest.approx(want, rel=1e-6)
         pm.close()
     assert 0 < optimizer_s[True] < optimizer_s[False] / 3, optimizer_s
