@@ -190,8 +190,9 @@ class DataParallel:
                 qual = f"{c}.{name}" if multi else name
                 out.append((qual, p))
                 self._chunk_of[qual] = c
-        if not out:
-            raise InvalidInputError("the modules have no parameters to train")
+        # none at all is a rank whose stages hold only parameter-free layers (a pipeline stage
+        # of ALBERT's embeddings' views, the loss): no buckets, an optimizer over nothing, and
+        # still every collective the other ranks reach (the global norm's all-reduce)
         return out
 
     def _resolve_specs(self, param_specs: Any, named: list[tuple[str, nn.Parameter]]

@@ -237,7 +237,7 @@ def reference(name: str, steps: int = 2) -> dict[str, Any]:
 
 def train(configs, steps: int = 2):
     """For each ``(family, plan)``: parallelize, train ``steps`` steps; rank 0 returns the state
-    dict. ``plan`` is pins or ``"auto"``. A failure is returned (as text), not raised, so one
+    dict. ``plan`` is pins, ``"auto"`` or an :class:`autopar.Plan` (stage cuts given). A failure is returned (as text), not raised, so one
     family does not hide the others."""
     out = []
     for name, plan in configs:
@@ -246,7 +246,9 @@ def train(configs, steps: int = 2):
             model, loss_fn = make_model(name)
             data = batches(name, steps)
             pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                                     loss_fn=loss_fn, plan=plan if plan == "auto" else dict(plan),
+                                     loss_fn=loss_fn,
+                                     plan=plan if plan == "auto" or isinstance(plan, autopar.Plan)
+                                     else dict(plan),
                                      tp_cost=TINY_COST, timeout_s=TIMEOUT_S, optimizer=functools.partial(
                                          torch.optim.AdamW, lr=LR, eps=EPS))
             losses = [pm.train_step(inputs, targets) for inputs, targets in data]

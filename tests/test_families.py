@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import autopar
-
+from autopar.plan_types import StagePlan
 
 import families_jobs as jobs
 
@@ -51,6 +51,14 @@ else:
                                               "dinov2")]
                + [(name, DP2_TP2_ZERO3) for name in ("gpt_neox", "vit")]
                + [(name, "auto") for name in ("vit", "gpt_neo")])
+# A pipeline stage that holds no parameter: ALBERT's first layer (its embeddings are read
+# through the encoder's module, which owns them) alone on stage 0, under ZeRO-3. Its ranks wrap
+# no parameter (until 2026-12-07 refused, "the modules have no parameters to train", and the
+# stage ILP picks this cut when the embeddings are frozen).
+PARAMETER_FREE_STAGE = autopar.Plan(
+    dp=2, pp=2, micro_batch_size=2, num_micro_batches=2, zero=3,
+    stages=(StagePlan(0, (0, 0), 0), StagePlan(1, (1, 2), 1)))
+CONFIGS.append(("albert", PARAMETER_FREE_STAGE))
 
 
 @pytest.mark.timeout(3600 if FULL else 900)
