@@ -195,7 +195,11 @@ class FlatBucket:
         self.device = first.device
         self.orig_dtype = first.dtype
         self.param_dtype = mixed_precision.param_dtype if mixed_precision else first.dtype
-        self.master_dtype = mixed_precision.master_dtype if mixed_precision else first.dtype
+        #: A frozen bucket (``requires_grad=False``) is never stepped, so it keeps no master copy:
+        #: its compute parameters are what ``state_dict`` and checkpoints read, as Megatron-LM's
+        #: distributed optimizer keeps fp32 main weights only for the parameters it steps.
+        self.master_dtype = mixed_precision.master_dtype if mixed_precision and requires_grad \
+            else self.param_dtype
         self.grad_dtype = mixed_precision.grad_dtype if mixed_precision else first.dtype
         #: The average's 1 / dp applied as gradients are written into the bucket (as PyTorch DDP
         #: divides while copying into its buckets), saving a pass over the reduced buffer;
@@ -207,10 +211,11 @@ class FlatBucket:
         #: updates live in host memory (pinned under CUDA), a copy of their own even in fp32;
         #: the reduced gradients go to the host for the step and the updated weights come back.
         #: Where the device is the host (CPU processes) nothing moves.
-        self.host_optimizer = host_optimizer
-        self.master_device = torch.device("cpu") if host_optimizer else self.device
+        self.host_optimizer = host_optimizer and requires_grad
+        self.master_device = torch.device("cpu") if self.host_optimizer else self.device
         #: The master weights are a tensor of their own (not a view of the compute parameters).
-        self.separate_master = mixed_precision is not None or self.master_device != self.device
+        self.separate_master = requires_grad and (mixed_precision is not None
+                                                  or self.master_device != self.device)
 
         for p in self.params:
             if p.dtype != first.dtype or p.device != first.device:

@@ -88,7 +88,8 @@ def make_optimizer(kind: str) -> OptimizerFactory:
 
 class SingleProcess:
     """The reference: the model trained in one process, optionally in mixed precision
-    (bf16 compute copy, fp32 master weights updated by the optimizer), optionally clipped."""
+    (bf16 compute copy, fp32 master weights updated by the optimizer; a frozen parameter is
+    held as its bf16 copy alone), optionally clipped."""
 
     def __init__(self, model, loss_fn, optimizer: OptimizerFactory, mp: bool = False,
                  max_grad_norm: float | None = None) -> None:
@@ -99,7 +100,8 @@ class SingleProcess:
         self.names = [n for n, _ in self.model.named_parameters()]
         params = dict(self.model.named_parameters())
         if mp:
-            self.master = {n: p.detach().clone().float() for n, p in params.items()}
+            self.master = {n: p.detach().clone().float() for n, p in params.items()
+                           if p.requires_grad}
             for p in params.values():
                 p.data = p.data.to(torch.bfloat16)
             tensors = list(self.master.values())
@@ -121,6 +123,8 @@ class SingleProcess:
             total += loss.item()
             if self.mp:  # fp32 accumulation of each micro-batch's bf16 gradient
                 for n, p in params.items():
+                    if n not in self.master:
+                        continue
                     g = p.grad.float()
                     self.master[n].grad = g if self.master[n].grad is None else self.master[n].grad + g
                     p.grad = None
@@ -133,10 +137,14 @@ class SingleProcess:
         if self.mp:
             with torch.no_grad():
                 for n, p in params.items():
-                    p.copy_(self.master[n])
+                    if n in self.master:
+                        p.copy_(self.master[n])
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach() for n, t in self.master.items()}
+        if not self.mp:
+            return {n: t.detach() for n, t in self.master.items()}
+        return {n: (self.master[n] if n in self.master else p).detach().float()
+                for n, p in self.model.named_parameters()}
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, float]:

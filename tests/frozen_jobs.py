@@ -85,16 +85,35 @@ def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train_one_process(model, loss_fn, opt, batches())
 
 
+def reference_mixed(kind: str, micro_batches: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process in bf16 mixed precision (tests/dp_harness.py's SingleProcess: bf16 compute
+    copies, fp32 masters of the trainable parameters stepped by AdamW, micro-batch gradients
+    summed in fp32; frozen weights held in bf16 alone) on the parallel run's micro-batches."""
+    from dp_harness import SingleProcess
+    from autopar.runtime.optim import OptimizerFactory
+
+    model, loss_fn = build(kind)
+    run = SingleProcess(model, loss_fn, OptimizerFactory(torch.optim.AdamW, {"lr": LR, "eps": EPS}),
+                        mp=True)
+    for (x,), (y,) in batches():
+        run.step(x, y, micro_batches=micro_batches)
+    return run.losses, run.parameters()
+
+
 def train(configs: list[tuple[str, dict]]) -> list[tuple[list[float], dict | None]]:
     """Each ``(kind, pins)``: parallelize, train on :func:`batches` (AdamW over every
     parameter: frozen ones get no gradient and are skipped, as torch's optimizers skip them);
-    the losses and rank 0's final state."""
+    the losses and rank 0's final state. ``pins["mixed_precision"]`` is passed to
+    ``parallelize`` rather than planned."""
     out = []
     data = batches()
     for kind, pins in configs:
         model, loss_fn = build(kind)
+        pins = dict(pins)
+        mixed = pins.pop("mixed_precision", False)
         pm = autopar.parallelize(model, example_inputs=data[0][0], example_targets=data[0][1],
-                                 loss_fn=loss_fn, plan=dict(pins), tp_cost=TINY_COST,
+                                 loss_fn=loss_fn, plan=pins, tp_cost=TINY_COST,
+                                 mixed_precision=mixed,
                                  optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
         losses = [pm.train_step(*d) for d in data]
         state = pm.state_dict()

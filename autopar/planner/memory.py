@@ -235,8 +235,8 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
             buffers += receives_ahead[r] * rs.received_bytes
         ex = rs.expert_params
         dense = rs.params - ex
-        # frozen parameters: weights (and a master copy under mixed precision), no gradient,
-        # no optimizer state, not stepped
+        # frozen parameters: weights alone (no master copy, runtime/zero.py), no gradient, no
+        # optimizer state, not stepped
         fex = rs.frozen_expert_params
         fdense = rs.frozen_params - fex
         tex, tdense = ex - fex, dense - fdense
@@ -245,12 +245,7 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
         # most a bucket's share, a flat bucket at most (runtime/data_parallel.py)
         largest = min(rs.largest_param or math.inf,
                       BUCKET_ELEMENTS / (n if zero >= 1 else 1))
-        optimizer_bytes = o_per * tdense + o_ex * tex
-        if rs.frozen_params:
-            optimizer_bytes += (
-                fdense * sharded_state_bytes(dtype, zero, n, c.offload, separate_host, 0.0)[2]
-                + fex * sharded_state_bytes(dtype, zero, ne, c.offload, separate_host, 0.0)[2])
-        yield (w_per * dense + w_ex * ex, g_per * tdense + g_ex * tex, optimizer_bytes,
+        yield (w_per * dense + w_ex * ex, g_per * tdense + g_ex * tex, o_per * tdense + o_ex * tex,
                acts, buffers, optimizer_step_bytes(stepped, c.offload, separate_host,
                                                    optimizer.kernel, optimizer.step, largest))
 
