@@ -152,3 +152,49 @@ def test_a_frozen_weights_gemm_has_no_weight_gradient_and_its_layer_a_template_o
     assert not first.template(blocks[1]).frozen
     captured, norms = costs["norms"]  # every block frozen alike: one template
     assert captured.layers[blocks[0]].signature == captured.layers[blocks[1]].signature
+
+
+def test_a_weight_read_as_either_operand_of_a_matmul_prices_its_weight_gradient():
+    """``x @ W.t()`` and ``W @ x`` (a weight as the first operand, as a model that keeps
+    activations as columns writes it) both compute ``dW`` in the backward: the template's GEMM
+    then prices an input-gradient and a weight-gradient GEMM, twice the forward's FLOPs, which
+    is what torch's FlopCounterMode counts for the backward of each. Until 2026-12-08 the
+    first operand was not recognised: its backward was priced at half."""
+    import torch.nn as nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autopar.planner.layer_templates import TermKind
+    from autopar.planner.model_costs import ModelCosts
+
+    class Columns(nn.Module):
+        def __init__(self, first: bool) -> None:
+            super().__init__()
+            self.first = first
+            self.inp = nn.Linear(16, 32)
+            self.w = nn.Parameter(torch.randn(24, 32) * 0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)  # (b, s, 32): a gradient flows into it
+            if self.first:
+                return (self.w @ h.transpose(1, 2)).transpose(1, 2)
+            return h @ self.w.t()
+
+    x = torch.randn(2, 8, 16)
+    for first in (False, True):
+        model = Columns(first)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = model(x)
+            forward = counter.get_total_flops()
+            out.sum().backward()
+        backward = counter.get_total_flops() - forward
+        # the Linear's own backward: dW only (its input x needs no gradient)
+        linear = 2 * 2 * 8 * 16 * 32
+        assert backward - linear == 2 * (forward - linear)  # dx and dW of the matmul
+
+        captured = autopar.capture(model, (x,), lambda y: y.float().pow(2).mean())
+        costs = ModelCosts(captured)
+        matmuls = [t for i in range(len(captured.layers)) for t in costs.template(i).terms
+                   if t.kind is TermKind.GEMM and t.name.startswith(("matmul", "mm", "bmm"))]
+        assert [(t.weight_grad, t.input_grads) for t in matmuls] == [(True, 1)], \
+            (first, [(t.name, t.weight_grad, t.input_grads) for t in matmuls])

@@ -67,8 +67,10 @@ def _is_weight(a: Any) -> bool:
 
 
 #: GEMM ops whose second operand may be a weight: its gradient is a GEMM of its own
-#: (``dW = x^T dy``), as a linear layer's.
+#: (``dW = x^T dy``), as a linear layer's. A ``matmul`` / ``mm`` may read it as its first
+#: operand too (``W @ x``: ``dW = dy x^T``).
 _WEIGHT_GEMMS = frozenset({"linear", "matmul", "mm"})
+_EITHER_OPERAND = frozenset({"matmul", "mm"})
 
 _UNKNOWN = object()
 
@@ -272,9 +274,11 @@ class ModelCosts:
                 continue
             dims = gemm_dims(node) if op in GEMM_OPS else None
             if dims is not None:
-                # x @ W (a parameter read through views: W.t(), a LoRA adapter) computes its
-                # weight's gradient as a linear does
-                weighted = op in _WEIGHT_GEMMS and _is_weight(node.args[1])
+                # x @ W or W @ x (a parameter read through views: W.t(), a LoRA adapter)
+                # computes its weight's gradient as a linear does
+                weighted = op in _WEIGHT_GEMMS and (
+                    _is_weight(node.args[1])
+                    or (op in _EITHER_OPERAND and _is_weight(node.args[0])))
                 idx = add(dims[0])
                 for d in dims[1:]:
                     add(d)
