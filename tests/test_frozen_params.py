@@ -198,3 +198,33 @@ def test_a_weight_read_as_either_operand_of_a_matmul_prices_its_weight_gradient(
                    if t.kind is TermKind.GEMM and t.name.startswith(("matmul", "mm", "bmm"))]
         assert [(t.weight_grad, t.input_grads) for t in matmuls] == [(True, 1)], \
             (first, [(t.name, t.weight_grad, t.input_grads) for t in matmuls])
+
+
+def test_zero3_holds_no_unsharded_gradients_for_frozen_weights():
+    """ZeRO-3 holds two layers' gathered weights (kept gathered: the whole stage's) and two
+    layers' unsharded gradients at a time (docs/cost-model.md, "Memory per rank"); a LoRA block's frozen base weights have no
+    gradient, so its gradient buffers are its adapters' alone. Closed form from torch's
+    ``named_parameters()``; until 2026-12-08 the planner counted a gradient buffer for every
+    weight of the layer."""
+    from collections import Counter
+
+    data = jobs.batches(1)
+    model, loss_fn = jobs.build("lora")
+    blocks, trainable = Counter(), Counter()
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            block = name.split(".")[1]
+            blocks[block] += p.numel()
+            trainable[block] += p.numel() if p.requires_grad else 0
+    assert max(trainable.values()) < max(blocks.values()) // 10
+    total = sum(p.numel() for p in model.parameters())
+
+    def buffers(reshard: bool) -> int:
+        report = autopar.plan(model, "cpu", devices=2, example_inputs=data[0][0],
+                              example_targets=data[0][1], loss_fn=loss_fn, global_batch=8,
+                              dtype="fp32", dp=2, zero=3, reshard_after_forward=reshard)
+        return report.prediction.memory["buffers"]
+
+    assert buffers(True) == 2 * 4 * (max(blocks.values()) + max(trainable.values()))
+    # kept gathered from forward to backward: every weight of the stage, two layers' gradients
+    assert buffers(False) == 4 * total + 2 * 4 * max(trainable.values())

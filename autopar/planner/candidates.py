@@ -127,6 +127,9 @@ class RankSums:
     frozen_params: float = 0.0
     frozen_expert_params: float = 0.0
     frozen_tensors: int = 0
+    #: The trainable parameters of the layer with the most (ZeRO-3's unsharded gradients are
+    #: one layer's at a time; a frozen layer has none).
+    largest_layer_trainable: float = 0.0
 
     @property
     def trainable_params(self) -> float:
@@ -148,6 +151,7 @@ class HeldParams:
     frozen: float = 0.0  # of params: without gradient
     frozen_experts: float = 0.0  # of experts
     frozen_tensors: int = 0
+    largest_layer_trainable: float = 0.0  # the layer with the most trainable ones
 
 
 @dataclass(frozen=True, slots=True)

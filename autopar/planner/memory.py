@@ -225,10 +225,12 @@ def _rank_fields(c: "Candidate", ranks: Sequence["RankSums"], activations: Seque
                                            optimizer.state_bytes)
     gathered = zero == 3 and not c.reshard_after_forward
     for r, (rs, acts) in enumerate(zip(ranks, activations)):
+        # unsharded gradients: a frozen layer has none
         if gathered:
-            buffers = rs.params * w_bytes + 2 * rs.largest_layer_params * g_bytes
+            buffers = rs.params * w_bytes + 2 * rs.largest_layer_trainable * g_bytes
         elif zero == 3:
-            buffers = 2 * rs.largest_layer_params * (w_bytes + g_bytes)
+            buffers = 2 * (rs.largest_layer_params * w_bytes
+                           + rs.largest_layer_trainable * g_bytes)
         else:
             buffers = 0.0
         if receives_ahead:

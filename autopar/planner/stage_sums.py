@@ -232,6 +232,7 @@ class StageSums:
                 expert_params=held.experts, frozen_params=held.frozen,
                 frozen_expert_params=held.frozen_experts,
                 frozen_tensors=held.frozen_tensors,
+                largest_layer_trainable=held.largest_layer_trainable,
                 layers=sum(st.layers[1] - st.layers[0] + 1 for st in mine),
                 activations=sum(st.activation_bytes for st in mine), working=max(working, 0.0),
                 forward=sum(st.forward_s for st in mine),
@@ -285,11 +286,11 @@ class StageSums:
         seen: dict[Any, float] = {}
         experts: dict[Any, float] = {}
         frozen: dict[Any, bool] = {}
-        largest = 0.0
+        largest = largest_trainable = 0.0
         for first, last in ranges:
             for i in range(first, last + 1):
                 tmpl = self.model.template(i)
-                layer_total = 0.0
+                layer_total = layer_trainable = 0.0
                 for fqn, numel in tmpl.params.items():
                     share = numel / tp if fqn in split else numel
                     where = tmpl.param_key(i, fqn)
@@ -299,13 +300,15 @@ class StageSums:
                     layer_total += share
                     seen[where] = share
                     frozen[where] = fqn in tmpl.frozen
+                    layer_trainable += 0.0 if frozen[where] else share
                 largest = max(largest, layer_total)
+                largest_trainable = max(largest_trainable, layer_trainable)
         trainable = [share for where, share in seen.items() if not frozen[where]]
         out = HeldParams(
             params=sum(seen.values()), largest_layer=largest, experts=sum(experts.values()),
             tensors=len(seen), largest_param=max(trainable, default=0.0),
             frozen=sum(share for where, share in seen.items() if frozen[where]),
             frozen_experts=sum(share for where, share in experts.items() if frozen[where]),
-            frozen_tensors=len(seen) - len(trainable))
+            frozen_tensors=len(seen) - len(trainable), largest_layer_trainable=largest_trainable)
         self._params_cache[key] = out
         return out
