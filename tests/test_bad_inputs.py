@@ -257,6 +257,14 @@ def test_sequence_parallelism_of_a_model_without_a_sequence_is_named():
         tensor_parallelize(captured, 2, cost=TINY_COST, sequence_parallel=True,
                            sizes={"b": 2, "s": 1})
     assert "sequence_parallel=False" in err.value.fix
+    # the planner says the same of a pinned cp or SP (it said "divisible by 4 (seq=1)")
+    for pins, what in (({"cp": 2}, "cp=2"), ({"tp": 2, "sequence_parallel": True},
+                                              "sequence parallelism")):
+        with pytest.raises(InfeasiblePlanError) as err:
+            autopar.plan(model, "cpu", devices=2, example_inputs=(pixels,), loss_fn=loss_fn,
+                         example_targets=(labels,), global_batch=4, **pins)
+        assert f"{what} splits the sequence, and the model's inputs hold no sequence dim" \
+            in err.value.found, err.value.found
 
 
 def test_model_too_large_for_the_cluster():

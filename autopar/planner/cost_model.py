@@ -267,6 +267,10 @@ class CostModel:
         n = self.cluster.num_devices
         if c.dp * c.tp * c.pp * c.cp != n:
             return f"dp x cp x tp x pp = {c.dp * c.cp * c.tp * c.pp}, not the {n} devices"
+        if (c.cp > 1 or c.sequence_parallel) and not self.model.has_sequence:
+            what = f"cp={c.cp}" if c.cp > 1 else "sequence parallelism"
+            return (f"{what} splits the sequence, and the model's inputs hold no sequence dim "
+                    f"(images and flat features do not)")
         if c.cp > 1:
             if self.setup.seq % (2 * c.cp):
                 return (f"cp={c.cp} needs a sequence length divisible by 2 x cp = {2 * c.cp} "

@@ -463,6 +463,14 @@ class ModelCosts:
             return str(exc)
         return None
 
+    @property
+    def has_sequence(self) -> bool:
+        """Whether the inputs hold a sequence dim (an image model's do not: its patches are
+        made inside the graph)."""
+        from autopar.ir import SEQ
+
+        return SEQ in self.captured.example_sizes
+
     def cp_problem(self) -> str | None:
         """Why the sequence cannot be split over context-parallel ranks (None if it can): the
         transform's refusal (passes/context_parallel.py) on the captured graph, once."""
