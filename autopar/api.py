@@ -393,7 +393,10 @@ def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_t
     cast to the activations' dtype would otherwise stay fp32 casts in a bf16 run, and the
     tensors crossing pipeline stages would be recorded as fp32. Buffers keep their dtype, as
     the data-parallel layer leaves them. The parameters' specs then get their stored dtype back
-    (fp32: master weights, state dicts and checkpoints hold that)."""
+    (fp32: master weights, state dicts and checkpoints hold that). Floating fp32 inputs (images,
+    embeddings) are cast to the compute dtype, as FSDP's ``cast_forward_inputs`` casts them and
+    as torch.autocast's first GEMM or convolution would: a convolution of fp32 pixels by bf16
+    weights fails; each step casts them likewise (``ParallelModel._prepare``)."""
     import dataclasses
 
     from autopar.frontend import capture
@@ -405,6 +408,7 @@ def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_t
     if loss_fn is not None:
         loss_fn = _fp32_loss(loss_fn)
     compute = MixedPrecision().param_dtype
+    example_inputs = compute_inputs(example_inputs, compute)
     stored = {}
     with torch.no_grad():
         for p in model.parameters():
@@ -429,6 +433,14 @@ def _capture(model: nn.Module, example_inputs: Any, loss_fn: Callable, example_t
             if isinstance(value, TensorSpec) and dtype is not None and value.dtype != dtype:
                 info(node).value = TensorSpec(value.shape, dtype)
     return captured
+
+
+def compute_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    """``inputs`` (a tensor, tuple or dict) with their fp32 tensors cast to ``dtype``."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                           and t.dtype == torch.float32 else t, inputs)
 
 
 def _check_planned_length(captured: Any, seq: int) -> None:

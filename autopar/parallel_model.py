@@ -37,7 +37,8 @@ from autopar.model_state import ModelState
 from autopar.ir import LayerKind
 from autopar.plan_types import Plan, RecomputeKind
 from autopar.runtime.comm import activity, announce_failure, collective, set_activity
-from autopar.runtime.optim import OptimizerFactory
+from autopar.runtime.optim import MixedPrecision, OptimizerFactory
+from autopar.runtime.running_stats import RunningStats, running_statistics
 from autopar.runtime.pipeline import ExecutorHooks
 
 if TYPE_CHECKING:
@@ -183,6 +184,10 @@ class ParallelModel(ModelState):
         #: Parameter FQN -> this rank's DataParallel name for it (stages it holds only).
         self._dp_name = _dp_names(self.executor)
         self.data_parallel = self._build_data_parallel(deferred=stream is not None)
+        #: BatchNorm's running statistics, made one process's over the replicas after each step.
+        self.running_stats = RunningStats(running_statistics(self.tp_program.gm),
+                                          self.executor.buffers, mesh.dp_group, mesh.dp_rank,
+                                          self.plan.dp, self.plan.num_micro_batches)
         if stream is not None:
             self._load(stream)
 
@@ -267,9 +272,15 @@ class ParallelModel(ModelState):
         # which); none before, also not a tied weight's bucket that another chunk's backward
         # reaches first (ZB-V: the embedding's chunk and the LM head's on one rank)
         dp.set_requires_gradient_sync(self.plan.zero >= 2)
-        loss = self.executor.step(inputs, targets)
+        self.running_stats.begin_step()
+        try:
+            loss = self.executor.step(inputs, targets)
+        except BaseException:
+            self.running_stats.discard()
+            raise
         with activity(f"the optimizer step {self.steps}"):
             try:
+                self.running_stats.end_step()
                 dp.finish_gradient_sync()
                 dp.step()  # clips first when the plan's max_grad_norm is set
                 dp.zero_grad()
@@ -387,10 +398,13 @@ class ParallelModel(ModelState):
         sizes = self._batch_sizes(names, inputs + targets)
         self._check_sizes(sizes)
         self._check_ranges(sizes)
+        compute = MixedPrecision().param_dtype if self.training.mixed_precision else None
         for i, t in enumerate(inputs + targets):
             if not isinstance(t, torch.Tensor):
                 out.append(t)
                 continue
+            if compute is not None and i < n_in and t.dtype == torch.float32:
+                t = t.to(compute)  # as captured (autopar.api._capture)
             self._check_input(names[i], i, t, local)
             self._check_indices(names[i], i, t, sizes)
             if not local:

@@ -7,9 +7,10 @@ part, and nothing but one small vector crosses the network:
 1. This rank's data-parallel share of the batch gives its first micro-batch (the whole
    sequence: under context parallelism the rank holds some of its tokens, step 3).
 2. The reference: the captured graph of the original model (``CapturedGraph.run``: the single
-   device program) runs that micro-batch with dropout off, keeping only the *layer boundary*
-   tensors this rank's stages compute (a tensor made in one layer and read by a later one) and
-   the loss, and stopping after the last of them. The weights are the original model's while the parallel model has not trained;
+   device program) runs that micro-batch in evaluation (dropout off, batch norms by their
+   running statistics, no buffer updated), keeping only the *layer boundary* tensors this
+   rank's stages compute (a tensor made in one layer and read by a later one) and the loss,
+   and stopping after the last of them. The weights are the original model's while the parallel model has not trained;
    after training, the parallel model's own full weights (``state_dict()``, a gather).
 3. The parallel program runs the same batch forward (``eval_step``); for the first micro-batch
    each of this rank's stage graphs is interpreted node by node, and every boundary tensor it
@@ -160,7 +161,13 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
     weights = _reference_weights(pm)
     # one process's parts: the loss terms' shares of the whole batch, with the stages' counts
     scale = LossScale(m, pm.plan.dp, totals=pm.loss_scale.totals)
-    reference, ref_loss = _run_reference(captured, weights, first, keep,
+    # the reference computes in fp32 with the fp32 weights: under mixed precision the inputs
+    # the program reads in bf16 (ParallelModel._prepare) are read as the fp32 they came as
+    n_in = len(captured.input_names)
+    batch = [t.float() if pm.training.mixed_precision and k < n_in
+             and isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
+             for k, t in enumerate(first)]
+    reference, ref_loss = _run_reference(captured, weights, batch, keep,
                                          any(returns_loss.values()), pm.device, scale)
 
     def record(row: int, value: torch.Tensor, ref: torch.Tensor) -> None:
@@ -320,7 +327,8 @@ class _Enough(Exception):
 
 
 class _Reference(torch.fx.Interpreter):
-    """The captured graph with dropout off, keeping the named tensors (and stopping once they
+    """The captured graph in evaluation (dropout off, batch norms by their running statistics,
+    no buffer updated), keeping the named tensors (and stopping once they
     are all computed, unless the loss is wanted too)."""
 
     def __init__(self, gm: torch.fx.GraphModule, keep: set[str], need_loss: bool) -> None:
@@ -338,6 +346,16 @@ class _Reference(torch.fx.Interpreter):
         return out
 
     def call_function(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        # evaluation, as the program's forward runs (eval_step): batch norms by their running
+        # statistics, buffers updated in place (their counters) left alone: the op on a copy
+        if target is aten.batch_norm.default and len(args) > 5:
+            from autopar.runtime.running_stats import affine_as_statistics
+
+            args = (args[0], *affine_as_statistics(args[1], args[2], args[3]), *args[3:5], False,
+                    *args[6:])
+        elif isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable \
+                and args and isinstance(args[0], torch.Tensor):
+            args = (args[0].clone(), *args[1:])
         if target is aten.dropout.default:
             return args[0]
         if target is aten.native_dropout.default:

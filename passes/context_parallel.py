@@ -64,6 +64,9 @@ _DIM_OPS = {"softmax": 1, "_softmax": 1, "log_softmax": 1, "_log_softmax": 1, "c
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp",
                "var_mean", "std_mean", "argmax", "argmin", "any", "all", "norm", "linalg_vector_norm"}
 _MATMULS = {"mm", "bmm", "matmul", "baddbmm", "addmm"}
+#: Normalizations over every dim but the channels (dim 1): the batch's and the tokens'.
+_BATCH_NORMS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                "_native_batch_norm_legit_no_training", "instance_norm"}
 _SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 
@@ -161,6 +164,9 @@ def _check_token_wise(node: torch.fx.Node) -> None:
             raise _refuse(node, f"{name} along the sequence (dim {dims} of {src.shape})",
                           _UNRECOGNIZED if "softmax" in name else "plan with cp=1")
         return
+    if name in _BATCH_NORMS and any(d != 1 for d in seq):
+        raise _refuse(node, f"a {name} over the tokens ({src.shape}: its statistics are the "
+                            "whole sequence's)", "plan with cp=1")
     if name in _REDUCTIONS:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if dim is None or dim == [] or dim == ():

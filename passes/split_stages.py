@@ -183,6 +183,11 @@ def recomputable_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def _mutates(node: torch.fx.Node) -> bool:
+    """An in-place op, or the program's update of a buffer (runtime/running_stats.py)."""
+    from autopar.runtime.running_stats import batch_norm, update_buffer
+
+    if node.target in (batch_norm, update_buffer):
+        return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
 

@@ -22,7 +22,10 @@ per-rank (local) tensors, rank-agnostic (the rank enters through the ``tp`` comm
 - dropout (``aten.dropout``, and attention dropout inside ``scaled_dot_product_attention``)
   becomes ``tp.dropout`` / ``tp.attention_dropout``, whose masks are a function of the seed, the
   step, the site (the node's name) and each element's global coordinates: every plan draws the
-  single-device program's masks (runtime/rng.py).
+  single-device program's masks (runtime/rng.py);
+- a training batch norm and in-place updates of buffers (BatchNorm's running statistics and
+  its counter) become ``tp.batch_norm`` / ``tp.update_buffer``: no update in evaluation or in
+  a recompute, the running statistics in evaluation (runtime/running_stats.py).
 
 Every node's NodeInfo keeps its global ``value`` and gains ``placement`` and ``local_value``.
 """
@@ -291,6 +294,13 @@ class _Builder:
                                            {"reduction": reduction, "ignore_index": ignore})
         elif _draws_dropout(n):
             new = self.emit_dropout(n, args, kwargs, placement)
+        elif _updates_running_stats(n):
+            new = self.graph.create_node("call_function", TP_METHODS["batch_norm"],
+                                         (self.tp_node, *args), kwargs, name=n.name)
+        elif _updates_buffer(n):
+            new = self.graph.create_node("call_function", TP_METHODS["update_buffer"],
+                                         (self.tp_node, *args), {**kwargs, "op": n.target.name()},
+                                         name=n.name)
         else:
             new = self.graph.create_node("call_function", target, tuple(args), kwargs,
                                          name=n.name)
@@ -361,6 +371,26 @@ class _Builder:
             if is_sharded(req) and req.dim == dim and len(args) > 3:
                 args[3] = 9223372036854775807  # a full slice of the local shard
         return tuple(args)
+
+
+def _updates_running_stats(n: torch.fx.Node) -> bool:
+    """A training batch norm with running statistics (``aten.batch_norm(x, w, b, mean, var,
+    training=True, ...)``): it updates them in place (runtime/running_stats.py)."""
+    if n.target is not aten.batch_norm.default:
+        return False
+    training = n.args[5] if len(n.args) > 5 else n.kwargs.get("training", False)
+    mean = n.args[3] if len(n.args) > 3 else n.kwargs.get("running_mean")
+    return training is not False and mean is not None
+
+
+def _updates_buffer(n: torch.fx.Node) -> bool:
+    """An in-place ATen op on a buffer (BatchNorm's ``num_batches_tracked.add_(1)``)."""
+    target = n.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    first = n.args[0] if n.args else None
+    return isinstance(first, torch.fx.Node) and first.op == "placeholder" \
+        and info(first).kind is NodeKind.BUFFER
 
 
 def _draws_dropout(n: torch.fx.Node) -> bool:

@@ -40,6 +40,7 @@ from torch.fx.passes.split_module import split_module
 
 from autopar.ir import has_info, info, op_name
 from autopar.runtime.rng import TORCH_RANDOM_OPS
+from autopar.runtime.running_stats import replaying
 
 __all__ = ["recompute_per_layer", "layer_regions", "checkpointed", "recompute_region"]
 
@@ -78,7 +79,7 @@ def checkpointed(block: Callable[..., Any], global_rng: bool, *args: Any) -> Any
             announce()
         return forward(*inputs)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
+    return torch.utils.checkpoint.checkpoint(replaying(run), *args, use_reentrant=False,
                                              preserve_rng_state=global_rng,
                                              determinism_check="default" if global_rng
                                              else "none")

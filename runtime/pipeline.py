@@ -75,6 +75,7 @@ from autopar.errors import (
     StageExecutionError,
 )
 from autopar.runtime.layer_recompute import recompute_region
+from autopar.runtime.running_stats import replaying
 from autopar.runtime.tp import saved_gathers
 from autopar.runtime.comm import announce_failure, blocking, note_failure, wait_work
 from autopar.runtime.groups import forget, forgotten, shared_new_groups
@@ -530,7 +531,8 @@ class PipelineExecutor:
                 module = _announced(module, self.hooks.before_forward, s, mb)
             with torch.enable_grad():
                 if recomputing and own.checkpoints_whole:
-                    out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
+                    out = torch.utils.checkpoint.checkpoint(replaying(module), *args,
+                                                            use_reentrant=False)
                 else:
                     with contextlib.ExitStack() as scope:
                         if recomputing and own.recomputes_layers:

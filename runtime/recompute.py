@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from autopar.runtime.rng import DropoutRNG
+from autopar.runtime.running_stats import replaying
 
 __all__ = ["RecomputedRegion"]
 
@@ -65,7 +66,7 @@ class RecomputedRegion(nn.Module):
                 for rng, state in zip(rngs, current):
                     _set_dropout_state(rng, state)
 
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(replaying(run), *args, use_reentrant=False)
 
 
 def _dropout_state(rng: DropoutRNG) -> tuple[int, int, Any, bool]:

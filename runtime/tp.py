@@ -41,6 +41,7 @@ import torch.distributed as dist
 from autopar.errors import ShardingError
 from autopar.runtime.comm import collective
 from autopar.runtime.rng import DropoutRNG
+from autopar.runtime.running_stats import batch_norm, update_buffer
 
 __all__ = ["TPGroup", "FUNCTIONS", "saved_gathers"]
 
@@ -542,4 +543,5 @@ def attention_dropout(tp: TPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 #: The functional forms by name.
 FUNCTIONS = {f.__name__: f for f in (all_reduce, copy_to_tp, all_gather, reduce_scatter, shard,
                                      all_to_all, vocab_parallel_embedding,
-                                     vocab_parallel_cross_entropy, dropout, attention_dropout)}
+                                     vocab_parallel_cross_entropy, dropout, attention_dropout,
+                                     batch_norm, update_buffer)}

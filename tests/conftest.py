@@ -36,16 +36,24 @@ def build_tiny(family: str, **overrides):
     return models.build(family, **{"dropout": 0.0, "seed": 0, **TINY[family], **overrides})
 
 
-def train_one_process(model, loss_fn, optimizer, data):
+def train_one_process(model, loss_fn, optimizer, data, micro_batches: int = 1):
     """The reference of a parallel run: ``model`` trained in this process on ``data`` (a list of
-    ``(inputs, targets)`` tuples) with ``optimizer``; the losses and the final state."""
+    ``(inputs, targets)`` tuples) with ``optimizer``; the losses and the final state. With
+    ``micro_batches`` k, each batch runs as k equal chunks in order (rows split along dim 0),
+    their gradients accumulated (each chunk's mean loss weighted 1/k), as a parallel run that
+    splits the batch into k micro-batches over its replicas: what a BatchNorm sees."""
     losses = []
     for inputs, targets in data:
         optimizer.zero_grad()
-        loss = loss_fn(model(*inputs), *targets)
-        loss.backward()
+        total = 0.0
+        chunks = zip(zip(*(t.chunk(micro_batches) for t in inputs)),
+                     zip(*(t.chunk(micro_batches) for t in targets)))
+        for xs, ys in chunks:
+            loss = loss_fn(model(*xs), *ys) / micro_batches
+            loss.backward()
+            total += loss.item()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
