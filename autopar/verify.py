@@ -43,6 +43,8 @@ from autopar.errors import VerificationError
 from autopar.ir import META_KEY, SEQ, TensorSpec, info
 from autopar.passes.loss_reduction import scaled_step
 from autopar.runtime.loss_scale import LossScale
+from autopar.runtime.rng import DropoutRNG
+from autopar.runtime.tp import TPGroup
 
 __all__ = ["verify", "VerificationReport", "LayerCheck", "DEFAULT_TOLERANCE",
            "MIXED_PRECISION_TOLERANCE"]
@@ -167,8 +169,11 @@ def verify(pm: Any, inputs: Any, targets: Any = (), *, tolerance: float | None =
     batch = [t.float() if pm.training.mixed_precision and k < n_in
              and isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
              for k, t in enumerate(first)]
+    draws = TPGroup(rng=DropoutRNG(pm.tp_group.rng.seed))  # the first micro-batch's state
+    draws.rng.step = pm.steps
+    draws.rng.set_rows(*pm._rows)
     reference, ref_loss = _run_reference(captured, weights, batch, keep,
-                                         any(returns_loss.values()), pm.device, scale)
+                                         any(returns_loss.values()), pm.device, scale, draws)
 
     def record(row: int, value: torch.Tensor, ref: torch.Tensor) -> None:
         a, r = value.detach().double(), ref.detach().double()
@@ -331,14 +336,26 @@ class _Reference(torch.fx.Interpreter):
     no buffer updated), keeping the named tensors (and stopping once they
     are all computed, unless the loss is wanted too)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, keep: set[str], need_loss: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, keep: set[str], need_loss: bool,
+                 draws: Any = None) -> None:
         super().__init__(gm)
         self.keep = keep
         self.need_loss = need_loss
+        #: A tensor-parallel communicator of one rank whose dropout state is the program's for
+        #: this micro-batch: stochastic depth's draws (``tp.draw_random``), which the program
+        #: makes in evaluation too, drawn alike.
+        self.draws = draws
         self.kept: dict[str, torch.Tensor] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        out = super().run_node(n)
+        from autopar.passes.tp_transform import batch_dim_of, draws_per_sample
+
+        if self.draws is not None and draws_per_sample(n):  # the program's own draws
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            out = self.draws.draw_random(*args, op=n.target.name(), site=n.name,
+                                         batch_dim=batch_dim_of(info(n).spec), **kwargs)
+        else:
+            out = super().run_node(n)
         if n.name in self.keep:
             self.kept[n.name] = out.detach()
             if not self.need_loss and len(self.kept) == len(self.keep):
@@ -356,7 +373,7 @@ class _Reference(torch.fx.Interpreter):
         elif isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable \
                 and args and isinstance(args[0], torch.Tensor):
             args = (args[0].clone(), *args[1:])
-        if target is aten.dropout.default:
+        if target in (aten.dropout.default, aten.feature_dropout.default):
             return args[0]
         if target is aten.native_dropout.default:
             return args[0], torch.ones_like(args[0], dtype=torch.bool)
@@ -369,8 +386,8 @@ class _Reference(torch.fx.Interpreter):
 
 
 def _run_reference(captured: Any, weights: Mapping[str, torch.Tensor], batch: Sequence[Any],
-                   keep: set[str], need_loss: bool, device: torch.device, scale: LossScale
-                   ) -> tuple[dict[str, torch.Tensor], Any]:
+                   keep: set[str], need_loss: bool, device: torch.device, scale: LossScale,
+                   draws: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
     """The reference run up to the last tensor this rank compares (the end: the loss, scaled
     by ``scale`` as the stages scale theirs: passes/loss_reduction.py)."""
     values = [weights[p.fqn] for p in captured.params.values()]
@@ -380,7 +397,7 @@ def _run_reference(captured: Any, weights: Mapping[str, torch.Tensor], batch: Se
     gm = scaled_step(captured)
     if gm is not captured.gm:  # the loss as the stages scale it: this part's share of the batch
         batch = (*batch, scale)
-    interp = _Reference(gm, keep, need_loss and captured.has_loss)
+    interp = _Reference(gm, keep, need_loss and captured.has_loss, draws)
     if not keep and not interp.need_loss:
         return {}, None
     try:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -42,12 +43,13 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from autopar.errors import ShardingError
-from autopar.ir import (BATCH, META_KEY, NodeInfo, NodeKind, TensorSpec, info, new_graph_module,
+from autopar.errors import ShardingError, UnsupportedOpWarning
+from autopar.ir import (BATCH, META_KEY, SEQ, NodeInfo, NodeKind, TensorSpec, info, new_graph_module,
                         op_name)
 from autopar.passes.infra import PassContext, PassResult, graph_pass, graph_property
 from autopar.passes.analyze import CONV_OPS, conv_groups, conv_groups_index
 from autopar.passes.sharding_rules import Item, Rewrite, Strategy, is_tensor_node
+from autopar.runtime.rng import TORCH_RANDOM_OPS
 from autopar.runtime.tp import FUNCTIONS
 from autopar.sharding import (
     REPLICATE,
@@ -63,7 +65,8 @@ from autopar.sharding import (
     redistribution,
 )
 
-__all__ = ["insert_collectives", "build_local_program", "TP_METHODS"]
+__all__ = ["insert_collectives", "build_local_program", "TP_METHODS", "batch_dim_of",
+           "draws_per_sample"]
 
 aten = torch.ops.aten
 
@@ -107,6 +110,9 @@ class _Builder:
         self.cache: dict[tuple, torch.fx.Node] = {}
         self.tp_node = self.graph.placeholder("tp")
         self.tp_node.meta[META_KEY] = NodeInfo(NodeKind.COMMUNICATOR)
+        #: Random ops (not dropout) drawn per sample by the program, and left to torch's RNG.
+        self.per_sample: list[str] = []
+        self.global_draws: list[str] = []
         #: What each tensor's consumers need of it, (placement, partial gradient), in
         #: the order consumers appear.
         self.demands: dict[torch.fx.Node, list[tuple]] = defaultdict(list)
@@ -236,7 +242,23 @@ class _Builder:
                 self.emit_op(n)
             else:
                 raise ShardingError(f"unsupported node {n.format_node()} in a captured graph")
+        self.warn_random()
         return self.graph
+
+    def warn_random(self) -> None:
+        """Say which random ops of the training graph are not dropout: drawn per sample, they
+        run in ``eval_step`` too (a ``if self.training`` branch was captured in training); drawn
+        from torch's RNG, their numbers depend on the plan."""
+        if self.per_sample:
+            warnings.warn(UnsupportedOpWarning(
+                f"random ops other than dropout ({', '.join(self.per_sample[:4])}: stochastic "
+                f"depth?) are drawn per sample in training, alike under every plan; eval_step "
+                f"runs the training graph, so it draws them too"), stacklevel=4)
+        if self.global_draws:
+            warnings.warn(UnsupportedOpWarning(
+                f"random ops {', '.join(self.global_draws[:4])} draw from each process's torch "
+                f"RNG: their numbers depend on the plan (tensor-parallel ranks draw their own)"),
+                stacklevel=4)
 
     def emit_op(self, n: torch.fx.Node) -> None:
         name = op_name(n)
@@ -294,6 +316,19 @@ class _Builder:
                                            {"reduction": reduction, "ignore_index": ignore})
         elif _draws_dropout(n):
             new = self.emit_dropout(n, args, kwargs, placement)
+        elif _draws_feature_dropout(n):
+            extra = {"site": n.name, "batch_dim": batch_dim_of(info(n).spec),
+                     "shard_dim": placement.dim if is_sharded(placement) else None}
+            if is_sharded(placement):
+                extra["blocks"] = num_blocks(placement)
+            new = self.graph.create_node("call_function", TP_METHODS["feature_dropout"],
+                                         (self.tp_node, *args[:3]), extra, name=n.name)
+        elif _draws_per_sample(n, placement):
+            self.per_sample.append(n.name)
+            new = self.graph.create_node(
+                "call_function", TP_METHODS["draw_random"], (self.tp_node, *args),
+                {**kwargs, "op": n.target.name(), "site": n.name,
+                 "batch_dim": batch_dim_of(info(n).spec)}, name=n.name)
         elif _updates_running_stats(n):
             new = self.graph.create_node("call_function", TP_METHODS["batch_norm"],
                                          (self.tp_node, *args), kwargs, name=n.name)
@@ -302,6 +337,8 @@ class _Builder:
                                          (self.tp_node, *args), {**kwargs, "op": n.target.name()},
                                          name=n.name)
         else:
+            if op_name(n) in TORCH_RANDOM_OPS and not _draws_nothing(n):
+                self.global_draws.append(n.name)
             new = self.graph.create_node("call_function", target, tuple(args), kwargs,
                                          name=n.name)
         for key in ("nn_module_stack", "stack_trace"):
@@ -323,7 +360,7 @@ class _Builder:
         the site is the captured node's name, the placement says which slice of the full mask
         this rank keeps, the batch dim which dim runs over samples."""
         spec = info(n).spec
-        extra = {"site": n.name, "batch_dim": _batch_dim(spec),
+        extra = {"site": n.name, "batch_dim": batch_dim_of(spec),
                  "shard_dim": placement.dim if is_sharded(placement) else None}
         if op_name(n) == "dropout":
             x, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
@@ -373,6 +410,48 @@ class _Builder:
         return tuple(args)
 
 
+#: Random ops drawn per sample by the program (``tp.draw_random``): stochastic depth's
+#: ``torch.rand`` (Hugging Face's drop path) or ``new_empty(...).bernoulli_(p)`` (timm's,
+#: torchvision's), and the other plain fills.
+_PER_SAMPLE_DRAWS = frozenset({
+    "aten::rand", "aten::randn", "aten::rand_like", "aten::randn_like", "aten::bernoulli",
+    "aten::bernoulli.p", "aten::bernoulli_.float", "aten::uniform_", "aten::normal_"})
+
+
+def draws_per_sample(n: torch.fx.Node) -> bool:
+    """A random op of :data:`_PER_SAMPLE_DRAWS` (``tp.draw_random`` draws it per sample)."""
+    target = n.target
+    return isinstance(target, torch._ops.OpOverload) and target.name() in _PER_SAMPLE_DRAWS
+
+
+def _draws_per_sample(n: torch.fx.Node, placement: Any) -> bool:
+    """A random op the program draws per sample (:data:`_PER_SAMPLE_DRAWS`) on a replicated
+    tensor without sequence dims: what every plan can draw alike."""
+    spec = info(n).spec
+    return draws_per_sample(n) and not is_sharded(placement) \
+        and isinstance(spec, TensorSpec) and not any(
+            isinstance(d, sympy.Basic) and d.has(SEQ) for d in spec.shape) \
+        and "generator" not in n.kwargs
+
+
+def _draws_nothing(n: torch.fx.Node) -> bool:
+    """A dropout of probability 0 or outside training: the identity."""
+    if "dropout" not in op_name(n):
+        return False
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+    return (isinstance(p, (int, float)) and p == 0) or train is False
+
+
+def _draws_feature_dropout(n: torch.fx.Node) -> bool:
+    """``aten.feature_dropout`` (``nn.Dropout1d/2d/3d``) that draws a mask when training."""
+    if op_name(n) != "feature_dropout":
+        return False
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+    return isinstance(p, (int, float)) and p > 0 and train is not False
+
+
 def _updates_running_stats(n: torch.fx.Node) -> bool:
     """A training batch norm with running statistics (``aten.batch_norm(x, w, b, mean, var,
     training=True, ...)``): it updates them in place (runtime/running_stats.py)."""
@@ -406,7 +485,7 @@ def _draws_dropout(n: torch.fx.Node) -> bool:
     return False
 
 
-def _batch_dim(spec: Any) -> int | None:
+def batch_dim_of(spec: Any) -> int | None:
     """The first dim whose size is a multiple of the batch symbol (``b``, ``b*s``)."""
     if not isinstance(spec, TensorSpec):
         return None

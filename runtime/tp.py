@@ -435,6 +435,68 @@ class TPGroup:
         keep = self._local_keep(site, x.shape, p, batch_dim, shard_dim, blocks, x.device, seq_dim)
         return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
 
+    def feature_dropout(self, x: torch.Tensor, p: float, train: bool = True, *, site: str,
+                        batch_dim: int | None = 0, shard_dim: int | None = None,
+                        blocks: int = 1) -> torch.Tensor:
+        """``aten.feature_dropout`` (``nn.Dropout1d/2d/3d``: whole channels of ``x`` of shape
+        (N, C, ...) zeroed) with the mask drawn as :meth:`dropout` draws it, over (N, C)."""
+        if not train or p == 0.0 or not self.rng.training:
+            return x
+        if p >= 1.0:
+            return x * 0.0
+        shape = list(x.shape[:2]) + [1] * (x.dim() - 2)
+        keep = self._local_keep(site, shape, p, batch_dim if batch_dim in (0, 1) else None,
+                                shard_dim if shard_dim in (0, 1) else None, blocks, x.device)
+        return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
+
+    def draw_random(self, *args: Any, op: str, site: str, batch_dim: int | None = None,
+               **kwargs: Any) -> torch.Tensor:
+        """A random op of the captured graph (``rand``, ``randn``, their ``_like`` forms,
+        ``bernoulli``, ``bernoulli_``, ``uniform_``, ``normal_``: stochastic depth's draws)
+        drawn per sample as dropout's masks are: sample ``g``'s slice along ``batch_dim`` from a
+        generator seeded by (seed, step, site, g); one draw for a tensor without a batch dim.
+        Every plan draws the same numbers, every tp rank alike (the tensor is replicated)."""
+        name = op.split("::")[1].split(".")[0]
+        if name in ("rand", "randn"):
+            size = [int(d) for d in args[0]]
+            out = torch.empty(size, dtype=kwargs.get("dtype") or torch.get_default_dtype(),
+                              device=kwargs.get("device"))
+            fill = "uniform_" if name == "rand" else "normal_"
+            rest: tuple = ()
+        elif name in ("rand_like", "randn_like"):
+            out = torch.empty_like(args[0], dtype=kwargs.get("dtype"))
+            fill = "uniform_" if name == "rand_like" else "normal_"
+            rest = ()
+        elif name == "bernoulli":  # out-of-place: args[0] holds the probabilities (or p given)
+            probs = args[0] if len(args) < 2 else torch.full_like(args[0], float(args[1]))
+            out = torch.empty_like(args[0])
+            self._per_sample(out, site, batch_dim,
+                             lambda t, g, a, b: torch.bernoulli(_along(probs, batch_dim, a, b),
+                                                                generator=g, out=t))
+            return out
+        else:  # an in-place fill of args[0]
+            out, fill, rest = args[0], name, tuple(args[1:])
+        self._per_sample(out, site, batch_dim,
+                         lambda t, g, a, b: getattr(t, fill)(*rest, generator=g))
+        return out
+
+    def _per_sample(self, out: torch.Tensor, site: str, batch_dim: int | None,
+                    draw: Any) -> None:
+        rng = self.rng
+        with torch.no_grad():
+            if batch_dim is None or out.dim() == 0:
+                first = rng.rows[0] if rng.rows is not None else 0
+                draw(out, rng._generator(out.device, site, "all", first), 0, None)
+                return
+            n = out.shape[batch_dim]
+            first, count = rng.rows if rng.rows is not None else (0, n)
+            if count <= 0 or n % count:
+                first, count = 0, n
+            per = n // count
+            for i in range(count):
+                draw(out.narrow(batch_dim, i * per, per), rng._generator(out.device, site, first + i),
+                     i * per, per)
+
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                           is_causal: bool = False, *, scale: float | None = None,
@@ -530,6 +592,22 @@ def dropout(tp: TPGroup, x: torch.Tensor, p: float, train: bool = True, *, site:
                       blocks=blocks, seq_dim=seq_dim)
 
 
+def feature_dropout(tp: TPGroup, x: torch.Tensor, p: float, train: bool = True, *, site: str,
+                    batch_dim: int | None = 0, shard_dim: int | None = None,
+                    blocks: int = 1) -> torch.Tensor:
+    return tp.feature_dropout(x, p, train, site=site, batch_dim=batch_dim, shard_dim=shard_dim,
+                              blocks=blocks)
+
+
+def draw_random(tp: TPGroup, *args: Any, op: str, site: str, batch_dim: int | None = None,
+           **kwargs: Any) -> torch.Tensor:
+    return tp.draw_random(*args, op=op, site=site, batch_dim=batch_dim, **kwargs)
+
+
+def _along(t: torch.Tensor, dim: int | None, start: int, length: int | None) -> torch.Tensor:
+    return t if dim is None or length is None else t.narrow(dim, start, length)
+
+
 def attention_dropout(tp: TPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                       is_causal: bool = False, *, scale: float | None = None,
@@ -544,4 +622,4 @@ def attention_dropout(tp: TPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 FUNCTIONS = {f.__name__: f for f in (all_reduce, copy_to_tp, all_gather, reduce_scatter, shard,
                                      all_to_all, vocab_parallel_embedding,
                                      vocab_parallel_cross_entropy, dropout, attention_dropout,
-                                     batch_norm, update_buffer)}
+                                     feature_dropout, draw_random, batch_norm, update_buffer)}

@@ -19,27 +19,52 @@ from conftest import train_one_process
 LR = 1e-2
 EPS = 1e-5  # see parallelize_jobs.EPS: Adam's epsilon vs reordered fp32 sums
 STEPS = 2
+SEED = 5
+
+
+def drop_path_timm(x: torch.Tensor, keep: float) -> torch.Tensor:
+    """Stochastic depth (Huang et al. 2016) as timm and torchvision draw it."""
+    mask = x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(keep)
+    return x * mask / keep
+
+
+def drop_path_hf(x: torch.Tensor, keep: float) -> torch.Tensor:
+    """Stochastic depth as Hugging Face's ``drop_path`` draws it."""
+    mask = (keep + torch.rand(x.shape[0], 1, 1, 1, dtype=x.dtype, device=x.device)).floor()
+    return x.div(keep) * mask
 
 
 class BasicBlock(nn.Module):
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, regularize: str = "") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(channels)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels, momentum=0.3)
+        #: "timm" or "hf": channel dropout and stochastic depth drawn that way
+        self.regularize = regularize
+        self.drop = nn.Dropout2d(0.25)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(x + self.bn2(self.conv2(y)))
+        if self.regularize:
+            y = self.drop(y)
+        y = self.bn2(self.conv2(y))
+        if self.regularize == "timm" and self.training:
+            y = drop_path_timm(y, 0.7)
+        elif self.regularize == "hf" and self.training:
+            y = drop_path_hf(y, 0.7)
+        return F.relu(x + y)
 
 
 class ResNet(nn.Module):
-    def __init__(self, channels: int = 8, blocks: int = 2, classes: int = 10) -> None:
+    def __init__(self, channels: int = 8, blocks: int = 2, classes: int = 10,
+                 regularize: bool = False) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(channels), nn.ReLU())
-        self.blocks = nn.ModuleList(BasicBlock(channels) for _ in range(blocks))
+        kinds = ("timm", "hf") if regularize else ("", "")
+        self.blocks = nn.ModuleList(BasicBlock(channels, kinds[i % 2]) for i in range(blocks))
         self.head = nn.Linear(channels, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +78,9 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 
 
-def build() -> nn.Module:
+def build(regularize: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return ResNet()
+    return ResNet(regularize=regularize)
 
 
 def batches(steps: int = STEPS) -> list[tuple[tuple, tuple]]:
@@ -92,7 +117,9 @@ def train(configs: list[dict]) -> list[dict | None]:
         pins = dict(pins)
         compile_backend = pins.pop("compile", False)
         mixed = pins.pop("mixed_precision", False)
-        pm = autopar.parallelize(build(), example_inputs=data[0][0], example_targets=data[0][1],
+        regularize = pins.pop("regularize", False)
+        pm = autopar.parallelize(build(regularize), example_inputs=data[0][0],
+                                 example_targets=data[0][1], seed=SEED,
                                  loss_fn=loss_fn, plan=pins, compile=compile_backend,
                                  mixed_precision=mixed,
                                  optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
@@ -114,5 +141,5 @@ def train(configs: list[dict]) -> list[dict | None]:
             spread = float((hi - lo).abs().max())
         pm.close()
         out.append(dict(losses=losses, eval=evaluated, eval_again=evaluated_again,
-                        state=state if dist.get_rank() == 0 else None, spread=spread))
+                        state=state if pm.mesh.rank == 0 else None, spread=spread))
     return out

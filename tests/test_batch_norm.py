@@ -108,3 +108,47 @@ def _compare_mixed(got, want, pins):
             assert got["state"][key].dtype == torch.float32, (pins, key)
             err = (got["state"][key] - value).abs().max() / value.abs().max()
             assert err < (0.02 if key.endswith("var") else 0.1), (pins, key, float(err))
+
+
+REGULARIZED = [
+    {"dp": 2, "recompute": "none", "regularize": True},
+    {"dp": 1, "pp": 2, "num_micro_batches": 2, "recompute": "full", "regularize": True},
+    {"dp": 1, "tp": 2, "num_micro_batches": 2, "regularize": True},
+]
+
+
+@pytest.mark.distributed
+def test_channel_dropout_and_stochastic_depth_draw_alike_under_every_plan(shared_pool2):
+    """``nn.Dropout2d`` (``aten.feature_dropout``) and stochastic depth as timm and torchvision
+    draw it (``new_empty(...).bernoulli_(keep)``) and as Hugging Face does (``floor(keep +
+    torch.rand(...))``) are drawn per sample from (seed, step, site, sample), as dropout's
+    masks: every plan trains as the world-1 program with the same seed on the same two
+    micro-batches (BatchNorm's statistics are per micro-batch; losses 1e-5 relative,
+    parameters 1e-5 absolute: the bounds above), and ``verify`` draws the program's numbers.
+    Until 2026-12-08 they drew from each process's torch RNG: each plan drew other numbers,
+    and tensor-parallel ranks drew different masks for one replicated activation. Channel
+    dropout is off in evaluation; stochastic depth, captured in training, is drawn there too
+    (warned)."""
+    import warnings
+
+    from autopar.errors import UnsupportedOpWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (want,) = jobs.train([{"dp": 1, "pp": 1, "tp": 1, "num_micro_batches": 2,
+                               "regularize": True}])
+    assert any(isinstance(w.message, UnsupportedOpWarning) and "eval_step" in str(w.message)
+               for w in caught)
+    plain = jobs.reference(2)
+    assert abs(want["losses"][0] - plain["losses"][0]) > 1e-3  # the draws change the loss
+    results = shared_pool2.run(jobs.train, REGULARIZED, timeout_s=600)
+    for k, pins in enumerate(REGULARIZED):
+        got = results[0][k]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), pins
+        assert got["eval"] == pytest.approx(want["eval"], rel=1e-5), pins
+        for key, value in want["state"].items():
+            if key.endswith("num_batches_tracked"):
+                assert int(got["state"][key]) == int(value), (pins, key)
+            else:
+                torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-5,
+                                           msg=f"{pins}: {key}")
