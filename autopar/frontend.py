@@ -111,6 +111,15 @@ def capture(
     if not isinstance(model, nn.Module):
         raise InvalidInputError("capture takes an nn.Module", expected="torch.nn.Module",
                                 found=type(model).__name__)
+    synced = [name for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if synced:
+        raise InvalidInputError(
+            "SyncBatchNorm is not supported", expected="nn.BatchNorm1d/2d/3d",
+            found=f"{len(synced)} SyncBatchNorm modules ({synced[0]}, ...)",
+            fix="keep the model's BatchNorms (before nn.SyncBatchNorm.convert_sync_batchnorm): "
+                "autopar normalizes each micro-batch by its own rows, as DDP with BatchNorm, "
+                "and combines their running statistics over the replicas into one process's "
+                "(docs/models.md)")
     inputs, kwarg_names = _as_tuple(example_inputs, "example_inputs")
     targets, _ = _as_tuple(example_targets, "example_targets")
     if targets and loss_fn is None:

@@ -152,3 +152,19 @@ def test_channel_dropout_and_stochastic_depth_draw_alike_under_every_plan(shared
             else:
                 torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-5,
                                            msg=f"{pins}: {key}")
+
+
+def test_sync_batch_norm_is_refused_with_the_way_out():
+    """nn.SyncBatchNorm (statistics over every replica's rows) is not supported: its forward
+    calls a collective torch.export cannot trace (and refuses CPU tensors). A named error says
+    to keep the BatchNorms, whose running statistics autopar combines over the replicas."""
+    import torch.nn as nn
+
+    import autopar
+    from autopar.errors import InvalidInputError
+
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(jobs.build())
+    (inputs,), (labels,) = jobs.batches(1)[0]
+    with pytest.raises(InvalidInputError, match="SyncBatchNorm is not supported") as err:
+        autopar.capture(model, (inputs,), jobs.loss_fn, example_targets=(labels,))
+    assert "convert_sync_batchnorm" in err.value.fix
