@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -52,6 +53,7 @@ class ModelState:
     tp_program: Any
     executor: Any
     data_parallel: Any
+    running_stats: Any
     training: Any
     steps: int
     _dp_name: dict[str, str]
@@ -233,7 +235,8 @@ class ModelState:
         checkpoint loads under any other plan and world size: see ``runtime/checkpoint.py``.
         """
         self.data_parallel.save_checkpoint(path, self._checkpoint_layouts(),
-                                           sidecar=self._checkpoint_sidecar())
+                                           sidecar=self._checkpoint_sidecar(),
+                                           buffers=self._checkpoint_buffers())
 
     def load(self, path: str, *, strict: bool = True) -> None:
         """Restore what :meth:`save` wrote, under this model's plan (collective; between steps).
@@ -246,7 +249,12 @@ class ModelState:
 
         sidecar = checkpoint.read_sidecar(path)
         self._check_checkpoint_model(sidecar, path, strict)
-        self.data_parallel.load_checkpoint(path, self._checkpoint_layouts())
+        loaded = self.data_parallel.load_checkpoint(path, self._checkpoint_layouts(),
+                                                    buffers=self._checkpoint_buffers())
+        if loaded.get("absent_buffers"):
+            warnings.warn(f"the checkpoint at {path} holds no running statistics (saved before "
+                          f"autopar kept them): {', '.join(loaded['absent_buffers'][:3])} keep "
+                          f"their present values", stacklevel=2)
         self.steps = int(sidecar.get("steps", 0))
 
     def load_latest(self, root: str) -> int | None:
@@ -300,6 +308,29 @@ class ModelState:
             out[name] = TensorLayout(fqn, tuple(layout.full_shape), layout.placement,
                                      self.plan.tp, self.mesh.tp_rank, writes,
                                      tuple(layout.model_shape))
+        return out
+
+    def _checkpoint_buffers(self) -> list[tuple[Any, torch.Tensor]]:
+        """The running statistics this rank holds (BatchNorm's; runtime/running_stats.py) as
+        the checkpoint stores them: whole tensors, written by the first replica (every replica
+        holds the same after a step)."""
+        from autopar.runtime.checkpoint import TensorLayout
+        from autopar.sharding import Replicate
+
+        layouts = {p.fqn: p for p in self.program.staged.sharded.layouts}
+        specs = {b.fqn: b.spec for b in self.captured.buffers.values()}
+        first_replica = self.mesh.replica_rank == 0
+        out = []
+        for stat in self.running_stats.stats:
+            tensor = self.executor.buffers[stat.fqn]
+            layout = layouts.get(stat.fqn)
+            placement = layout.placement if layout is not None else Replicate()
+            full = tuple(layout.full_shape) if layout is not None else \
+                tuple(int(d) for d in specs[stat.fqn].shape)
+            writes = first_replica and (not isinstance(placement, Replicate)
+                                        or self.mesh.tp_rank == 0)
+            out.append((TensorLayout(stat.fqn, full, placement, self.plan.tp, self.mesh.tp_rank,
+                                     writes), tensor))
         return out
 
     def _checkpoint_sidecar(self) -> dict[str, Any]:

@@ -87,6 +87,8 @@ SIDECAR = "autopar.json"
 COMPLETE = "COMPLETE"
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
+#: Buffers a training forward updates (BatchNorm's running statistics): model state too.
+BUFFER_PREFIX = "buffer/"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 #: What DCP's pickled ``.metadata`` may reference (checked by :class:`_MetadataUnpickler`).
@@ -248,9 +250,11 @@ def _save_blocks(engine: Any, layouts: Mapping[str, TensorLayout], elementwise: 
 
 
 def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
-         sidecar: Mapping[str, Any]) -> None:
-    """Write ``engine``'s master weights and optimizer state under ``layouts``' keys, then the
-    sidecar and the completion marker (rank 0). Collective over the world; call between steps."""
+         sidecar: Mapping[str, Any],
+         buffers: Sequence[tuple[TensorLayout, torch.Tensor]] = ()) -> None:
+    """Write ``engine``'s master weights and optimizer state under ``layouts``' keys, and the
+    ``buffers`` (each the local tensor of a layout: written where ``writes``), then the sidecar
+    and the completion marker (rank 0). Collective over the world; call between steps."""
     import torch.distributed.checkpoint as dcp
 
     path = os.fspath(path)
@@ -273,6 +277,11 @@ def save(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
     problem, blocks = None, []
     try:
         blocks = _save_blocks(engine, layouts, elementwise, scalar)
+        for layout, tensor in buffers:
+            if layout.writes:
+                blocks += range_blocks(layout, 0, tensor.numel(),
+                                       tensor.detach().reshape(-1).contiguous(),
+                                       BUFFER_PREFIX + layout.key)
     except (InvalidInputError, PlanMismatchError) as exc:
         problem = exc
     _agree(problem, "checkpoint save")
@@ -347,19 +356,33 @@ def _load_blocks(engine: Any, layouts: Mapping[str, TensorLayout], metadata: Map
 
 
 def load(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
-         sidecar: Mapping[str, Any]) -> None:
+         sidecar: Mapping[str, Any],
+         buffers: Sequence[tuple[TensorLayout, torch.Tensor]] = ()) -> list[str]:
     """Read into ``engine`` (master weights, optimizer state, then the compute parameters) what
-    this rank holds under ``layouts``. Collective over the world; call between steps."""
+    this rank holds under ``layouts``, and into ``buffers`` (contiguous local tensors) their
+    parts; returns the buffers the checkpoint does not hold (one saved before they were), left
+    as they are. Collective over the world; call between steps."""
     import torch.distributed.checkpoint as dcp
     from autopar.runtime.zero import ZeroStage
 
     path = os.fspath(path)
     names = sidecar.get("optimizer_state", {})
     elementwise, scalar = list(names.get("elementwise", ())), list(names.get("scalar", ()))
-    problem, blocks, fresh = None, [], {}
+    problem, blocks, fresh, absent = None, [], {}, []
     try:
         metadata = read_metadata(path).state_dict_metadata
         blocks, fresh = _load_blocks(engine, layouts, metadata, elementwise, scalar)
+        for layout, tensor in buffers:
+            key = BUFFER_PREFIX + layout.key
+            if key not in metadata:
+                absent.append(layout.key)
+                continue
+            if tuple(metadata[key].size) != tuple(layout.stored_shape or layout.full_shape):
+                raise PlanMismatchError(f"buffer {layout.key} has another shape in the "
+                                        f"checkpoint", expected=str(tuple(layout.full_shape)),
+                                        found=str(tuple(metadata[key].size)),
+                                        fix="load a checkpoint of this model")
+            blocks += range_blocks(layout, 0, tensor.numel(), tensor.view(-1), key)
     except (OSError, InvalidInputError, PlanMismatchError) as exc:
         problem = exc
     _agree(problem, "checkpoint load")  # nothing is overwritten unless every rank can load
@@ -379,6 +402,7 @@ def load(path: str, engine: Any, layouts: Mapping[str, TensorLayout],
         for bucket in engine.buckets:
             bucket.wait_gather()
     _barrier("checkpoint load")
+    return absent
 
 
 def _barrier(what: str) -> None:

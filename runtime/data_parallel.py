@@ -787,7 +787,8 @@ class DataParallel:
                 for b in self.buckets for s in b.slots}
 
     def save_checkpoint(self, path: str, layouts: Mapping[str, Any] | None = None,
-                        sidecar: Mapping[str, Any] | None = None) -> None:
+                        sidecar: Mapping[str, Any] | None = None,
+                        buffers: Sequence[tuple[Any, torch.Tensor]] = ()) -> None:
         """Save the master weights and optimizer state (collective; between steps) in the format
         of ``runtime/checkpoint.py``: each rank writes the elements it holds, as boxes of the
         full tensors, so :meth:`load_checkpoint` works under another data-parallel size, ZeRO
@@ -799,14 +800,16 @@ class DataParallel:
         if self.pager is not None:
             self.pager.page_in_all()
         try:
-            checkpoint.save(path, self, layouts or self.checkpoint_layouts(), info)
+            checkpoint.save(path, self, layouts or self.checkpoint_layouts(), info, buffers)
         finally:
             if self.pager is not None:
                 self.pager.page_out_all()
 
-    def load_checkpoint(self, path: str, layouts: Mapping[str, Any] | None = None) -> dict:
+    def load_checkpoint(self, path: str, layouts: Mapping[str, Any] | None = None,
+                        buffers: Sequence[tuple[Any, torch.Tensor]] = ()) -> dict:
         """Load what :meth:`save_checkpoint` wrote (collective; between steps), refresh the
-        compute parameters, and return the checkpoint's JSON sidecar."""
+        compute parameters, and return the checkpoint's JSON sidecar (``"absent_buffers"``:
+        those of ``buffers`` it does not hold)."""
         from autopar.runtime import checkpoint
 
         sidecar = checkpoint.read_sidecar(path)
@@ -821,7 +824,8 @@ class DataParallel:
         if self.pager is not None:
             self.pager.page_in_all()
         try:
-            checkpoint.load(path, self, layouts or self.checkpoint_layouts(), sidecar)
+            sidecar = {**sidecar, "absent_buffers": checkpoint.load(
+                path, self, layouts or self.checkpoint_layouts(), sidecar, buffers)}
         finally:
             if self.pager is not None:
                 self.pager.page_out_all()

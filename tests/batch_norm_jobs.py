@@ -143,3 +143,26 @@ def train(configs: list[dict]) -> list[dict | None]:
         out.append(dict(losses=losses, eval=evaluated, eval_again=evaluated_again,
                         state=state if pm.mesh.rank == 0 else None, spread=spread))
     return out
+
+
+def resume(args) -> dict:
+    """Train one step under plan ``a``, save, load under plan ``b`` (a fresh model) and train
+    the second step there: the final state and the evaluation of the first batch (the running
+    statistics must come back with the weights)."""
+    path, a, b = args
+    data = batches()
+    out = {}
+    for step, pins in ((0, a), (1, b)):
+        pm = autopar.parallelize(build(), example_inputs=data[0][0], example_targets=data[0][1],
+                                 seed=SEED, loss_fn=loss_fn, plan=dict(pins),
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=LR, eps=EPS))
+        if step:
+            pm.load(path)
+        out.setdefault("losses", []).append(pm.train_step(*data[step]))
+        if not step:
+            pm.save(path)
+        else:
+            out["eval"] = pm.eval_step(*data[0])
+            out["state"] = pm.state_dict()
+        pm.close()
+    return out

@@ -168,3 +168,23 @@ def test_sync_batch_norm_is_refused_with_the_way_out():
     with pytest.raises(InvalidInputError, match="SyncBatchNorm is not supported") as err:
         autopar.capture(model, (inputs,), jobs.loss_fn, example_targets=(labels,))
     assert "convert_sync_batchnorm" in err.value.fix
+
+
+@pytest.mark.distributed
+def test_running_statistics_are_checkpointed(shared_pool2, tmp_path):
+    """A checkpoint holds the running statistics with the weights: saved at dp 2 after one
+    step, loaded at pp 2 (two micro-batches, the same rows per micro-batch), the second step and
+    the evaluation are one process's. Until 2026-12-08 a checkpoint held no buffers: a resumed
+    BatchNorm evaluated with its initial statistics."""
+    want = jobs.reference(2)
+    path = str(tmp_path / "ckpt")
+    got = shared_pool2.run(jobs.resume, (path, {"dp": 2, "recompute": "none"},
+                                         {"dp": 1, "pp": 2, "num_micro_batches": 2}),
+                           timeout_s=600)[0]
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
+    for key, value in want["state"].items():
+        if key.endswith("num_batches_tracked"):
+            assert int(got["state"][key]) == int(value), key
+        else:
+            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-5, msg=key)
