@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.fx
 
 from autopar.errors import VerificationError
-from autopar.ir import META_KEY, SEQ, TensorSpec, info
+from autopar.ir import META_KEY, SEQ, NodeKind, TensorSpec, info
 from autopar.passes.loss_reduction import scaled_step
 from autopar.runtime.loss_scale import LossScale
 from autopar.runtime.rng import DropoutRNG
@@ -345,6 +345,8 @@ class _Reference(torch.fx.Interpreter):
         #: this micro-batch: stochastic depth's draws (``tp.draw_random``), which the program
         #: makes in evaluation too, drawn alike.
         self.draws = draws
+        #: The node running updates a buffer in place (BatchNorm's counter): on a copy here.
+        self.writes_buffer = False
         self.kept: dict[str, torch.Tensor] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -355,6 +357,9 @@ class _Reference(torch.fx.Interpreter):
             out = self.draws.draw_random(*args, op=n.target.name(), site=n.name,
                                          batch_dim=batch_dim_of(info(n).spec), **kwargs)
         else:
+            first = n.args[0] if n.op == "call_function" and n.args else None
+            self.writes_buffer = isinstance(first, torch.fx.Node) and first.op == "placeholder" \
+                and info(first).kind is NodeKind.BUFFER
             out = super().run_node(n)
         if n.name in self.keep:
             self.kept[n.name] = out.detach()
@@ -370,8 +375,8 @@ class _Reference(torch.fx.Interpreter):
 
             args = (args[0], *affine_as_statistics(args[1], args[2], args[3]), *args[3:5], False,
                     *args[6:])
-        elif isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable \
-                and args and isinstance(args[0], torch.Tensor):
+        elif self.writes_buffer and isinstance(target, torch._ops.OpOverload) \
+                and target._schema.is_mutable:
             args = (args[0].clone(), *args[1:])
         if target in (aten.dropout.default, aten.feature_dropout.default):
             return args[0]
