@@ -23,7 +23,7 @@ data-parallel rank and the micro-batch index); the step counter comes from the t
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -63,6 +63,27 @@ class DropoutRNG:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed & ((1 << 63) - 1))
         return gen
+
+    def draw_per_sample(self, out: torch.Tensor, site: str, batch_dim: int | None,
+                        draw: Callable[[torch.Tensor, torch.Generator, int, int | None], Any]
+                        ) -> None:
+        """Fill ``out`` sample by sample: ``draw(part, generator, start, length)`` for each
+        sample's ``part`` along ``batch_dim`` (elements ``[start, start + length)``), the
+        generator seeded by (seed, step, site, global row) as :meth:`keep_mask` seeds it; one
+        call for the whole tensor (``length`` None) where it has no batch dim."""
+        with torch.no_grad():
+            if batch_dim is None or out.dim() == 0:
+                first = self.rows[0] if self.rows is not None else 0
+                draw(out, self._generator(out.device, site, "all", first), 0, None)
+                return
+            n = out.shape[batch_dim]
+            first, count = self.rows if self.rows is not None else (0, n)
+            if count <= 0 or n % count:
+                first, count = 0, n  # not laid out by samples: one row per slab
+            per = n // count
+            for i in range(count):
+                draw(out.narrow(batch_dim, i * per, per),
+                     self._generator(out.device, site, first + i), i * per, per)
 
     def keep_mask(self, site: str, full_shape: Sequence[int], batch_dim: int | None, p: float,
                   device: torch.device) -> torch.Tensor:

@@ -470,32 +470,15 @@ class TPGroup:
         elif name == "bernoulli":  # out-of-place: args[0] holds the probabilities (or p given)
             probs = args[0] if len(args) < 2 else torch.full_like(args[0], float(args[1]))
             out = torch.empty_like(args[0])
-            self._per_sample(out, site, batch_dim,
+            self.rng.draw_per_sample(out, site, batch_dim,
                              lambda t, g, a, b: torch.bernoulli(_along(probs, batch_dim, a, b),
                                                                 generator=g, out=t))
             return out
         else:  # an in-place fill of args[0]
             out, fill, rest = args[0], name, tuple(args[1:])
-        self._per_sample(out, site, batch_dim,
+        self.rng.draw_per_sample(out, site, batch_dim,
                          lambda t, g, a, b: getattr(t, fill)(*rest, generator=g))
         return out
-
-    def _per_sample(self, out: torch.Tensor, site: str, batch_dim: int | None,
-                    draw: Any) -> None:
-        rng = self.rng
-        with torch.no_grad():
-            if batch_dim is None or out.dim() == 0:
-                first = rng.rows[0] if rng.rows is not None else 0
-                draw(out, rng._generator(out.device, site, "all", first), 0, None)
-                return
-            n = out.shape[batch_dim]
-            first, count = rng.rows if rng.rows is not None else (0, n)
-            if count <= 0 or n % count:
-                first, count = 0, n
-            per = n // count
-            for i in range(count):
-                draw(out.narrow(batch_dim, i * per, per), rng._generator(out.device, site, first + i),
-                     i * per, per)
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
