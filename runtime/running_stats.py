@@ -44,8 +44,8 @@ import torch.fx
 
 from autopar.runtime.comm import collective
 
-__all__ = ["batch_norm", "update_buffer", "affine_as_statistics", "replaying", "is_replaying", "RunningStats",
-           "Statistic", "running_statistics"]
+__all__ = ["batch_norm", "update_buffer", "affine_as_statistics", "replaying", "is_replaying",
+           "RunningStats", "Statistic", "running_statistics"]
 
 #: True while a checkpointed region runs its forward again in the backward.
 _REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_replaying",
@@ -115,7 +115,8 @@ def affine_as_statistics(weight: torch.Tensor | None, bias: torch.Tensor | None,
 
 @torch.fx.node.has_side_effect  # kept by dead-code elimination, though nothing reads its result
 @torch.compiler.disable
-def update_buffer(tp: Any, buffer: torch.Tensor, *args: Any, op: str, **kwargs: Any) -> torch.Tensor:
+def update_buffer(tp: Any, buffer: torch.Tensor, *args: Any, op: str,
+                  **kwargs: Any) -> torch.Tensor:
     """An in-place ATen op ``op`` (``"aten::add_.Tensor"``) on a buffer: run in a training
     forward, once (not in evaluation, not in a recompute)."""
     if not tp.rng.training or is_replaying():

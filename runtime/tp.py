@@ -450,7 +450,7 @@ class TPGroup:
         return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
 
     def draw_random(self, *args: Any, op: str, site: str, batch_dim: int | None = None,
-               **kwargs: Any) -> torch.Tensor:
+                    **kwargs: Any) -> torch.Tensor:
         """A random op of the captured graph (``rand``, ``randn``, their ``_like`` forms,
         ``bernoulli``, ``bernoulli_``, ``uniform_``, ``normal_``: stochastic depth's draws)
         drawn per sample as dropout's masks are: sample ``g``'s slice along ``batch_dim`` from a
@@ -470,14 +470,15 @@ class TPGroup:
         elif name == "bernoulli":  # out-of-place: args[0] holds the probabilities (or p given)
             probs = args[0] if len(args) < 2 else torch.full_like(args[0], float(args[1]))
             out = torch.empty_like(args[0])
-            self.rng.draw_per_sample(out, site, batch_dim,
-                             lambda t, g, a, b: torch.bernoulli(_along(probs, batch_dim, a, b),
-                                                                generator=g, out=t))
+            self.rng.draw_per_sample(
+                out, site, batch_dim,
+                lambda t, g, a, b: torch.bernoulli(_along(probs, batch_dim, a, b), generator=g,
+                                                   out=t))
             return out
         else:  # an in-place fill of args[0]
             out, fill, rest = args[0], name, tuple(args[1:])
         self.rng.draw_per_sample(out, site, batch_dim,
-                         lambda t, g, a, b: getattr(t, fill)(*rest, generator=g))
+                                 lambda t, g, a, b: getattr(t, fill)(*rest, generator=g))
         return out
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -583,7 +584,7 @@ def feature_dropout(tp: TPGroup, x: torch.Tensor, p: float, train: bool = True, 
 
 
 def draw_random(tp: TPGroup, *args: Any, op: str, site: str, batch_dim: int | None = None,
-           **kwargs: Any) -> torch.Tensor:
+                **kwargs: Any) -> torch.Tensor:
     return tp.draw_random(*args, op=op, site=site, batch_dim=batch_dim, **kwargs)
 
 
