@@ -99,7 +99,7 @@ def test_planned_model_states_are_what_the_runtime_holds(shared_pool2):
 
     Independently of the planner, ZeRO's accounting: the dp ranks together hold 12 bytes of
     master weights and Adam moments per trainable parameter and none for a frozen one (until
-    2026-12-08 each frozen weight kept a 4-byte fp32 master under mixed precision: 20 kB more
+    2026-12-08 each frozen weight kept a 4-byte fp32 master under mixed precision: 44 kB more
     here), up to the shards' padding and the step counters."""
     measured = shared_pool2.run(jobs.state_bytes, MEMORY_CONFIGS, timeout_s=600)
     data = jobs.batches(1)
