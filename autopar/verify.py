@@ -42,8 +42,10 @@ import torch.fx
 from autopar.errors import VerificationError
 from autopar.ir import META_KEY, SEQ, NodeKind, TensorSpec, info
 from autopar.passes.loss_reduction import scaled_step
+from autopar.passes.tp_transform import batch_dim_of, draws_per_sample
 from autopar.runtime.loss_scale import LossScale
 from autopar.runtime.rng import DropoutRNG
+from autopar.runtime.running_stats import affine_as_statistics
 from autopar.runtime.tp import TPGroup
 
 __all__ = ["verify", "VerificationReport", "LayerCheck", "DEFAULT_TOLERANCE",
@@ -350,8 +352,6 @@ class _Reference(torch.fx.Interpreter):
         self.kept: dict[str, torch.Tensor] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        from autopar.passes.tp_transform import batch_dim_of, draws_per_sample
-
         if self.draws is not None and draws_per_sample(n):  # the program's own draws
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             out = self.draws.draw_random(*args, op=n.target.name(), site=n.name,
@@ -371,8 +371,6 @@ class _Reference(torch.fx.Interpreter):
         # evaluation, as the program's forward runs (eval_step): batch norms by their running
         # statistics, buffers updated in place (their counters) left alone: the op on a copy
         if target is aten.batch_norm.default and len(args) > 5:
-            from autopar.runtime.running_stats import affine_as_statistics
-
             args = (args[0], *affine_as_statistics(args[1], args[2], args[3]), *args[3:5], False,
                     *args[6:])
         elif self.writes_buffer and isinstance(target, torch._ops.OpOverload) \
