@@ -40,7 +40,7 @@ from torch.fx.passes.split_module import split_module
 
 from autopar.ir import has_info, info, op_name
 from autopar.runtime.rng import TORCH_RANDOM_OPS
-from autopar.runtime.running_stats import replaying
+from autopar.runtime.running_stats import eager_in_compiled_code, replaying
 
 __all__ = ["recompute_per_layer", "layer_regions", "checkpointed", "recompute_region"]
 
@@ -154,8 +154,8 @@ def layer_regions(gm: torch.fx.GraphModule, *, checkpoint: frozenset[str] = froz
             continue
         region = getattr(split, node.target)
         if compile_backend is not None:
-            setattr(split, node.target, torch.compile(region, backend=compile_backend,
-                                                      dynamic=False))
+            setattr(split, node.target, torch.compile(eager_in_compiled_code(region),
+                                                      backend=compile_backend, dynamic=False))
         if not wrapped[index]:
             continue
         global_rng = draws_global_rng(region)

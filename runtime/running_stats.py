@@ -45,7 +45,7 @@ import torch.fx
 from autopar.runtime.comm import collective
 
 __all__ = ["batch_norm", "update_buffer", "affine_as_statistics", "replaying", "is_replaying",
-           "RunningStats", "Statistic", "running_statistics"]
+           "RunningStats", "Statistic", "running_statistics", "eager_in_compiled_code"]
 
 #: True while a checkpointed region runs its forward again in the backward.
 _REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_replaying",
@@ -75,10 +75,6 @@ def replaying(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-# Run eagerly inside a compiled region (a graph break): what they do depends on the evaluation
-# flag and on being a recompute, which a compiled graph would fix at its first trace, and their
-# updates through ``.data`` must stay invisible to autograd.
-@torch.compiler.disable
 def batch_norm(tp: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                training: bool, momentum: float, eps: float,
@@ -114,7 +110,6 @@ def affine_as_statistics(weight: torch.Tensor | None, bias: torch.Tensor | None,
 
 
 @torch.fx.node.has_side_effect  # kept by dead-code elimination, though nothing reads its result
-@torch.compiler.disable
 def update_buffer(tp: Any, buffer: torch.Tensor, *args: Any, op: str,
                   **kwargs: Any) -> torch.Tensor:
     """An in-place ATen op ``op`` (``"aten::add_.Tensor"``) on a buffer: run in a training
@@ -124,6 +119,28 @@ def update_buffer(tp: Any, buffer: torch.Tensor, *args: Any, op: str,
     return _overload(op)(buffer.data, *args, **kwargs)
 
 
+def eager_in_compiled_code(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm``, about to go through ``torch.compile``, with its :func:`batch_norm` and
+    :func:`update_buffer` calls run eagerly (a graph break each): what they do depends on the
+    evaluation flag and on being a recompute, which a compiled graph would fix at its first
+    trace, and their updates through ``.data`` must stay invisible to autograd. (Wrapped here,
+    not where they are defined: ``torch.compiler.disable`` imports torch._dynamo, half a second
+    of every CLI start.)"""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (batch_norm, update_buffer):
+            eager = _EAGER.get(node.target)
+            if eager is None:
+                eager = torch.fx.node.has_side_effect(torch.compiler.disable(node.target))
+                _EAGER[node.target] = eager
+            node.target = eager
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+_EAGER: dict[Any, Any] = {}
 _OVERLOADS: dict[str, Any] = {}
 
 

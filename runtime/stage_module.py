@@ -16,6 +16,7 @@ import torch.nn as nn
 from autopar.errors import InvalidInputError
 from autopar.runtime.layer_recompute import layer_regions
 from autopar.runtime.layer_units import instrument_layers
+from autopar.runtime.running_stats import eager_in_compiled_code
 
 __all__ = ["StageCut", "StageProgram", "StageModule", "split_microbatches", "bind_sizes",
            "module_attribute", "placeholder_kind", "stage_params", "in_order_of_use"]
@@ -151,7 +152,8 @@ class StageModule(nn.Module):
                                         compile_backend=compile_backend)
             self.recomputes_layers = runs > 0
         if compile_backend is not None and graph is not None and graph is whole:
-            graph = torch.compile(graph, backend=compile_backend, dynamic=False)
+            graph = torch.compile(eager_in_compiled_code(graph), backend=compile_backend,
+                                  dynamic=False)
         object.__setattr__(self, "_graph", graph)  # not a submodule: no params
 
     def forward(self, *args: Any) -> Any:

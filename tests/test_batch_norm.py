@@ -36,6 +36,9 @@ CONFIGS = [
     # bf16: fp32 pixels cast to bf16 as FSDP's cast_forward_inputs does (a bf16 convolution of
     # fp32 pixels failed), the norms' bf16 weights cast up to their fp32 statistics
     {"dp": 2, "recompute": "full", "mixed_precision": True},
+    # compiled blocks (AOT autograd): the norms run outside the compiled graphs, which would
+    # otherwise fix evaluation and recompute at their first trace
+    {"dp": 2, "recompute": "full", "compile": "aot_eager"},
 ]
 
 
